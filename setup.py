@@ -1,0 +1,27 @@
+"""Chimera for Megatron: bidirectional pipeline schedules for megatron-core GPT pretraining.
+
+``megatron`` is a namespace package shared with megatron-core's wheel: this project's
+``megatron/`` has no ``__init__.py``, or it would hide ``megatron.core``.
+"""
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="chimera-megatron",
+    version="0.1.0",
+    description="Chimera bidirectional pipeline parallelism for Megatron GPT pretraining",
+    python_requires=">=3.10",
+    packages=["chimera_schedules"] + find_namespace_packages(include=["megatron.*"], exclude=["megatron.core*"]),
+    install_requires=[
+        # The CPU install path pins torch==2.13.0 on the pip command line (see README): an unpinned
+        # torch resolves to a multi-GB CUDA build.
+        "torch",
+        "megatron-core==0.16.1",
+        "sentencepiece",
+        "matplotlib",  # PNG timelines and benchmark plots
+        "ortools",  # CP-SAT behind --order best
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "gpu": ["transformer-engine", "apex"],
+    },
+)
