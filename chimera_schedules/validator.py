@@ -1,0 +1,111 @@
+"""Is a schedule runnable and complete? Checked before any process runs it.
+
+Rules, in the order they are checked (the first violation is reported with its worker and action):
+1. shape: one action list per worker, a placement covering every (pipeline, stage), actions within
+   range;
+2. placement: each action runs on the worker that holds its (pipeline, stage);
+3. no duplicated action;
+4. each micro-batch belongs to exactly one pipeline;
+5. completeness: every (pipeline, stage, micro-batch) has one forward and one backward (a B, or an
+   I and a W);
+6. local order: a backward after its forward, W after its I, a gradient reduction after the last
+   backward of its stage copy;
+7. no deadlock: replaying every worker's list in order (sends never block) finishes; otherwise the
+   cross-worker wait-for cycle is named.
+"""
+from __future__ import annotations
+
+from .errors import InvalidSchedule
+from .ir import COMPUTE_OPS, Op, Schedule
+from .simulator import CostModel, replay
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise InvalidSchedule on the first violated rule; return None for a valid schedule."""
+    _check_shape(schedule)
+    pipeline_of = _check_actions(schedule)
+    _check_complete(schedule, pipeline_of)
+    _check_local_order(schedule)
+    replay(schedule, CostModel(1.0, 1.0))
+
+
+def _check_shape(s: Schedule) -> None:
+    if s.stages < 1 or s.microbatches < 1 or s.chunks < 1:
+        raise InvalidSchedule(f"stages, microbatches and chunks must be positive "
+                              f"(got {s.stages}, {s.microbatches}, {s.chunks})")
+    if s.num_workers != s.stages:
+        raise InvalidSchedule(f"{s.num_workers} worker lists for {s.stages} stages: need one per worker")
+    for p, row in enumerate(s.placement):
+        if len(row) != s.stages_per_pipeline:
+            raise InvalidSchedule(f"placement of pipeline {p} has {len(row)} stages, "
+                                  f"expected {s.stages_per_pipeline}")
+        for stage, w in enumerate(row):
+            if not 0 <= w < s.num_workers:
+                raise InvalidSchedule(f"pipeline {p} stage {stage} is placed on no worker ({w})")
+
+
+def _check_actions(s: Schedule) -> dict[int, int]:
+    seen: set = set()
+    pipeline_of: dict[int, int] = {}
+    for w, actions in enumerate(s.workers):
+        for a in actions:
+            if not (0 <= a.pipeline < s.pipelines and 0 <= a.stage < s.stages_per_pipeline):
+                raise InvalidSchedule(f"no pipeline {a.pipeline} stage {a.stage} in this schedule", w, a)
+            if a.op is Op.REDUCE_GRADS:
+                if a.mb != -1:
+                    raise InvalidSchedule("a gradient reduction names no micro-batch", w, a)
+            elif not 0 <= a.mb < s.microbatches:
+                raise InvalidSchedule(f"micro-batch {a.mb} out of range 0..{s.microbatches - 1}", w, a)
+            holder = s.placement[a.pipeline][a.stage]
+            if holder != w:
+                raise InvalidSchedule(f"wrong worker: pipeline {a.pipeline} stage {a.stage} is held by "
+                                      f"worker {holder}", w, a)
+            if a in seen:
+                raise InvalidSchedule("duplicated action", w, a)
+            seen.add(a)
+            if a.op is not Op.REDUCE_GRADS:
+                if pipeline_of.setdefault(a.mb, a.pipeline) != a.pipeline:
+                    raise InvalidSchedule(f"micro-batch {a.mb} already runs in pipeline "
+                                          f"{pipeline_of[a.mb]}: a micro-batch belongs to one pipeline", w, a)
+    return pipeline_of
+
+
+def _check_complete(s: Schedule, pipeline_of: dict[int, int]) -> None:
+    present = {(a.op, a.mb, a.pipeline, a.stage) for actions in s.workers for a in actions}
+    for m in range(s.microbatches):
+        if m not in pipeline_of:
+            raise InvalidSchedule(f"dropped action: micro-batch {m} is never run")
+        p = pipeline_of[m]
+        for stage in range(s.stages_per_pipeline):
+            w = s.placement[p][stage]
+            where = f"F{m}p{p}s{stage}"
+            if (Op.FORWARD, m, p, stage) not in present:
+                raise InvalidSchedule(f"dropped action: no forward {where}", w)
+            has_b = (Op.BACKWARD, m, p, stage) in present
+            has_i = (Op.BACKWARD_INPUT, m, p, stage) in present
+            has_w = (Op.BACKWARD_WEIGHT, m, p, stage) in present
+            if has_b and (has_i or has_w):
+                raise InvalidSchedule(f"micro-batch {m} pipeline {p} stage {stage} has both B and I/W", w)
+            if not has_b and not (has_i and has_w):
+                raise InvalidSchedule(f"dropped action: no backward B{m}p{p}s{stage}", w)
+
+
+def _check_local_order(s: Schedule) -> None:
+    for w, actions in enumerate(s.workers):
+        done: set = set()
+        pending_grads = {}
+        for a in actions:
+            if a.op in COMPUTE_OPS:
+                pending_grads[(a.pipeline, a.stage)] = pending_grads.get((a.pipeline, a.stage), 0) + (
+                    1 if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) else 0)
+        for a in actions:
+            key = (a.mb, a.pipeline, a.stage)
+            if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and (Op.FORWARD, *key) not in done:
+                raise InvalidSchedule("backward before its forward", w, a)
+            if a.op is Op.BACKWARD_WEIGHT and (Op.BACKWARD_INPUT, *key) not in done:
+                raise InvalidSchedule("weight-gradient pass before its input-gradient pass", w, a)
+            if a.op is Op.REDUCE_GRADS and pending_grads.get((a.pipeline, a.stage), 0):
+                raise InvalidSchedule("gradient reduction before the last backward of its stage copy", w, a)
+            if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                pending_grads[(a.pipeline, a.stage)] -= 1
+            done.add((a.op, *key))
