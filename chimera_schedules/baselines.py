@@ -1,0 +1,81 @@
+"""The schedules Chimera is measured against: GPipe, 1F1B (DAPPLE / PipeDream-Flush) and Megatron's
+interleaved 1F1B. One pipeline; worker w holds model stages w, w+D, w+2D, ... (v chunks)."""
+from __future__ import annotations
+
+from .errors import require
+from .ir import Action, B, F, Schedule, with_grad_sync
+
+
+def _single_pipeline(name: str, stages: int, microbatches: int, orders: list[list[Action]],
+                     chunks: int = 1) -> Schedule:
+    placement = (tuple(s % stages for s in range(stages * chunks)),)
+    return with_grad_sync(Schedule(name, stages, microbatches, placement,
+                                   tuple(tuple(o) for o in orders), chunks=chunks))
+
+
+def _check_common(stages: int, microbatches: int) -> None:
+    require(stages >= 1, "--stages", stages, "must be at least 1")
+    require(microbatches >= 1, "--microbatches", microbatches, "must be at least 1")
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards in the same (FIFO) order, as in the paper's Figure 1."""
+    _check_common(stages, microbatches)
+    orders = [[F(m, 0, w) for m in range(microbatches)] + [B(m, 0, w) for m in range(microbatches)]
+              for w in range(stages)]
+    return _single_pipeline("gpipe", stages, microbatches, orders)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """Worker w runs D-1-w warm-up forwards, then alternates one forward and one backward, then
+    drains: at most D-w micro-batches alive."""
+    _check_common(stages, microbatches)
+    orders = []
+    for w in range(stages):
+        warmup = min(stages - 1 - w, microbatches)
+        order = [F(m, 0, w) for m in range(warmup)]
+        for i in range(microbatches - warmup):
+            order += [F(warmup + i, 0, w), B(i, 0, w)]
+        order += [B(m, 0, w) for m in range(microbatches - warmup, microbatches)]
+        orders.append(order)
+    return _single_pipeline("1f1b", stages, microbatches, orders)
+
+
+def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
+    """Megatron's interleaved 1F1B: the k-th forward of a worker runs chunk (k // D) % v on micro-batch
+    (k // (D v)) D + k % D; backwards walk the chunks in reverse. Warm-up: 2 (D-1-w) + (v-1) D."""
+    _check_common(stages, microbatches)
+    require(chunks >= 1, "--chunks", chunks, "must be at least 1")
+    require(microbatches % stages == 0, "--microbatches", microbatches,
+            f"interleaved 1F1B needs a multiple of --stages ({stages})")
+    total = microbatches * chunks
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // stages) % chunks
+        if backward:
+            chunk = chunks - 1 - chunk
+        return chunk, (k // (stages * chunks)) * stages + k % stages
+
+    orders = []
+    for w in range(stages):
+        if chunks == 1:
+            warmup = min(stages - 1 - w, total)
+        elif microbatches == stages:  # as Megatron: no steady state, everything is warm-up
+            warmup = total
+        else:
+            warmup = min(2 * (stages - 1 - w) + (chunks - 1) * stages, total)
+
+        def fwd(k):
+            c, m = unit(k, False)
+            return F(m, 0, c * stages + w)
+
+        def bwd(k):
+            c, m = unit(k, True)
+            return B(m, 0, c * stages + w)
+
+        order = [fwd(k) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [fwd(warmup + i), bwd(i)]
+        order += [bwd(k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return _single_pipeline("interleaved", stages, microbatches, orders, chunks=chunks)
