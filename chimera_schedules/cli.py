@@ -1,0 +1,160 @@
+"""``python -m chimera_schedules``: see, check and cost a pipeline schedule before running it.
+
+Every command takes the same schedule options (or ``--file`` with a schedule in the JSON form), so
+``export``, ``stats`` and ``show`` always describe the same schedule. Exit codes: 0 ok, 1 invalid
+schedule, 2 bad options or input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .build import ORDERS, SCHEDULES, build
+from .chimera import CONCATS
+from .errors import InvalidSchedule, ScheduleConfigError
+from .ir import Schedule
+from .render import ascii_timeline, write_picture
+from .simulator import CostModel, simulate
+from .validator import validate
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _options() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    g = common.add_argument_group("schedule")
+    g.add_argument("--schedule", default="chimera", help=f"one of {', '.join(SCHEDULES)} (default chimera)")
+    g.add_argument("--stages", "-D", type=int, default=4, help="pipeline depth D = number of workers")
+    g.add_argument("--microbatches", "-N", type=int, help="micro-batches per iteration (default D)")
+    g.add_argument("--chunks", type=int, help="model chunks per worker (interleaved; default 2)")
+    g.add_argument("--pipelines", type=int, help="Chimera pipelines, an even number (default 2)")
+    g.add_argument("--concat", help=f"Chimera for N > D: one of {', '.join(CONCATS)} (default direct)")
+    g.add_argument("--order", help=f"Chimera order: one of {', '.join(ORDERS)} (default paper)")
+    g.add_argument("--file", help="read the schedule from this JSON file instead of generating it")
+    c = common.add_argument_group("costs (time units are arbitrary; bytes and bytes per unit)")
+    c.add_argument("--forward-time", type=float, default=1.0, help="forward of one stage (default 1)")
+    c.add_argument("--backward-time", type=float, default=2.0, help="backward of one stage (default 2)")
+    c.add_argument("--p2p-latency", type=float, default=0.0)
+    c.add_argument("--p2p-bandwidth", type=float, default=float("inf"))
+    c.add_argument("--activation-bytes", type=float, default=0.0, help="bytes sent between stages per micro-batch")
+    c.add_argument("--allreduce-latency", type=float, default=0.0, help="alpha of the all-reduce model")
+    c.add_argument("--allreduce-bandwidth", type=float, default=float("inf"), help="1 / beta")
+    c.add_argument("--grad-bytes", type=float, default=0.0, help="gradient bytes of one stage")
+    c.add_argument("--data-parallel", type=int, default=1, help="data-parallel width W")
+
+    parser = _Parser(prog="python -m chimera_schedules", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    show = sub.add_parser("show", parents=[common], help="ASCII timeline, or a picture with --out")
+    show.add_argument("--out", help="write FILE.png, FILE.svg or FILE.json (Perfetto trace) instead")
+    stats = sub.add_parser("stats", parents=[common], help="makespan, bubbles, memory per worker")
+    stats.add_argument("--json", action="store_true")
+    export = sub.add_parser("export", parents=[common], help="the schedule in its JSON form")
+    export.add_argument("--out", help="write to this file instead of standard output")
+    check = sub.add_parser("validate", parents=[common], help="exit 1 with the reason if invalid")
+    check.add_argument("path", nargs="?", metavar="FILE", help="a schedule JSON file (else the options')")
+    compare = sub.add_parser("compare", parents=[common], help="every schedule side by side for D and N")
+    compare.add_argument("--json", action="store_true")
+    return parser
+
+
+def _costs(args) -> CostModel:
+    return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
+                     args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
+                     args.grad_bytes, args.data_parallel)
+
+
+def _load(path: str, option: str) -> Schedule:
+    try:
+        with open(path) as f:
+            return Schedule.loads(f.read())
+    except OSError as e:
+        raise ScheduleConfigError(option, path, f"cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise ScheduleConfigError(option, path, f"not a schedule: {e}") from None
+
+
+def _schedule(args) -> Schedule:
+    path = getattr(args, "path", None) or args.file
+    if path:
+        schedule = _load(path, "FILE" if getattr(args, "path", None) else "--file")
+        validate(schedule)
+        return schedule
+    return build(args.schedule, args.stages, args.microbatches or args.stages, chunks=args.chunks,
+                 pipelines=args.pipelines, concat=args.concat, order=args.order, costs=_costs(args))
+
+
+def _compare(args) -> list[dict]:
+    """gpipe, 1f1b, interleaved, and every Chimera variant the sizes allow."""
+    d, n, costs = args.stages, args.microbatches or args.stages, _costs(args)
+    variants = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": args.chunks or 2})]
+    variants += [("chimera", {"concat": c}) for c in CONCATS] + [("chimera", {"order": "best"})]
+    rows = []
+    for name, extra in variants:
+        try:
+            schedule = build(name, d, n, costs=costs, **extra)
+        except ScheduleConfigError as e:
+            rows.append({"schedule": name + _suffix(extra), "skipped": str(e)})
+            continue
+        row = simulate(schedule, costs).stats()
+        row["schedule"] = name + _suffix(extra)
+        rows.append(row)
+    return rows
+
+
+def _suffix(extra: dict) -> str:
+    return "".join(f" {v}" if k != "chunks" else f" v={v}" for k, v in extra.items())
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'schedule':<22}{'makespan':>9}{'bubble':>8}  {'peak activations (M_a)':<28}weights (M_theta)"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['schedule']:<22}  skipped: {r['skipped']}")
+        else:
+            lines.append(f"{r['schedule']:<22}{r['makespan']:>9}{r['bubble_ratio']:>8.3f}  "
+                         f"{str(r['peak_activations']):<28}{r['weight_units']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _options().parse_args(argv)
+    try:
+        if args.command == "compare":
+            rows = _compare(args)
+            print(json.dumps(rows, indent=1) if args.json else _table(rows))
+            return 0
+        schedule = _schedule(args)
+        if args.command == "validate":
+            print(f"valid: {schedule.name}, {schedule.num_workers} workers, "
+                  f"{sum(map(len, schedule.workers))} actions")
+        elif args.command == "export":
+            text = schedule.dumps()
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(text + "\n")
+            else:
+                print(text)
+        elif args.command == "stats":
+            stats = simulate(schedule, _costs(args)).stats()
+            print(json.dumps(stats, indent=1) if args.json else _table([stats]))
+        else:
+            result = simulate(schedule, _costs(args))
+            if args.out:
+                write_picture(result, args.out)
+                print(f"wrote {args.out}")
+            else:
+                print(ascii_timeline(result))
+    except ScheduleConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except InvalidSchedule as e:
+        print(f"invalid schedule: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: --out={e.filename}: cannot write: {e.strerror}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,182 @@
+"""Pictures of a timeline: ASCII for the terminal, SVG/PNG like the paper's Figure 1, and a Chrome /
+Perfetto trace. They draw any ``SimResult`` (simulated) or an object with the same fields (measured
+timestamps), so predicted and measured runs look alike."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from html import escape
+
+from .errors import ScheduleConfigError
+from .ir import Op
+from .simulator import Event, SimResult
+
+# Pipeline colours: forward saturated, backward light, as in the paper (down blue, up orange-ish).
+_COLOURS = [("#2f6db5", "#a9c8ec"), ("#e07b39", "#f6c9a9"), ("#3a9a5b", "#b3e0c2"), ("#8a4fb0", "#d9c2ea"),
+            ("#b5473a", "#eab6ae"), ("#3a8f9a", "#b0dde3"), ("#9a8a3a", "#e3dcae"), ("#5a5a5a", "#cfcfcf")]
+
+
+def direction_mark(pipelines: int, pipeline: int) -> str:
+    """'v' / '^' for Chimera's down and up pipelines, the pipeline number beyond two, '' for one."""
+    if pipelines == 1:
+        return ""
+    if pipelines == 2:
+        return "v^"[pipeline]
+    return f"p{pipeline}"
+
+
+def label(result: SimResult, e: Event) -> str:
+    a = e.action
+    return f"{a.op.value}{a.mb}{direction_mark(result.schedule.pipelines, a.pipeline)}"
+
+
+def _title(result: SimResult) -> str:
+    s = result.schedule
+    return (f"{s.name}: D={s.stages} N={s.microbatches} P={s.pipelines}"
+            + (f" v={s.chunks}" if s.chunks > 1 else "")
+            + f" | makespan {result.makespan:g} | bubble ratio {result.bubble_ratio:.3f}")
+
+
+def ascii_timeline(result: SimResult) -> str:
+    """One row per worker; each time quantum is a fixed-width cell. Forwards are drawn as their label,
+    backwards as their label followed by '=', bubbles as '.'."""
+    durations = [e.end - e.start for e in result.events if e.end > e.start]
+    quantum = min(durations) if durations else 1.0
+    labels = {id(e): label(result, e) for e in result.events}
+    cell = max(map(len, labels.values()), default=2) + 1
+    width = int(math.ceil(result.makespan / quantum - 1e-9))
+    rows = []
+    for w in range(result.schedule.num_workers):
+        line = ["." * cell] * width
+        for e in (e for e in result.events if e.worker == w):
+            first = int(round(e.start / quantum))
+            span = max(1, int(round((e.end - e.start) / quantum)))
+            fill = "=" if e.action.op is not Op.FORWARD else " "
+            text = labels[id(e)].ljust(span * cell - 1, fill) + "|"
+            for k in range(span):
+                line[first + k] = text[k * cell:(k + 1) * cell]
+        rows.append(f"P{w:<3}|" + "".join(line))
+    ruler = "    |" + "".join(f"{k * quantum:<{cell}g}" if k % 5 == 0 else " " * cell for k in range(width))
+    stats = result.stats()
+    footer = (f"peak activations {stats['peak_activations']}  stage copies {stats['stage_copies']}  "
+              f"(label = op, micro-batch, direction; '=' continues a backward; '.' is a bubble)")
+    return "\n".join([_title(result), ruler, *rows, footer])
+
+
+@dataclass(frozen=True)
+class _Box:
+    x: float
+    y: float
+    w: float
+    h: float
+    fill: str
+    text: str
+
+
+def _boxes(result: SimResult) -> tuple[list[_Box], float, float]:
+    """Layout in time units (x) and rows (y): compute boxes per worker, reductions as a thin grey bar
+    under the row. Returns boxes, total width, total height."""
+    boxes = []
+    for e in result.events:
+        fwd, bwd = _COLOURS[e.action.pipeline % len(_COLOURS)]
+        fill = fwd if e.action.op is Op.FORWARD else bwd
+        boxes.append(_Box(e.start, e.worker, e.end - e.start, 0.8, fill, str(e.action.mb)))
+    for e in result.reductions:
+        if e.end > e.start:
+            boxes.append(_Box(e.start, e.worker + 0.82, e.end - e.start, 0.12, "#888888", ""))
+    return boxes, max(result.makespan, 1e-9), result.schedule.num_workers
+
+
+def svg_timeline(result: SimResult, px_per_unit: float | None = None) -> str:
+    boxes, width, rows = _boxes(result)
+    px = px_per_unit or max(8.0, min(40.0, 1200.0 / width))
+    left, top, row_h = 48, 40, 28
+    legend_y = top + rows * row_h + 12
+    W, H = left + width * px + 20, legend_y + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W:.0f}" height="{H:.0f}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="13">{escape(_title(result))}</text>']
+    for w in range(rows):
+        y = top + w * row_h
+        out.append(f'<text x="6" y="{y + row_h * 0.55:.1f}">P{w}</text>')
+        out.append(f'<rect x="{left}" y="{y:.1f}" width="{width * px:.1f}" height="{row_h * 0.8:.1f}" '
+                   f'fill="none" stroke="#dddddd" stroke-dasharray="3,3"/>')
+    for b in boxes:
+        x, y = left + b.x * px, top + b.y * row_h
+        out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{b.w * px:.1f}" height="{b.h * row_h:.1f}" '
+                   f'fill="{b.fill}" stroke="#333333" stroke-width="0.6"/>')
+        if b.text:
+            out.append(f'<text x="{x + b.w * px / 2:.1f}" y="{y + b.h * row_h * 0.65:.1f}" '
+                       f'text-anchor="middle">{escape(b.text)}</text>')
+    for i, (name, (fwd, bwd)) in enumerate(_legend(result)):
+        x = left + i * 190
+        out.append(f'<rect x="{x}" y="{legend_y}" width="14" height="12" fill="{fwd}" stroke="#333"/>')
+        out.append(f'<rect x="{x + 16}" y="{legend_y}" width="14" height="12" fill="{bwd}" stroke="#333"/>')
+        out.append(f'<text x="{x + 36}" y="{legend_y + 10}">{escape(name)} forward / backward</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _legend(result: SimResult) -> list[tuple[str, tuple[str, str]]]:
+    p = result.schedule.pipelines
+    names = ["down", "up"] if p == 2 else [f"pipeline {i}" for i in range(p)]
+    return [(names[i], _COLOURS[i % len(_COLOURS)]) for i in range(p)]
+
+
+def png_timeline(result: SimResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    boxes, width, rows = _boxes(result)
+    fig, ax = plt.subplots(figsize=(min(24, 3 + width * 0.35), 1.2 + rows * 0.45))
+    for b in boxes:
+        ax.add_patch(Rectangle((b.x, b.y), b.w, b.h, facecolor=b.fill, edgecolor="#333333", linewidth=0.6))
+        if b.text:
+            ax.text(b.x + b.w / 2, b.y + b.h / 2, b.text, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, width)
+    ax.set_ylim(rows, 0)
+    ax.set_yticks([w + 0.4 for w in range(rows)], [f"P{w}" for w in range(rows)])
+    ax.set_xlabel("time")
+    ax.set_title(_title(result), fontsize=10)
+    handles = [Patch(facecolor=c, edgecolor="#333333", label=f"{name} {kind}")
+               for name, (fwd, bwd) in _legend(result) for kind, c in (("forward", fwd), ("backward", bwd))]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def perfetto_trace(result: SimResult, us_per_unit: float = 1000.0) -> dict:
+    """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one thread per worker
+    for compute, one per worker for gradient reductions. One time unit = ``us_per_unit`` microseconds."""
+    events = []
+    for w in range(result.schedule.num_workers):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * w, "args": {"name": f"worker {w}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * w + 1,
+                       "args": {"name": f"worker {w} grad sync"}})
+    for kind, items, offset in (("compute", result.events, 0), ("sync", result.reductions, 1)):
+        for e in items:
+            a = e.action
+            events.append({"ph": "X", "name": str(a), "cat": kind, "pid": 0, "tid": 2 * e.worker + offset,
+                           "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit,
+                           "args": {"op": a.op.value, "mb": a.mb, "pipeline": a.pipeline, "stage": a.stage}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": _title(result)}}
+
+
+def write_picture(result: SimResult, path: str) -> None:
+    """Write by extension: .png, .svg, or .json (Perfetto trace)."""
+    if path.endswith(".png"):
+        png_timeline(result, path)
+    elif path.endswith(".svg"):
+        with open(path, "w") as f:
+            f.write(svg_timeline(result))
+    elif path.endswith(".json"):
+        with open(path, "w") as f:
+            json.dump(perfetto_trace(result), f)
+    else:
+        raise ScheduleConfigError("--out", path, "must end in .png, .svg or .json (Perfetto trace)")
