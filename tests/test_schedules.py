@@ -1,0 +1,107 @@
+"""The schedule library reproduces the paper's numbers and Megatron's, and every schedule it
+generates is valid."""
+import pytest
+
+from chimera_schedules import CostModel, build, simulate, validate
+from chimera_schedules.chimera import chimera
+from chimera_schedules.search import best_order
+
+UNIT = CostModel(forward=1, backward=1)
+PAPER = CostModel(forward=1, backward=2)
+GRID = [(d, n) for d in (2, 4, 6, 8, 16, 32) for n in (d, 2 * d, 4 * d)]
+
+
+@pytest.mark.parametrize("d,n", GRID)
+def test_bubble_ratios_at_unit_cost(d, n):
+    for name in ("gpipe", "1f1b"):
+        assert simulate(build(name, d, n), UNIT).bubble_ratio == pytest.approx((d - 1) / (n + d - 1))
+    result = simulate(build("chimera", d, n), UNIT)
+    assert result.bubble_ratio == pytest.approx((d - 2) / (2 * n + d - 2))
+    assert result.makespan == 2 * n + d - 2
+
+
+@pytest.mark.parametrize("d,n", GRID)
+def test_every_generated_schedule_is_valid(d, n):
+    variants = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("interleaved", {"chunks": 3}),
+                ("chimera", {"concat": "direct"}), ("chimera", {"concat": "halving"})]
+    if (n // d) % 2 == 0:
+        variants.append(("chimera", {"concat": "doubling"}))
+    variants += [("chimera", {"pipelines": p}) for p in (4, 8) if (d // 2) % (p // 2) == 0]
+    for name, extra in variants:
+        validate(build(name, d, n, **extra))  # build validates too; be explicit
+
+
+def test_figure_one_makespans():
+    assert simulate(build("gpipe", 4, 4), PAPER).makespan == 21
+    assert simulate(build("1f1b", 4, 4), PAPER).makespan == 21
+    assert simulate(build("chimera", 4, 4), PAPER).makespan == 16
+    assert simulate(build("chimera", 8, 8), PAPER).makespan == 36
+
+
+def test_direct_concatenation_makespans():
+    assert simulate(build("chimera", 4, 8), PAPER).makespan == 30
+    assert simulate(build("chimera", 4, 16), PAPER).makespan == 58
+
+
+@pytest.mark.parametrize("d", (2, 4, 6, 8, 16))
+@pytest.mark.parametrize("k", (2, 4))
+def test_forward_doubling_keeps_the_basic_bubble_ratio(d, k):
+    n = k * d
+    result = simulate(build("chimera", d, n, concat="doubling"), PAPER)
+    assert result.bubble_ratio == pytest.approx((d - 2) / (2 * n + d - 2))
+
+
+def test_halving_runs_twice_as_many_half_size_microbatches():
+    s = build("chimera", 4, 4, concat="halving")
+    assert (s.microbatches, s.microbatch_scale) == (8, 0.5)
+    result = simulate(s, PAPER)
+    assert max(result.peak_activations) == 4  # the basic unit's budget, not doubling's 8
+    assert sum(result.busy) == pytest.approx(4 * 4 * 3)  # same work as the basic unit
+
+
+@pytest.mark.parametrize("d,n,bound", [(4, 8, 28), (4, 16, 52), (8, 16, 60)])
+def test_best_order_beats_direct_concatenation_within_the_memory_budget(d, n, bound):
+    result = simulate(best_order(d, n, PAPER), PAPER)
+    assert result.makespan <= bound
+    assert max(result.peak_activations) <= d
+    validate(result.schedule)
+
+
+def test_best_order_keeps_the_paper_order_when_it_is_optimal():
+    assert simulate(build("chimera", 4, 4, order="best"), PAPER).makespan == 16
+
+
+def test_paper_order_for_four_stages():
+    table = {
+        0: "F0v F1v F2^ B2^ F3^ B3^ B0v B1v",
+        1: "F0v F2^ F1v F3^ B2^ B0v B3^ B1v",
+        2: "F2^ F0v F3^ F1v B0v B2^ B1v B3^",
+        3: "F2^ F3^ F0v B0v F1v B1v B2^ B3^",
+    }
+    s = build("chimera", 4, 4)
+    for w, expected in table.items():
+        got = " ".join(f"{a.op.value}{a.mb}{'v^'[a.pipeline]}" for a in s.compute(w))
+        assert got == expected
+    assert s.held(0) == [(0, 0), (1, 3)]
+
+
+def test_activation_peaks_and_weight_copies():
+    assert simulate(build("chimera", 4, 4)).peak_activations == [3, 4, 4, 3]
+    assert simulate(build("chimera", 8, 8)).peak_activations == [5, 6, 7, 8, 8, 7, 6, 5]
+    assert simulate(build("chimera", 8, 8)).stage_copies == [2] * 8
+    assert simulate(build("1f1b", 4, 8)).peak_activations == [4, 3, 2, 1]
+    assert simulate(build("gpipe", 4, 8)).peak_activations == [8] * 4
+
+
+def test_four_pipelines_leave_d_over_f_minus_two_bubbles():
+    result = simulate(chimera(8, 8, pipelines=4, costs=UNIT), UNIT)
+    assert result.idle == [8 // 2 - 2] * 8
+    assert result.stage_copies == [4] * 8
+
+
+@pytest.mark.parametrize("d,n,v", [(4, 8, 2), (4, 16, 4), (8, 16, 2), (8, 32, 3)])
+def test_interleaved_matches_megatrons_bubble_fraction(d, n, v):
+    result = simulate(build("interleaved", d, n, chunks=v), PAPER)
+    for busy, idle in zip(result.busy, result.idle):
+        assert idle / busy == pytest.approx((d - 1) / (v * n))
+    assert result.weight_units == [1] * d
