@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .errors import require
 from .ir import Action, B, F, Schedule, with_grad_sync
-from .listsched import Shape, deepest_first, list_schedule
+from .listsched import Shape, list_schedule
 from .simulator import CostModel
 
 CONCATS = ("direct", "doubling", "halving")
@@ -122,6 +122,6 @@ def chimera(stages: int, microbatches: int, pipelines: int = 2, concat: str = "d
                   for w in range(stages)]
     else:
         shape = Shape(stages, microbatches, place, mb_pipelines(microbatches, pipelines))
-        orders = list_schedule(shape, costs or CostModel(), deepest_first)
+        orders = list_schedule(shape, costs or CostModel())
     return with_grad_sync(Schedule(name, stages, microbatches, place, tuple(map(tuple, orders)),
                                    microbatch_scale=scale, meta={"concat": concat, "order": "paper"}))

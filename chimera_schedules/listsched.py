@@ -8,7 +8,6 @@ earlier makespan, and the validator checks them like any other.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,22 +44,13 @@ def deepest_first(a: Action, ready: float) -> tuple:
     return (a.op.value != "B", -a.stage, a.mb)
 
 
-def oldest_first(a: Action, ready: float) -> tuple:
-    """Whatever has waited longest; backward, then deeper stages win ties."""
-    return (ready, a.op.value != "B", -a.stage, a.mb)
-
-
-RULES: dict[str, Rule] = {"deepest_first": deepest_first, "oldest_first": oldest_first}
-
-
-def list_schedule(shape: Shape, costs: CostModel, rule: Rule, cap: float | None = None,
-                  rng: random.Random | None = None, name: str = "list") -> list[list[Action]] | None:
+def list_schedule(shape: Shape, costs: CostModel, rule: Rule = deepest_first,
+                  cap: float | None = None) -> list[list[Action]] | None:
     """Per-worker orders from a non-delay greedy simulation; None if the memory cap starves it.
 
     Each (pipeline, stage) keeps 1F1B's discipline: at most (stages - stage) of its micro-batches
-    alive. ``cap`` bounds a worker's total live activations (in M_a units); ``rng`` breaks ties
-    between equally ranked candidates at random (used by the search)."""
-    probe = shape.empty(name)
+    alive. ``cap`` bounds a worker's total live activations (in M_a units)."""
+    probe = shape.empty("list")
     last = shape.stages * shape.chunks - 1
     transfer = costs.transfer_time(probe)
     per_pipeline: dict[int, list[int]] = {}
@@ -81,14 +71,12 @@ def list_schedule(shape: Shape, costs: CostModel, rule: Rule, cap: float | None 
         w = shape.placement[action.pipeline][action.stage]
         ready[w][action] = at
 
-    def offer_inputs() -> None:
-        for p, mbs in per_pipeline.items():
-            w = shape.placement[p][0]
-            i = next_input[p]
-            if i < len(mbs) and not any(a.stage == 0 and a.pipeline == p and a.op.value == "F" for a in ready[w]):
-                offer(F(mbs[i], p, 0), 0.0)
+    def offer_next_input(p: int) -> None:
+        if next_input[p] < len(per_pipeline[p]):
+            offer(F(per_pipeline[p][next_input[p]], p, 0), 0.0)
 
-    offer_inputs()
+    for p in per_pipeline:
+        offer_next_input(p)
     while remaining:
         for w in range(shape.stages):
             if free[w] > now:
@@ -98,8 +86,6 @@ def list_schedule(shape: Shape, costs: CostModel, rule: Rule, cap: float | None 
                 (cap is None or live[w] + activation_units(probe, a) <= cap + 1e-9)))]
             if not options:
                 continue
-            if rng is not None:
-                rng.shuffle(options)
             a, _ = min(options, key=lambda o: rule(o[0], o[1]))
             del ready[w][a]
             end = now + costs.compute_time(probe, a)
@@ -111,7 +97,7 @@ def list_schedule(shape: Shape, costs: CostModel, rule: Rule, cap: float | None 
             running.append((end, w, a))
             if a.op.value == "F" and a.stage == 0:
                 next_input[a.pipeline] += 1
-                offer_inputs()
+                offer_next_input(a.pipeline)
         upcoming = [end for end, _, _ in running] + [t for r in ready for t in r.values() if t > now]
         if not upcoming:
             return None  # nothing runs and nothing arrives: the cap starves the pipeline

@@ -22,7 +22,7 @@ import math
 
 from .chimera import check, chimera, mb_pipelines, placement
 from .ir import Action, B, F, Schedule, with_grad_sync
-from .listsched import Shape, deepest_first, list_schedule
+from .listsched import Shape, list_schedule
 from .simulator import CostModel, peak_activations, simulate
 
 
@@ -36,7 +36,7 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
     paper = chimera(stages, microbatches, pipelines, "direct", costs)
     shape = Shape(stages, microbatches, placement(stages, pipelines), mb_pipelines(microbatches, pipelines))
     candidates = [paper]
-    listed = list_schedule(shape, costs, deepest_first, cap=cap)
+    listed = list_schedule(shape, costs, cap=cap)
     if listed is not None:
         candidates.append(_as_schedule(shape, listed))
     candidates = [c for c in candidates if max(peak_activations(c)) <= cap + 1e-9]

@@ -37,18 +37,13 @@ class CostModel:
     data_parallel: int = 1
 
     def compute_time(self, schedule: Schedule, action: Action) -> float:
-        if action.op is Op.FORWARD:
-            per_stage = self.forward
-        elif action.op is Op.BACKWARD:
-            per_stage = self.backward
-        else:  # I and W: half a backward each
-            per_stage = self.backward
+        per_stage = self.forward if action.op is Op.FORWARD else self.backward
         if isinstance(per_stage, (int, float)):
             t = per_stage / schedule.chunks
         else:
             t = per_stage[action.stage]
         if action.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
-            t /= 2
+            t /= 2  # I and W: half a backward each
         return t * schedule.microbatch_scale
 
     def transfer_time(self, schedule: Schedule) -> float:

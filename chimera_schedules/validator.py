@@ -15,9 +15,13 @@ Rules, in the order they are checked (the first violation is reported with its w
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from .errors import InvalidSchedule
-from .ir import COMPUTE_OPS, Op, Schedule
+from .ir import Op, Schedule
 from .simulator import CostModel, replay
+
+_GRAD_DONE = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the pass after which a stage copy's gradient is final
 
 
 def validate(schedule: Schedule) -> None:
@@ -93,19 +97,15 @@ def _check_complete(s: Schedule, pipeline_of: dict[int, int]) -> None:
 def _check_local_order(s: Schedule) -> None:
     for w, actions in enumerate(s.workers):
         done: set = set()
-        pending_grads = {}
-        for a in actions:
-            if a.op in COMPUTE_OPS:
-                pending_grads[(a.pipeline, a.stage)] = pending_grads.get((a.pipeline, a.stage), 0) + (
-                    1 if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) else 0)
+        pending_grads = Counter((a.pipeline, a.stage) for a in actions if a.op in _GRAD_DONE)
         for a in actions:
             key = (a.mb, a.pipeline, a.stage)
             if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and (Op.FORWARD, *key) not in done:
                 raise InvalidSchedule("backward before its forward", w, a)
             if a.op is Op.BACKWARD_WEIGHT and (Op.BACKWARD_INPUT, *key) not in done:
                 raise InvalidSchedule("weight-gradient pass before its input-gradient pass", w, a)
-            if a.op is Op.REDUCE_GRADS and pending_grads.get((a.pipeline, a.stage), 0):
+            if a.op is Op.REDUCE_GRADS and pending_grads[(a.pipeline, a.stage)]:
                 raise InvalidSchedule("gradient reduction before the last backward of its stage copy", w, a)
-            if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            if a.op in _GRAD_DONE:
                 pending_grads[(a.pipeline, a.stage)] -= 1
             done.add((a.op, *key))
