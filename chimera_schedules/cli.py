@@ -110,13 +110,14 @@ def _suffix(extra: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'schedule':<22}{'makespan':>9}{'bubble':>8}  {'peak activations (M_a)':<28}weights (M_theta)"]
+    peak = max([len(str(r.get("peak_activations", ""))) for r in rows] + [24]) + 2
+    lines = [f"{'schedule':<22}{'makespan':>9}{'bubble':>8}  {'peak activations (M_a)':<{peak}}weights (M_theta)"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['schedule']:<22}  skipped: {r['skipped']}")
         else:
             lines.append(f"{r['schedule']:<22}{r['makespan']:>9}{r['bubble_ratio']:>8.3f}  "
-                         f"{str(r['peak_activations']):<28}{r['weight_units']}")
+                         f"{str(r['peak_activations']):<{peak}}{r['weight_units']}")
     return "\n".join(lines)
 
 
