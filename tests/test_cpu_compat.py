@@ -1,0 +1,59 @@
+"""The CPU compatibility layer: megatron-core's GPT runs forward and backward on the CPU once it is
+applied, and the RNG tracker it installs behaves like megatron-core's (fork restores the caller's state)."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.training import cpu_compat
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    cpu_compat.apply()
+    cpu_compat.apply()  # idempotent
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    assert isinstance(tracker, cpu_compat.CpuRNGStatesTracker)
+    tracker.reset()
+    tracker.add("model-parallel-rng", 99)
+    before = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(3)
+    with tracker.fork():
+        second = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not torch.equal(first, second)  # the tracked stream advances
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
+def test_gpt_forward_and_backward_on_cpu(one_process_group, positions):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.1, attention_dropout=0.1, gradient_accumulation_fusion=False)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
+                     position_embedding_type=positions)
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)  # no mask: default causal
+    losses.mean().backward()
+    assert losses.shape == (2, 16) and torch.isfinite(losses).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
