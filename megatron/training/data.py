@@ -1,0 +1,62 @@
+"""Data for one iteration, identical for every layout.
+
+Iteration i uses samples [i G, (i+1) G) of the dataset (G = global batch). As in Megatron's
+sampler, the k-th micro-batch step of data-parallel rank d takes samples (k W + d) mbs ... + mbs.
+A schedule's micro-batch m maps to step m; with backward halving (``microbatch_scale`` 0.5) IR
+micro-batch m is half h = m % 2 of step m // 2. Each chunk that needs data (first or last stage)
+gets an iterator over its micro-batches in the order its schedule runs their forwards.
+"""
+from __future__ import annotations
+
+import torch
+
+from chimera_schedules import Op
+
+
+def build_datasets(args, train_samples: int, valid_samples: int):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
+                              split="969,30,1", tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    train, valid, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [train_samples, valid_samples, 0],
+                                                    lambda: True, config).build()
+    return train, valid
+
+
+class MicrobatchSource:
+    """Turns (iteration, micro-batch) into the right samples of a dataset for this data-parallel rank."""
+
+    def __init__(self, dataset, args, dp_rank: int, scale: float):
+        self.dataset, self.dp_rank = dataset, dp_rank
+        self.G, self.mbs, self.W = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+        self.parts = int(round(1 / scale))
+        self.size = self.mbs // self.parts
+
+    def batch(self, iteration: int, mb: int, device) -> dict:
+        step, part = divmod(mb, self.parts)
+        start = iteration * self.G + (step * self.W + self.dp_rank) * self.mbs + part * self.size
+        samples = [self.dataset[i] for i in range(start, start + self.size)]
+        return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+
+
+def chunk_orders(schedule, worker: int, held, num_microbatches: int, forward_only: bool = False):
+    """Per held chunk, the micro-batches in forward order (ascending for megatron-core's schedules)."""
+    if schedule is None:
+        return [list(range(num_microbatches)) for _ in held]
+    return [[a.mb for a in schedule.workers[worker] if a.op is Op.FORWARD and (a.pipeline, a.stage) == key]
+            for key in held]
+
+
+def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):
+    """One iterator per chunk; None for chunks in the middle of the pipeline (they need no data)."""
+    out = []
+    for order, chunk in zip(orders, chunks):
+        if chunk.pre_process or chunk.post_process:
+            out.append(source.batch(iteration, m, device) for m in order)
+        else:
+            out.append(None)
+    return out

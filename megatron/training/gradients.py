@@ -1,0 +1,102 @@
+"""Gradient reduction over stage replicas, and a global gradient norm that counts every parameter once.
+
+After an iteration every copy of a parameter must hold the same gradient: the sum over its copies in
+all pipelines (each saw different micro-batches), averaged over data-parallel replicas. Losses are
+already divided by the micro-batches per replica, so sum-then-divide-by-DP gives the global-batch mean.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .model import TIED_NAME
+
+
+def _grads(params) -> list[torch.Tensor]:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+class ReplicaGradSync:
+    """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over its
+    stage's replica group (eager sync, while the worker computes on); ``finish`` waits for them, then
+    sums the tied word embedding over all of its copies (input embeddings and output layers)."""
+
+    def __init__(self, chunks: dict, runtime):
+        self.chunks, self.rt = chunks, runtime
+        tied = runtime.embedding_group is not None
+        self.shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
+        shared_ids = {id(p) for p in self.shared}
+        self.params = {key: [p for p in c.parameters() if id(p) not in shared_ids] for key, c in chunks.items()}
+        self.pending: list = []
+
+    def start(self, pipeline: int, stage: int) -> None:
+        grads = _grads(self.params[(pipeline, stage)])
+        group = self.rt.stage_groups.get(stage)
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+        self.pending.append((work, flat, grads))
+
+    def finish(self) -> None:
+        for work, flat, grads in self.pending:
+            if work is not None:
+                work.wait()
+            flat /= self.rt.dp
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        self.pending.clear()
+        if self.shared:
+            total = torch.stack(_grads(self.shared)).sum(0)
+            dist.all_reduce(total, group=self.rt.embedding_group)
+            total /= self.rt.dp
+            for p in self.shared:
+                p.grad.copy_(total)
+
+    def reduce_all(self) -> None:
+        """For schedules that do not post R actions themselves (megatron-core's): reduce everything."""
+        for key in self.chunks:
+            self.start(*key)
+        self.finish()
+
+
+def copies(chunks: dict, runtime, tied: bool) -> dict[int, int]:
+    """How many copies of each local parameter exist along the pipeline dimension."""
+    pipelines = len(runtime.placement)
+    per_param = {}
+    for c in chunks.values():
+        for p in c.parameters():
+            two_ends = tied and p.global_name == TIED_NAME and runtime.model_stages > 1
+            per_param[id(p)] = pipelines * (2 if two_ends else 1)
+    return per_param
+
+
+def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
+    """L2 norm of the gradient of the whole model, each logical parameter counted once: a copy weighs
+    1/copies, a tensor-parallel duplicate (norms, row-parallel biases) counts on TP rank 0 only, and
+    data-parallel replicas (identical after the reduction) are divided out."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    weight = copies(chunks, runtime, tied)
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for c in chunks.values():
+        for p in c.parameters():
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                total += p.grad.detach().double().pow(2).sum() / weight[id(p)]
+    dist.all_reduce(total)
+    return math.sqrt(total.item() / runtime.dp)
+
+
+def clip_(chunks: dict, max_norm: float, norm: float) -> None:
+    coeff = max_norm / (norm + 1e-6)
+    if coeff < 1.0:
+        for c in chunks.values():
+            for p in c.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coeff)

@@ -1,0 +1,116 @@
+"""Model chunks: one megatron-core GPTModel per (pipeline, stage) copy this worker holds.
+
+A chunk of model stage s of S holds layers [s L/S, (s+1) L/S) and is built as a GPTModel of L/S
+layers whose config says "no pipeline" (so megatron-core neither offsets its layers nor ties its
+embedding with collectives); pre_process and post_process mark the first and last stage.
+
+Initialisation is a function of (seed, global parameter name) only: every tensor is drawn from a
+generator seeded with both, at its full (unsharded) shape, then sliced to this rank's tensor-parallel
+shard. So every copy of a stage, in every pipeline and layout, and the one-process reference start
+from the same weights without any broadcast; the tied output layer is drawn under the input
+embedding's name. Distributions are Megatron's: normal(0, std) for weights, std / sqrt(2 L) for the
+output projections of attention and MLP, ones and zeros for norms, zeros for biases.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+
+import torch
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+TIED_NAME = "embedding.word_embeddings.weight"
+
+
+def _layer_spec(device: torch.device):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if device.type == "cuda":
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return get_gpt_layer_local_spec()
+
+
+def transformer_config(args, num_layers: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        # megatron-core's own init also sets the tensor-parallel attributes (partition_dim, ...) that
+        # init_chunk and the gradient norm rely on; init_chunk then redraws every tensor.
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual stage
+        microbatch_group_size_per_vp_stage=args.pipeline_model_parallel_size,
+    )
+
+
+def build_chunk(args, stage: int, device: torch.device):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    layers = args.num_layers // args.model_stages
+    model = GPTModel(
+        transformer_config(args, layers),
+        _layer_spec(device),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=stage == 0,
+        post_process=stage == args.model_stages - 1,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+    model.stage = stage
+    init_chunk(model, args, stage * layers)
+    return model.to(device)
+
+
+def global_name(name: str, layer_offset: int, tied: bool) -> str:
+    """The parameter's name in the whole (unsplit) model."""
+    if tied and name == "output_layer.weight":
+        return TIED_NAME
+    return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def init_chunk(model, args, layer_offset: int) -> None:
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tied = not args.untie_embeddings_and_output_weights
+    scaled_std = args.init_method_std / math.sqrt(2.0 * args.num_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gname = global_name(name, layer_offset, tied)
+            param.global_name = gname
+            if "norm" in gname:
+                param.fill_(1.0 if gname.endswith("weight") else 0.0)
+                continue
+            if gname.endswith("bias"):
+                param.zero_()
+                continue
+            std = scaled_std if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else args.init_method_std
+            shape = list(param.shape)
+            dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+            if dim >= 0:
+                shape[dim] *= tp
+            g = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}/{gname}".encode()))
+            full = torch.empty(shape).normal_(0.0, std, generator=g)
+            param.copy_(full.chunk(tp, dim)[tp_rank] if dim >= 0 else full)

@@ -1,0 +1,109 @@
+"""Distributed setup: megatron-core's parallel state plus the groups a multi-pipeline schedule needs.
+
+megatron-core owns tensor- and data-parallel groups and its own (down-direction) pipeline group.
+On top of it, derived from the schedule's placement for any schedule:
+- one p2p group per pipeline (direction), ranks in stage order;
+- one replica group per model stage: every rank holding a copy of it, in any pipeline and any
+  data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
+- the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
+  embedding and the last stage's output layer, in every pipeline).
+Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
+rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from chimera_schedules import Schedule
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    backend: str
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    worker: int
+    placement: tuple[tuple[int, ...], ...]
+    held: list[tuple[int, int]]
+    p2p_groups: list = field(default_factory=list)
+    worker_ranks: list[int] = field(default_factory=list)
+    stage_groups: dict = field(default_factory=dict)
+    embedding_group: object = None
+
+    @property
+    def model_stages(self) -> int:
+        return len(self.placement[0])
+
+
+def init_distributed(backend: str | None, timeout_minutes: float) -> tuple[str, torch.device]:
+    """nccl on GPU and gloo on CPU unless told otherwise; a lone process needs no launcher."""
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        from . import cpu_compat
+
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return backend, device
+
+
+def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
+    """Initialise megatron-core's parallel state and the schedule's extra groups (collective:
+    every rank must call it with the same arguments)."""
+    from megatron.core import parallel_state
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    world = dist.get_world_size()
+    dp = world // (tp * pp)
+    vpp = args.model_stages // pp if args.pipeline_schedule == "megatron-interleaved" else None
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    rank = dist.get_rank()
+    rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
+    tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
+
+    schedule: Schedule | None = args.schedule
+    placement = schedule.placement if schedule else (tuple(s % pp for s in range(args.model_stages)),)
+    held = [(p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker]
+    rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, placement, held,
+                 worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)])
+    stages = rt.model_stages
+    # Every rank creates every group, in the same order; each keeps the ones it belongs to.
+    for t in range(tp):
+        for d in range(dp):
+            for p, row in enumerate(placement):
+                group = dist.new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
+                if (t, d) == (tp_rank, dp_rank):
+                    rt.p2p_groups.append(group)
+        for s in range(stages):
+            ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if t == tp_rank:
+                rt.stage_groups[s] = group
+        if stages > 1 and not args.untie_embeddings_and_output_weights:
+            ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in (0, stages - 1) for d in range(dp)})
+            group = dist.new_group(ranks)
+            if t == tp_rank:
+                rt.embedding_group = group
+    return rt
