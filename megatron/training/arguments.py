@@ -1,0 +1,152 @@
+"""Command-line arguments with Megatron-LM's flag names, plus the Chimera schedule flags.
+
+``parse_args`` also validates everything that can be known before a process group exists, so an
+impossible layout fails at once with one line naming the flag and the rule (exit code 2)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from chimera_schedules import ScheduleConfigError, build
+from chimera_schedules.errors import require
+
+OUR_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+
+# Schedule-library options, as the training program's flags name them.
+_FLAG_OF = {"--stages": "--pipeline-model-parallel-size", "--microbatches": "--global-batch-size",
+            "--pipelines": "--chimera-pipelines", "--concat": "--chimera-concat", "--order": "--chimera-order",
+            "--chunks": "--num-layers-per-virtual-pipeline-stage"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining with Chimera and baseline pipeline schedules.")
+    m = p.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, required=True)
+    m.add_argument("--hidden-size", type=int, required=True)
+    m.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
+    m.add_argument("--num-attention-heads", type=int, required=True)
+    m.add_argument("--seq-length", type=int, required=True)
+    m.add_argument("--max-position-embeddings", type=int, required=True)
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    m.add_argument("--vocab-size", type=int, help="vocabulary of the null tokenizer (mock data)")
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, required=True)
+    t.add_argument("--global-batch-size", type=int, required=True)
+    t.add_argument("--train-iters", type=int, required=True)
+    t.add_argument("--lr", type=float, required=True)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--log-interval", type=int, default=100)
+    t.add_argument("--eval-interval", type=int, default=1000)
+    t.add_argument("--eval-iters", type=int, default=0)
+    d = p.add_argument_group("data")
+    d.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
+    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    par.add_argument("--pipeline-schedule", choices=OUR_SCHEDULES + MEGATRON_SCHEDULES,
+                     help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
+    par.add_argument("--chimera-pipelines", type=int, default=2)
+    par.add_argument("--chimera-concat", choices=("direct", "doubling", "halving"), default="direct")
+    par.add_argument("--chimera-order", choices=("paper", "best"), default="paper")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate. Exits with code 2 and one line on an impossible configuration."""
+    args = _parser().parse_args(argv)
+    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        _validate(args)
+    except ScheduleConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return args
+
+
+def _validate(args) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                 "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size"):
+        require(getattr(args, flag) > 0, "--" + flag.replace("_", "-"), getattr(args, flag), "must be positive")
+    require(args.mock_data, "--mock-data", False, "is required: real data files arrive with --data-path later")
+    require(args.vocab_size is not None and args.vocab_size > 0, "--vocab-size", args.vocab_size,
+            "must be positive (the mock data's null tokenizer needs it)")
+    require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
+            f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
+    require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
+            f"must divide --hidden-size ({args.hidden_size})")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
+            f"TP x PP = {tp * pp} must divide the world size {args.world_size}")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
+            f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    multiple = args.make_vocab_size_divisible_by * tp
+    args.padded_vocab_size = -(-(args.vocab_size + 1) // multiple) * multiple  # +1: the null tokenizer's EOD
+
+    if args.pipeline_schedule is None:
+        args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
+    chunks = 1
+    if args.pipeline_schedule in ("interleaved", "megatron-interleaved"):
+        v = args.num_layers_per_virtual_pipeline_stage
+        require(v is not None and v > 0, "--num-layers-per-virtual-pipeline-stage", v,
+                f"--pipeline-schedule {args.pipeline_schedule} needs it")
+        require(args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
+                f"PP x it must divide --num-layers ({args.num_layers})")
+        chunks = args.num_layers // (pp * v)
+        if args.pipeline_schedule == "megatron-interleaved":
+            require(pp > 2, "--pipeline-model-parallel-size", pp, "megatron-core's interleaved schedule needs more "
+                    "than 2 stages (at 2 its batched p2p pairs activations and gradients on one channel); "
+                    "--pipeline-schedule interleaved runs at any depth")
+    else:
+        require(args.num_layers_per_virtual_pipeline_stage is None, "--num-layers-per-virtual-pipeline-stage",
+                args.num_layers_per_virtual_pipeline_stage, "applies to the interleaved schedules only")
+    require(args.num_layers % (pp * chunks) == 0, "--num-layers", args.num_layers,
+            f"must be divisible by the {pp * chunks} pipeline stages")
+    args.model_stages = pp * chunks
+    if args.chimera_concat == "halving":
+        require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
+                "must be even for --chimera-concat halving (it runs half-size micro-batches)")
+    args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in OUR_SCHEDULES else None
+
+
+def _schedule(args, chunks: int):
+    options = {}
+    if args.pipeline_schedule == "interleaved":
+        options["chunks"] = chunks
+    if args.pipeline_schedule == "chimera":
+        options = {"pipelines": args.chimera_pipelines, "concat": args.chimera_concat, "order": args.chimera_order}
+    try:
+        return build(args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches, **options)
+    except ScheduleConfigError as e:
+        flag = _FLAG_OF.get(e.option, e.option)
+        value = {"--microbatches": args.global_batch_size}.get(e.option, e.value)
+        rule = e.rule
+        if e.option == "--microbatches":
+            rule = (f"gives {args.num_microbatches} micro-batches per pipeline replica "
+                    f"(global batch / (micro-batch size x data-parallel size)); {e.rule}")
+        raise ScheduleConfigError(flag, value, rule) from None

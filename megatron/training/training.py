@@ -1,0 +1,146 @@
+"""The training loop: one iteration is one flush of the pipeline schedule, then one optimizer step.
+
+Our schedules (gpipe, 1f1b, interleaved, chimera) run through the schedule executor; megatron-core's
+own schedules (and no pipelining, the reference) run through ``get_forward_backward_func`` and have
+their gradients reduced afterwards by the same replica sync. The loop does not know which schedule
+it runs beyond that.
+"""
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+from chimera_schedules.executor import Transport, make_forward_backward
+
+from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
+from .gradients import ReplicaGradSync, clip_, global_grad_norm
+from .model import build_chunk
+from .parallel import init_distributed, setup_parallel
+
+
+def print_rank_last(message: str) -> None:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def _param_groups(params, weight_decay: float):
+    """Megatron's rule: no weight decay on biases and norms (the 1-D parameters)."""
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    """Everything one rank needs to train: model chunks, optimizer, schedule function, data."""
+
+    def __init__(self, args, forward_step_func):
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        self.args, self.forward_step_func = args, forward_step_func
+        backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        self.rt = rt = setup_parallel(args, backend, device)
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
+        self.models = [self.chunks[key] for key in rt.held]
+        self.sync = ReplicaGradSync(self.chunks, rt)
+        params = [p for m in self.models for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(_param_groups(params, args.weight_decay), lr=args.lr,
+                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        schedule = args.schedule
+        if schedule is not None:
+            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32)
+            self.forward_backward = make_forward_backward(schedule, transport, self.sync)
+            self.num_microbatches = schedule.microbatches
+            scale = schedule.microbatch_scale
+        else:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            if args.pipeline_schedule == "megatron-interleaved":
+                for m in self.models:  # how megatron-core's schedule tells the last virtual stage
+                    m.config.virtual_pipeline_model_parallel_size = len(self.models)
+            self.forward_backward = get_forward_backward_func()
+            self.num_microbatches, scale = args.num_microbatches, 1.0
+        self.micro_batch_size = int(args.micro_batch_size * scale)
+        self.orders = chunk_orders(schedule, rt.worker, rt.held, self.num_microbatches)
+        evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
+        train, valid = build_datasets(args, args.train_iters * args.global_batch_size,
+                                      max(evals, 1) * args.global_batch_size)
+        self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
+        self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
+
+    def _run(self, source, iteration: int, forward_only: bool) -> float:
+        reports = self.forward_backward(
+            forward_step_func=self.forward_step_func,
+            data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
+            model=self.models,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return self._merged_loss(reports)
+
+    def _merged_loss(self, reports) -> float:
+        """The global-batch loss from every rank that ran a last stage (both ends of every pipeline,
+        every data-parallel replica): sum of token losses over number of tokens."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        for r in reports:
+            total += r["lm loss"].double()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def train_step(self, iteration: int) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        for m in self.models:
+            m.train()
+        loss = self._run(self.train_data, iteration, forward_only=False)
+        if self.args.schedule is None:
+            self.sync.reduce_all()
+        tied = not self.args.untie_embeddings_and_output_weights
+        norm = global_grad_norm(self.chunks, self.rt, tied)
+        if self.args.clip_grad > 0:
+            clip_(self.chunks, self.args.clip_grad, norm)
+        self.optimizer.step()
+        return {"lm loss": loss, "grad norm": norm}
+
+    def evaluate(self, eval_round: int) -> float:
+        """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
+        for m in self.models:
+            m.eval()
+        losses = [self._run(self.valid_data, eval_round * self.args.eval_iters + i, forward_only=True)
+                  for i in range(self.args.eval_iters)]
+        return sum(losses) / len(losses)
+
+
+def pretrain(args, forward_step_func) -> list[dict]:
+    """Train for --train-iters iterations, printing Megatron's log lines; returns per-iteration stats."""
+    trainer = Trainer(args, forward_step_func)
+    history = []
+    start, logged = time.time(), 0
+    for iteration in range(args.train_iters):
+        history.append(trainer.train_step(iteration))
+        done = iteration + 1
+        if done % args.log_interval == 0 or done == args.train_iters:
+            recent = history[logged:]
+            elapsed = (time.time() - start) * 1000 / len(recent)
+            loss = sum(s["lm loss"] for s in recent) / len(recent)
+            print_rank_last(
+                f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
+                f" consumed samples: {done * args.global_batch_size:12d} |"
+                f" elapsed time per iteration (ms): {elapsed:.1f} |"
+                f" learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+                f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
+                f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |")
+            logged = done
+        if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
+            loss = trainer.evaluate(done // args.eval_interval)
+            print_rank_last(f" validation loss at iteration {done} | lm loss value: {loss:.6E} |"
+                            f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
+        if done == logged:
+            start = time.time()  # time iterations, not logging or evaluation
+    return history

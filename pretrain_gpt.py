@@ -1,0 +1,38 @@
+"""Pretrain a GPT with megatron-core and a pipeline schedule of your choice, Chimera included.
+
+    torchrun --nproc_per_node 4 pretrain_gpt.py --pipeline-model-parallel-size 4 \\
+        --pipeline-schedule chimera --mock-data ...
+
+As in Megatron-LM, this file holds the model-specific parts (the forward step and the loss); the
+training loop lives in megatron/training/.
+"""
+from functools import partial
+
+import torch
+
+from megatron.training import parse_args, pretrain
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses, the token count, and the report Megatron logs as 'lm loss'."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)  # megatron-core's schedules count tokens in an int tensor
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through one model chunk. Middle stages get no data: their input is the
+    previous stage's activation, set by the schedule through ``set_input_tensor``."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = batch["tokens"] if model.pre_process else None
+    position_ids = batch["position_ids"] if model.pre_process else None
+    labels = batch["labels"] if model.post_process else None
+    output = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if model.post_process else None
+    return output, partial(loss_func, loss_mask)
+
+
+if __name__ == "__main__":
+    pretrain(parse_args(), forward_step)

@@ -1,0 +1,34 @@
+"""Impossible layouts fail before any process group exists: one line naming the flag, exit code 2."""
+import pytest
+
+from megatron.training.arguments import parse_args
+
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+
+
+@pytest.mark.parametrize("flags,world,needle", [
+    (["--pipeline-model-parallel-size", "3", "--pipeline-schedule", "chimera", "--num-layers", "6"], 3,
+     "--pipeline-model-parallel-size=3: Chimera needs an even number of stages"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--global-batch-size", "6"], 4,
+     "--global-batch-size=6: gives 6 micro-batches per pipeline replica"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--chimera-pipelines", "3"], 4,
+     "--chimera-pipelines=3: Chimera needs an even number of pipelines"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers=8: must be divisible by the 3 pipeline stages"),
+    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size=2: TP x PP = 2 must divide"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "megatron-interleaved",
+      "--num-layers-per-virtual-pipeline-stage", "2"], 2, "megatron-core's interleaved schedule needs more than 2"),
+    (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
+])
+def test_impossible_configuration(capsys, flags, world, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(MODEL + flags, world_size=world)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_valid_chimera_configuration_builds_its_schedule():
+    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"], world_size=8)
+    assert (args.data_parallel_size, args.num_microbatches) == (2, 4)
+    assert args.schedule.name == "chimera-direct" and args.schedule.microbatches == 4
