@@ -1,0 +1,168 @@
+"""Run many training cases inside one launch, to keep process starts few.
+
+    python tests/equivalence_harness.py --out DIR                      # the one-process references
+    torchrun --nproc_per_node 2|4 tests/equivalence_harness.py --out DIR
+
+Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
+rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
+the reference in losses and in final weights, whether every copy of every stage (and of the tied
+embedding) was bitwise identical after every step, and evaluation checks. The one-process launch
+writes the references (losses, evaluation loss, final weights) per model variant.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training import Trainer, parse_args  # noqa: E402
+from pretrain_gpt import forward_step  # noqa: E402
+
+ITERS = 3
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--vocab-size", "128", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--lr", "1e-3", "--mock-data", "--train-iters", str(ITERS),
+         "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "1000", "--seed", "4321",
+         # Biases off: the key bias has an exactly-zero true gradient, and AdamW turns its rounding noise
+         # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
+         "--disable-bias-linear"]
+VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weights"],
+            "rope": ["--position-embedding-type", "rope"]}
+
+
+def schedule_cases(d: int) -> dict[str, list[str]]:
+    pp = ["--pipeline-model-parallel-size", str(d), "--micro-batch-size", "1"]
+    vpp = ["--num-layers-per-virtual-pipeline-stage", str(8 // (2 * d))]
+    return {
+        f"gpipe D={d}": pp + ["--pipeline-schedule", "gpipe"],
+        f"1f1b D={d}": pp + ["--pipeline-schedule", "1f1b"],
+        f"interleaved v=2 D={d}": pp + ["--pipeline-schedule", "interleaved"] + vpp,
+        f"chimera direct D={d}": pp + ["--pipeline-schedule", "chimera"],
+        f"chimera doubling D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-concat", "doubling"],
+        f"chimera best D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-order", "best"],
+        f"megatron-1f1b D={d}": pp + ["--pipeline-schedule", "megatron-1f1b"],
+    }
+
+
+def cases(world: int) -> dict[str, tuple[str, list[str]]]:
+    """name -> (reference variant, flags), for the cases that fill ``world`` processes."""
+    if world == 1:
+        return {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS}
+    if world == 2:
+        out = {k: ("tied-learned", v) for k, v in schedule_cases(2).items()}
+        out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                                                        "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
+        return out
+    chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
+    chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
+    out = {k: ("tied-learned", v) for k, v in schedule_cases(4).items()}
+    out.update({
+        "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
+        "chimera D=2 DP=2": ("tied-learned", chimera2),
+        "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera untied D=4": ("untied", chimera4),
+        "chimera rope D=4": ("rope", chimera4),
+        "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+                                                          "--pipeline-schedule", "megatron-interleaved",
+                                                          "--num-layers-per-virtual-pipeline-stage", "1"]),
+    })
+    return out
+
+
+def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
+    return {(p.global_name, trainer.rt.tp_rank): p.detach().clone()
+            for m in trainer.models for p in m.parameters()}
+
+
+def copies_identical(trainer) -> bool:
+    """Every copy of every parameter (same global name and TP shard), on every rank, bitwise equal."""
+    digests = {k: hashlib.sha1(v.numpy().tobytes()).hexdigest() for k, v in local_weights(trainer).items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    seen: dict = {}
+    return all(seen.setdefault(k, d) == d for per_rank in gathered for k, d in per_rank.items())
+
+
+def compare_weights(weights: dict, reference: dict, tp: int) -> tuple[float, float]:
+    """(relative error of the whole model, worst relative error of one tensor), each logical tensor
+    (global name and TP shard) counted once however many copies the layout holds. Whole-model is the
+    criterion: AdamW turns ~1e-10 rounding differences in elements whose gradient is near its eps
+    into ~1e-7 weight differences, which can lift one small tensor's error above 1e-6."""
+    mine = {}
+    for (gname, tp_rank), w in weights.items():
+        full = reference[gname]
+        dim = next((d for d in range(full.dim()) if full.shape[d] != w.shape[d]), None)
+        expected = full if dim is None else full.chunk(tp, dim)[tp_rank]
+        mine[(gname, tp_rank)] = ((w - expected).double().pow(2).sum().item(), expected.double().pow(2).sum().item())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
+    diff, norm = sum(d for d, _ in merged.values()), sum(n for _, n in merged.values())
+    worst = max((d / n) ** 0.5 for d, n in merged.values() if n > 0)
+    return (diff / norm) ** 0.5, worst
+
+
+def evaluation_is_side_effect_free(trainer) -> bool:
+    grads = [None if p.grad is None else p.grad.clone() for m in trainer.models for p in m.parameters()]
+    state = {k: v.clone() for s in trainer.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
+    trainer.evaluate(0)
+    after = [None if p.grad is None else p.grad for m in trainer.models for p in m.parameters()]
+    same_grads = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                     for a, b in zip(grads, after))
+    state_after = {k: v for s in trainer.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
+    return same_grads and all(torch.equal(state[k], state_after[k]) for k in state)
+
+
+def run_case(flags: list[str], world: int):
+    args = parse_args(MODEL + flags, world_size=world)
+    trainer = Trainer(args, forward_step)
+    losses, consistent = [], True
+    for i in range(ITERS):
+        losses.append(trainer.train_step(i)["lm loss"])
+        consistent &= copies_identical(trainer)
+    untouched = evaluation_is_side_effect_free(trainer)
+    eval_loss = trainer.evaluate(0)
+    return trainer, losses, consistent, untouched, eval_loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = parser.parse_args().out
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {}
+    for name, (variant, flags) in cases(world).items():
+        trainer, losses, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world)
+        weights = local_weights(trainer)
+        if world == 1:
+            torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()}},
+                       os.path.join(out, f"ref_{variant}.pt"))
+            results[name] = {"losses": losses, "eval": eval_loss}
+            continue
+        ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
+        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp)
+        results[name] = {
+            "losses": losses, "reference": ref["losses"],
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+            "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
+            "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
+        }
+        if dist.get_rank() == 0:
+            print(f"{name}: loss_rel {results[name]['loss_rel']:.2e} weight_rel {model_rel:.2e} "
+                  f"worst tensor {tensor_rel:.2e}", flush=True)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, f"cases_w{world}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
