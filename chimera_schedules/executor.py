@@ -64,9 +64,11 @@ def _messages(schedule: Schedule, forward_only: bool):
 
 
 class _Mailbox:
-    def __init__(self, schedule: Schedule, transport: Transport, shape: tuple, forward_only: bool):
+    """One iteration's p2p state. ``expected``: per incoming channel, the messages in the sender's order."""
+
+    def __init__(self, transport: Transport, shape: tuple, expected: dict):
         self.t, self.shape = transport, shape
-        self.expected = {k: v for k, v in _messages(schedule, forward_only).items() if k[1] == transport.worker}
+        self.expected = {k: deque(v) for k, v in expected.items()}
         self.arrived: dict[tuple, torch.Tensor] = {}
         self.local: dict[tuple, torch.Tensor] = {}
         self.sends: list = []
@@ -116,6 +118,8 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
         raise NotImplementedError("split backward (I/W actions) is in the IR but not executed yet")
     held = schedule.held(transport.worker)
     last = schedule.stages_per_pipeline - 1
+    incoming = {mode: {k: v for k, v in _messages(schedule, mode).items() if k[1] == transport.worker}
+                for mode in (False, True)}  # keyed by forward_only
 
     def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                          micro_batch_size, decoder_seq_length=None, forward_only=False,
@@ -132,7 +136,7 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
         data = dict(zip(held, iterators))
         config = chunks[0].config
         shape = (seq_length, micro_batch_size, config.hidden_size)
-        mail = _Mailbox(schedule, transport, shape, forward_only)
+        mail = _Mailbox(transport, shape, incoming[forward_only])
         per_token = getattr(config, "calculate_per_token_loss", False)
         saved: dict[tuple, tuple] = {}
         reports = []
