@@ -11,6 +11,8 @@ import sys
 from chimera_schedules import ScheduleConfigError, build
 from chimera_schedules.errors import require
 
+from .tokenizer import build_tokenizer, padded_vocab_size
+
 OUR_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 
@@ -40,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
-    m.add_argument("--vocab-size", type=int, help="vocabulary of the null tokenizer (mock data)")
+    m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, required=True)
@@ -58,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-iters", type=int, default=0)
     d = p.add_argument_group("data")
     d.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
+    d.add_argument("--data-path", nargs="+", help="PREFIX, or a blend: WEIGHT PREFIX WEIGHT PREFIX ...")
+    d.add_argument("--split", default="969,30,1", help="train,valid,test proportions of each dataset")
+    d.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"), default="NullTokenizer")
+    d.add_argument("--tokenizer-model", help="SentencePiece model file")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -89,9 +95,7 @@ def _validate(args) -> None:
                  "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
         require(getattr(args, flag) > 0, "--" + flag.replace("_", "-"), getattr(args, flag), "must be positive")
-    require(args.mock_data, "--mock-data", False, "is required: real data files arrive with --data-path later")
-    require(args.vocab_size is not None and args.vocab_size > 0, "--vocab-size", args.vocab_size,
-            "must be positive (the mock data's null tokenizer needs it)")
+    _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
@@ -105,8 +109,7 @@ def _validate(args) -> None:
             f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    multiple = args.make_vocab_size_divisible_by * tp
-    args.padded_vocab_size = -(-(args.vocab_size + 1) // multiple) * multiple  # +1: the null tokenizer's EOD
+    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, tp)
 
     if args.pipeline_schedule is None:
         args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
@@ -132,6 +135,28 @@ def _validate(args) -> None:
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
     args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in OUR_SCHEDULES else None
+
+
+def _validate_data(args) -> None:
+    require(args.mock_data != bool(args.data_path), "--data-path", args.data_path,
+            "give exactly one of --data-path and --mock-data")
+    if args.data_path:
+        prefixes = args.data_path[1::2] if len(args.data_path) > 1 else args.data_path
+        if len(args.data_path) > 1:
+            require(len(args.data_path) % 2 == 0, "--data-path", " ".join(args.data_path),
+                    "a blend is pairs of WEIGHT PREFIX")
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                require(os.path.isfile(prefix + ext), "--data-path", prefix,
+                        f"no such file {prefix + ext} (make it with scripts/preprocess_data.py)")
+        splits = [float(x) for x in args.split.replace("/", ",").split(",")]
+        require(len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
+    if args.tokenizer_type == "SentencePieceTokenizer":
+        require(bool(args.tokenizer_model) and os.path.isfile(args.tokenizer_model or ""), "--tokenizer-model",
+                args.tokenizer_model, "must name an existing SentencePiece model file")
+    else:
+        require(args.vocab_size is not None and args.vocab_size > 0, "--vocab-size", args.vocab_size,
+                "must be positive with the NullTokenizer")
 
 
 def _schedule(args, chunks: int):

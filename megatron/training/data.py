@@ -12,18 +12,22 @@ import torch
 
 from chimera_schedules import Op
 
+from .tokenizer import build_tokenizer
+
 
 def build_datasets(args, train_samples: int, valid_samples: int):
+    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers import MegatronTokenizer
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
 
-    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
-    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
-                              split="969,30,1", tokenizer=tokenizer, reset_position_ids=False,
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
+                              blend=get_blend_from_list(args.data_path), split=args.split,
+                              tokenizer=build_tokenizer(args), reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
-    train, valid, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [train_samples, valid_samples, 0],
-                                                    lambda: True, config).build()
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(kind, [train_samples, valid_samples, 0], lambda: True,
+                                                    config).build()
     return train, valid
 
 
