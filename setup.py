@@ -19,6 +19,7 @@ setup(
         "sentencepiece",
         "matplotlib",  # PNG timelines and benchmark plots
         "ortools",  # CP-SAT behind --order best
+        "tensorboard",  # --tensorboard-dir
     ],
     extras_require={
         "test": ["pytest"],

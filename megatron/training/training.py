@@ -8,6 +8,8 @@ it runs beyond that.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from datetime import datetime
 
@@ -27,11 +29,20 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def _param_groups(params, weight_decay: float):
+def _param_groups(params):
     """Megatron's rule: no weight decay on biases and norms (the 1-D parameters)."""
-    decay = [p for p in params if p.dim() > 1]
-    no_decay = [p for p in params if p.dim() <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() > 1], "wd_mult": 1.0},
+            {"params": [p for p in params if p.dim() <= 1], "wd_mult": 0.0}]
+
+
+def _scheduler(args, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters or args.train_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
 
 class Trainer:
@@ -49,8 +60,9 @@ class Trainer:
         self.models = [self.chunks[key] for key in rt.held]
         self.sync = ReplicaGradSync(self.chunks, rt)
         params = [p for m in self.models for p in m.parameters()]
-        self.optimizer = torch.optim.AdamW(_param_groups(params, args.weight_decay), lr=args.lr,
+        self.optimizer = torch.optim.AdamW(_param_groups(params), lr=args.lr, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.scheduler = _scheduler(args, self.optimizer)
         schedule = args.schedule
         if schedule is not None:
             transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32)
@@ -106,6 +118,7 @@ class Trainer:
         if self.args.clip_grad > 0:
             clip_(self.chunks, self.args.clip_grad, norm)
         self.optimizer.step()
+        self.scheduler.step(increment=1)
         return {"lm loss": loss, "grad norm": norm}
 
     def evaluate(self, eval_round: int) -> float:
@@ -117,30 +130,70 @@ class Trainer:
         return sum(losses) / len(losses)
 
 
+class _Board:
+    """TensorBoard scalars, written by the last rank (the one that logs), when --tensorboard-dir is set."""
+
+    def __init__(self, path: str | None):
+        self.writer = None
+        if path and dist.get_rank() == dist.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(path)
+
+    def add(self, scalars: dict, step: int) -> None:
+        if self.writer:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+
+
 def pretrain(args, forward_step_func) -> list[dict]:
-    """Train for --train-iters iterations, printing Megatron's log lines; returns per-iteration stats."""
+    """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
+    Returns the stats of the iterations this launch ran."""
+    from .checkpointing import load_checkpoint, save_checkpoint
+
     trainer = Trainer(args, forward_step_func)
+    first = load_checkpoint(trainer)[0] if args.load else 0
+    if args.load:
+        print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
+    board = _Board(args.tensorboard_dir)
+    kill_at = int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1"))  # fault injection for tests
     history = []
-    start, logged = time.time(), 0
-    for iteration in range(args.train_iters):
+    start, logged = time.time(), first
+    for iteration in range(first, args.train_iters):
+        lr = trainer.optimizer.param_groups[0]["lr"]
         history.append(trainer.train_step(iteration))
         done = iteration + 1
         if done % args.log_interval == 0 or done == args.train_iters:
-            recent = history[logged:]
-            elapsed = (time.time() - start) * 1000 / len(recent)
+            recent = history[logged - first:]
+            elapsed = (time.time() - start) / len(recent)
             loss = sum(s["lm loss"] for s in recent) / len(recent)
+            throughput = args.global_batch_size * args.seq_length / elapsed
             print_rank_last(
                 f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
                 f" consumed samples: {done * args.global_batch_size:12d} |"
-                f" elapsed time per iteration (ms): {elapsed:.1f} |"
-                f" learning rate: {args.lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+                f" elapsed time per iteration (ms): {elapsed * 1000:.1f} | throughput (tokens/s): {throughput:.1f} |"
+                f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
                 f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
                 f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |")
+            board.add({"lm loss": loss, "learning-rate": lr, "grad-norm": recent[-1]["grad norm"],
+                       "throughput": throughput}, done)
             logged = done
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
-            loss = trainer.evaluate(done // args.eval_interval)
-            print_rank_last(f" validation loss at iteration {done} | lm loss value: {loss:.6E} |"
-                            f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
+            _evaluate_and_print(trainer, board, done)
+        if args.save and (done % args.save_interval == 0 or done == args.train_iters):
+            hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if done == kill_at else None
+            folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=hook)
+            print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
         if done == logged:
-            start = time.time()  # time iterations, not logging or evaluation
+            start = time.time()  # time iterations, not logging, evaluation or saving
+    if args.eval_iters and first >= args.train_iters:  # nothing left to train: evaluate what was loaded
+        _evaluate_and_print(trainer, board, first)
     return history
+
+
+def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
+    loss = trainer.evaluate(iteration // trainer.args.eval_interval)
+    print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                    f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
+    board.add({"lm loss validation": loss}, iteration)
