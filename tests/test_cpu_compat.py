@@ -1,29 +1,9 @@
 """The CPU compatibility layer: megatron-core's GPT runs forward and backward on the CPU once it is
 applied, and the RNG tracker it installs behaves like megatron-core's (fork restores the caller's state)."""
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.training import cpu_compat
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    cpu_compat.apply()
-    cpu_compat.apply()  # idempotent
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):

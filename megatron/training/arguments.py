@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"))
+    m.add_argument("--recompute-method", choices=("uniform", "block"))
+    m.add_argument("--recompute-num-layers", type=int, default=1)
     m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     t = p.add_argument_group("training")
@@ -110,6 +113,9 @@ def _validate(args) -> None:
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
+    if args.recompute_granularity == "full":
+        require(args.recompute_method is not None, "--recompute-method", None,
+                "--recompute-granularity full needs uniform or block")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
             f"TP x PP = {tp * pp} must divide the world size {args.world_size}")

@@ -3,7 +3,8 @@ only when training runs on the CPU (``apply`` refuses when CUDA is in use).
 
 - ``torch.cuda.current_device()`` (GlobalMemoryBuffer, RoPE's inv_freq, p2p receive buffers) -> CPU;
   ``torch.cuda.synchronize()`` (p2p) -> no-op.
-- The CUDA RNG tracker that attention always enters -> one that keeps CPU generator states.
+- The CUDA RNG tracker that attention always enters -> one that keeps CPU generator states; the CUDA
+  state that activation recomputation saves and restores beside the CPU one -> nothing.
 - Literal ``device="cuda"`` tensors -> CPU, through a ``torch`` proxy seen only by the two modules that
   make them: the token counters of ``pipeline_parallel/schedules.py`` (so megatron-core's own schedules
   run as baselines) and the default causal mask of ``transformer/utils.py``.
@@ -92,5 +93,7 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = utils.torch = _CpuTorch()
     _applied = True

@@ -58,6 +58,9 @@ def transformer_config(args, num_layers: int):
         # init_chunk and the gradient norm rely on; init_chunk then redraws every tensor.
         perform_initialization=True,
         gradient_accumulation_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual stage
         microbatch_group_size_per_vp_stage=args.pipeline_model_parallel_size,
     )
