@@ -27,20 +27,6 @@ def run(nproc: int, *args: str, env: dict | None = None, check: bool = True) -> 
     return proc
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The shipped corpus through the user-facing tools: a SentencePiece model, then .bin/.idx."""
-    out = tmp_path_factory.mktemp("data")
-    run(1, "scripts/train_tokenizer.py", "--input", "data/corpus.jsonl", "--model-prefix", str(out / "tok"),
-        "--vocab-size", "512")
-    proc = run(1, "scripts/preprocess_data.py", "--input", "data/corpus.jsonl", "--output-prefix", str(out / "corpus"),
-               "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "tok.model"),
-               "--append-eod", "--workers", "2", "--log-interval", "10")
-    assert "Processed 27 documents" in proc.stdout
-    return ["--data-path", str(out / "corpus_text_document"), "--split", "90,10,0",
-            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "tok.model")]
-
-
 def train_args(corpus, *extra):
     return ["pretrain_gpt.py", *corpus, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",

@@ -74,15 +74,18 @@ def readme_main_command() -> str:
     return first_block.split("&&", 1)[1].strip()
 
 
-def test_readme_main_command_trains_chimera_with_decreasing_loss():
+def test_readme_main_command_trains_chimera_with_decreasing_loss(tmp_path):
     command = readme_main_command()
     assert "--pipeline-schedule chimera" in command and "--nproc_per_node 4" in command
-    proc = subprocess.run(command.replace("torchrun", f"{sys.executable} -m torch.distributed.run --master_port "
-                                          f"{free_port()}", 1), shell=True, cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    command = command.replace("torchrun", f"{sys.executable} -m torch.distributed.run --master_port {free_port()}", 1)
+    command = command.replace("--save checkpoints/demo", f"--save {tmp_path / 'demo'}")  # keep the repo clean
+    proc = subprocess.run(command, shell=True, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    lines = [line for line in proc.stdout.splitlines() if " iteration " in line]
+    lines = [line for line in proc.stdout.splitlines() if re.search(r"iteration\s+\d+/\s*\d+ \|", line)]
     assert len(lines) == 20
     assert all("elapsed time per iteration (ms):" in line for line in lines)
     losses = [float(re.search(r"lm loss: (\d\.\d{6}E[+-]\d\d)", line).group(1)) for line in lines]
-    assert losses[-1] < losses[0] - 1.0 and sum(b < a for a, b in zip(losses, losses[1:])) >= 15
+    assert losses[-1] < losses[0] - 0.3 and sum(losses[-5:]) < sum(losses[:5])
+    valid = [float(v) for v in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", proc.stdout)]
+    assert len(valid) == 2 and valid[1] < valid[0]
+    assert (tmp_path / "demo" / "latest_checkpointed_iteration.txt").read_text() == "20"
