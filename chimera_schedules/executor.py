@@ -77,7 +77,7 @@ class _Mailbox:
         if dst_worker == self.t.worker:
             self.local[message] = tensor
             return
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.t.dtype).contiguous()
         group = self.t.groups[message[1]]
         self.sends.append((dist.isend(tensor, self.t.ranks[dst_worker], group=group), tensor))
 
@@ -148,7 +148,7 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
                     x = None
                     if a.stage > 0:
                         x = mail.receive(schedule.placement[a.pipeline][a.stage - 1], ("act", *key, a.mb))
-                        x.requires_grad_(not forward_only)
+                        x.requires_grad_(not forward_only)  # arrives in the transport dtype
                     chunk[key].set_input_tensor(x)
                     output, loss_func = forward_step_func(data[key], chunk[key])
                     if a.stage == last:
@@ -164,7 +164,7 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
                         torch.autograd.backward(output)
                     else:
                         grad = mail.receive(schedule.placement[a.pipeline][a.stage + 1], ("grad", *key, a.mb))
-                        torch.autograd.backward(output, grad_tensors=grad)
+                        torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
                     if a.stage > 0:
                         mail.send(x.grad, schedule.placement[a.pipeline][a.stage - 1], ("grad", a.pipeline, a.stage - 1, a.mb))
                 elif a.op is Op.REDUCE_GRADS and not forward_only:

@@ -20,6 +20,9 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "megatron-interleaved",
       "--num-layers-per-virtual-pipeline-stage", "2"], 2, "megatron-core's interleaved schedule needs more than 2"),
     (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
+    (["--fp16"], 1, "--fp16=True: is not supported yet"),
+    (["--bf16", "--distributed-backend", "gloo"], 1, "--bf16=True: needs a CUDA device"),
+    (["--recompute-granularity", "full"], 1, "--recompute-method=None: --recompute-granularity full needs"),
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:

@@ -8,6 +8,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from chimera_schedules import ScheduleConfigError, build
 from chimera_schedules.errors import require
 
@@ -62,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast with fp32 master weights (GPU)")
+    t.add_argument("--fp16", action="store_true", help="not supported yet: needs loss scaling; use --bf16")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
     t.add_argument("--eval-interval", type=int, default=1000)
@@ -113,6 +117,10 @@ def _validate(args) -> None:
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
+    require(not args.fp16, "--fp16", True, "is not supported yet (fp16 needs loss scaling); use --bf16 on a GPU")
+    on_gpu = torch.cuda.is_available() and args.distributed_backend != "gloo"
+    require(not args.bf16 or on_gpu, "--bf16", True, "needs a CUDA device: megatron-core's linear layers do not "
+            "support bf16 autocast on the CPU")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,
                 "--recompute-granularity full needs uniform or block")

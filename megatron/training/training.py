@@ -45,14 +45,26 @@ def _scheduler(args, optimizer):
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
 
+def _with_autocast(forward_step_func, device: torch.device):
+    """--bf16: the model runs under bfloat16 autocast; weights, gradients, optimizer state and the
+    residual stream between stages stay fp32."""
+
+    def forward_step(data_iterator, model):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return forward_step_func(data_iterator, model)
+
+    return forward_step
+
+
 class Trainer:
     """Everything one rank needs to train: model chunks, optimizer, schedule function, data."""
 
     def __init__(self, args, forward_step_func):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        self.args, self.forward_step_func = args, forward_step_func
+        self.args = args
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        self.forward_step_func = _with_autocast(forward_step_func, device) if args.bf16 else forward_step_func
         self.rt = rt = setup_parallel(args, backend, device)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
