@@ -58,6 +58,19 @@ def _options() -> argparse.ArgumentParser:
     check.add_argument("path", nargs="?", metavar="FILE", help="a schedule JSON file (else the options')")
     compare = sub.add_parser("compare", parents=[common], help="every schedule side by side for D and N")
     compare.add_argument("--json", action="store_true")
+    planner = sub.add_parser("plan", help="rank layouts (D, W, B, N, schedule) by predicted iteration time")
+    planner.add_argument("--workers", type=int, required=True)
+    planner.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    planner.add_argument("--layers", type=int, required=True)
+    planner.add_argument("--hidden", type=int, required=True)
+    planner.add_argument("--heads", type=int, required=True)
+    planner.add_argument("--seq", type=int, required=True)
+    planner.add_argument("--vocab", type=int, default=50257)
+    planner.add_argument("--profile", required=True, help="hardware profile JSON (see profiles/)")
+    planner.add_argument("--memory-gb", type=float, help="override the profile's memory per device")
+    planner.add_argument("--depths", type=int, nargs="+", help="only these pipeline depths")
+    planner.add_argument("--top", type=int, default=10)
+    planner.add_argument("--json", action="store_true")
     return parser
 
 
@@ -105,6 +118,34 @@ def _compare(args) -> list[dict]:
     return rows
 
 
+def _plan(args) -> int:
+    import dataclasses
+
+    from .planner import ModelShape, Profile, as_json, explain, plan
+
+    for option in ("workers", "global_batch", "layers", "hidden", "heads", "seq", "vocab"):
+        value = getattr(args, option)
+        if value <= 0:
+            raise ScheduleConfigError("--" + option.replace("_", "-"), value, "must be positive")
+    try:
+        profile = Profile.load(args.profile)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ScheduleConfigError("--profile", args.profile, f"not a readable profile: {e}") from None
+    if args.memory_gb:
+        profile = dataclasses.replace(profile, memory=args.memory_gb * 2**30)
+    shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths)
+    if args.json:
+        print(json.dumps(as_json(ranked), indent=1))
+        return 0
+    print(explain(ranked, profile))
+    print(f"\n{'layout':<46}{'s/iter':>9}{'tokens/s':>12}{'bubbles':>9}{'GiB':>7}")
+    for c in ranked[:args.top]:
+        print(f"{c.label:<46}{c.seconds:9.3f}{c.tokens_per_s:12,.0f}{c.bubble_ratio:9.1%}"
+              f"{c.memory / 2**30:7.1f}{'' if c.fits else '  (does not fit)'}")
+    return 0
+
+
 def _suffix(extra: dict) -> str:
     return "".join(f" {v}" if k != "chunks" else f" v={v}" for k, v in extra.items())
 
@@ -124,6 +165,8 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _options().parse_args(argv)
     try:
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "compare":
             rows = _compare(args)
             print(json.dumps(rows, indent=1) if args.json else _table(rows))
@@ -156,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid schedule: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: --out={e.filename}: cannot write: {e.strerror}", file=sys.stderr)
+        where = f"--out={e.filename}" if e.filename else "output"
+        print(f"error: {where}: cannot write: {e.strerror}", file=sys.stderr)
         return 2
     return 0

@@ -14,6 +14,7 @@ with non-blocking sends it cannot deadlock on any schedule the validator accepts
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -109,11 +110,14 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
     return loss / num_microbatches, report
 
 
-def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: GradSync) -> Callable:
+def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: GradSync,
+                          tracer: Callable | None = None) -> Callable:
     """A function with megatron-core 0.16.1's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``schedule.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
-    chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here."""
+    chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
+    ``tracer(action, start, end)``, when given, is called after every F and B with perf_counter times
+    (the benchmark measures bubbles from these)."""
     if any(a.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) for w in schedule.workers for a in w):
         raise NotImplementedError("split backward (I/W actions) is in the IR but not executed yet")
     held = schedule.held(transport.worker)
@@ -149,6 +153,7 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
                     if a.stage > 0:
                         x = mail.receive(schedule.placement[a.pipeline][a.stage - 1], ("act", *key, a.mb))
                         x.requires_grad_(not forward_only)  # arrives in the transport dtype
+                    started = time.perf_counter()  # compute only: waiting for the input is a bubble
                     chunk[key].set_input_tensor(x)
                     output, loss_func = forward_step_func(data[key], chunk[key])
                     if a.stage == last:
@@ -160,15 +165,20 @@ def make_forward_backward(schedule: Schedule, transport: Transport, grad_sync: G
                         saved[(*key, a.mb)] = (x, output)
                 elif a.op is Op.BACKWARD and not forward_only:
                     x, output = saved.pop((*key, a.mb))
-                    if a.stage == last:
-                        torch.autograd.backward(output)
-                    else:
+                    grad = None
+                    if a.stage < last:
                         grad = mail.receive(schedule.placement[a.pipeline][a.stage + 1], ("grad", *key, a.mb))
-                        torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
+                        grad = grad.to(output.dtype)
+                    started = time.perf_counter()
+                    torch.autograd.backward(output, grad_tensors=grad)
                     if a.stage > 0:
                         mail.send(x.grad, schedule.placement[a.pipeline][a.stage - 1], ("grad", a.pipeline, a.stage - 1, a.mb))
-                elif a.op is Op.REDUCE_GRADS and not forward_only:
-                    grad_sync.start(*key)
+                else:
+                    if a.op is Op.REDUCE_GRADS and not forward_only:
+                        grad_sync.start(*key)
+                    continue
+                if tracer is not None:
+                    tracer(a, started, time.perf_counter())
         mail.drain()
         if not forward_only:
             grad_sync.finish()

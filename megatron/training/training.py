@@ -57,9 +57,10 @@ def _with_autocast(forward_step_func, device: torch.device):
 
 
 class Trainer:
-    """Everything one rank needs to train: model chunks, optimizer, schedule function, data."""
+    """Everything one rank needs to train: model chunks, optimizer, schedule function, data.
+    ``tracer(action, start, end)`` sees every forward and backward of our schedules (benchmarks)."""
 
-    def __init__(self, args, forward_step_func):
+    def __init__(self, args, forward_step_func, tracer=None):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         self.args = args
@@ -78,7 +79,7 @@ class Trainer:
         schedule = args.schedule
         if schedule is not None:
             transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32)
-            self.forward_backward = make_forward_backward(schedule, transport, self.sync)
+            self.forward_backward = make_forward_backward(schedule, transport, self.sync, tracer)
             self.num_microbatches = schedule.microbatches
             scale = schedule.microbatch_scale
         else:

@@ -1,0 +1,356 @@
+"""Benchmark pipeline schedules side by side on the same GPT and data, measured the same way in one run.
+
+    python scripts/benchmark.py --quick          # 2 CPU ranks, D=2, N = 2, 4, 8: a few minutes
+
+One launch of 2 ranks (one thread each: all this 2-core machine runs in parallel) runs every case:
+our gpipe, 1f1b, interleaved and chimera (direct, doubling, best), megatron-core's 1F1B, and plain
+data parallelism over the same ranks. Per case it measures the median, min and max iteration time
+after warm-up, tokens/s, the bubble ratio from per-action timestamps on every rank, peak activation
+bytes (saved-tensor accounting) and weight bytes per rank. The simulator, fed with this run's
+measured per-stage forward/backward times, p2p latency and all-reduce time, predicts each schedule's
+bubbles and iteration time next to the measurement.
+
+Writes benchmarks/<name>.json, <name>_throughput.png, <name>_timelines.png and Perfetto traces in
+benchmarks/traces/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+QUICK = {"microbatches": [2, 4, 8], "stages": 2, "warmup": 2, "iters": 4,
+         "model": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+                   "--max-position-embeddings", "128", "--micro-batch-size", "2", "--vocab-size", "1000",
+                   "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
+                   "--disable-bias-linear"]}
+
+
+def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
+    """(label, N, flags) for every schedule the sizes allow."""
+    d = cfg["stages"]
+    out = []
+    for n in cfg["microbatches"]:
+        pp = ["--pipeline-model-parallel-size", str(d), "--global-batch-size", str(n * 2)]
+        variants = [("gpipe", ["--pipeline-schedule", "gpipe"]), ("1f1b", ["--pipeline-schedule", "1f1b"]),
+                    ("interleaved", ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"]),
+                    ("chimera direct", ["--pipeline-schedule", "chimera"])]
+        if n % (2 * d) == 0:
+            variants.append(("chimera doubling", ["--pipeline-schedule", "chimera", "--chimera-concat", "doubling"]))
+        variants += [("chimera best", ["--pipeline-schedule", "chimera", "--chimera-order", "best"]),
+                     ("megatron-1f1b", ["--pipeline-schedule", "megatron-1f1b"])]
+        out += [(label, n, pp + flags) for label, flags in variants]
+        if n >= d:  # data parallelism over the same 2 ranks: the whole model on each
+            out.append(("data-parallel", n, ["--global-batch-size", str(n * 2)]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- worker side
+def _comm_costs(device):
+    """Median one-way p2p time of an activation, and of an all-reduce of one stage's gradients."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    act = torch.zeros(128, 2, 256, device=device)
+    grads = torch.zeros(2 * 12 * 256 * 256, device=device)  # 2 layers of 12 h^2 parameters
+    rtts, reds = [], []
+    for _ in range(20):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(act, 1)
+            dist.recv(act, 1)
+        else:
+            dist.recv(act, 0)
+            dist.send(act, 0)
+        rtts.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(grads)
+        reds.append(time.perf_counter() - t)
+    return statistics.median(rtts) / 2, statistics.median(reds)
+
+
+def _run_case(label, n, flags, cfg, comm):
+    import torch
+    import torch.distributed as dist
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from chimera_schedules import CostModel, build, simulate
+    from chimera_schedules.measure import measured_result
+    from chimera_schedules.simulator import Event
+    from megatron.training import Trainer, parse_args
+    from pretrain_gpt import forward_step
+
+    args = parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + flags, world_size=2)
+    events, saved_bytes, state = [], {}, {"bytes": 0, "t0": 0.0}
+
+    def counting_forward_step(it, model):
+        def pack(t):
+            state["bytes"] += t.numel() * t.element_size()
+            return t
+        state["bytes"] = 0
+        with saved_tensors_hooks(pack, lambda t: t):
+            return forward_step(it, model)
+
+    def tracer(action, start, end):
+        events.append((action, start - state["t0"], end - state["t0"]))
+        if action.op.value == "F":
+            saved_bytes[(action.pipeline, action.stage, action.mb)] = state["bytes"]
+
+    trainer = Trainer(args, counting_forward_step, tracer)
+    inner = trainer.forward_backward
+
+    def timed_forward_backward(**kwargs):
+        state["t0"] = time.perf_counter()
+        out = inner(**kwargs)
+        state["span"] = time.perf_counter() - state["t0"]
+        return out
+
+    trainer.forward_backward = timed_forward_backward
+    rank = dist.get_rank()
+    steps, spans, per_iter_events = [], [], []
+    for i in range(cfg["warmup"] + cfg["iters"]):
+        events.clear()
+        dist.barrier()
+        t = time.perf_counter()
+        trainer.train_step(i)
+        step = time.perf_counter() - t
+        if i >= cfg["warmup"]:
+            steps.append(step)
+            spans.append(state["span"])
+            per_iter_events.append(list(events))
+    # every rank's numbers to rank 0
+    mine = {"steps": steps, "spans": spans, "events": [[(str(a), s, e) for a, s, e in it] for it in per_iter_events],
+            "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in saved_bytes.items()},
+            "weights": sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters())}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    step_times = [max(g["steps"][i] for g in gathered) for i in range(cfg["iters"])]
+    span_times = [max(g["spans"][i] for g in gathered) for i in range(cfg["iters"])]
+    median = statistics.median(step_times)
+    overhead = statistics.median(s - p for s, p in zip(step_times, span_times))
+    row = {"schedule": label, "N": n, "iteration_ms": {"median": median * 1e3, "min": min(step_times) * 1e3,
+                                                        "max": max(step_times) * 1e3},
+           "tokens_per_s": args.global_batch_size * args.seq_length / median,
+           "weight_bytes": [g["weights"] for g in gathered], "step_overhead_ms": overhead * 1e3}
+    schedule = args.schedule
+    if schedule is not None:
+        from chimera_schedules import Action
+
+        # the median iteration's events, all ranks, in ms
+        pick = sorted(range(cfg["iters"]), key=lambda i: span_times[i])[cfg["iters"] // 2]
+        evs = [Event(w, Action.parse(a), s * 1e3, e * 1e3) for w, g in enumerate(gathered)  # DP=TP=1: rank = worker
+               for a, s, e in g["events"][pick]]
+        saved = {tuple(int(x) for x in k.split(",")): v for g in gathered for k, v in g["saved"].items()}
+        measured = measured_result(schedule, evs, span_times[pick] * 1e3, saved)
+        costs = _stage_costs(gathered, args, schedule)
+        model = CostModel(forward=costs["forward"], backward=costs["backward"], p2p_latency=comm["p2p_ms"],
+                          allreduce_latency=comm["allreduce_ms"] / 2)
+        predicted = simulate(schedule, model)
+        row.update({"bubble_measured": measured.bubble_ratio, "bubble_predicted": predicted.bubble_ratio,
+                    "pipeline_ms": span_times[pick] * 1e3, "predicted_pipeline_ms": predicted.makespan,
+                    "predicted_ms": predicted.makespan + overhead * 1e3,
+                    "peak_activation_bytes": measured.peak_activations, "costs_ms": costs,
+                    "_measured": measured, "_predicted": predicted})
+    return row
+
+
+def _stage_costs(gathered, args, schedule):
+    """Median forward and backward time (ms) per model stage, over all measured iterations."""
+    from chimera_schedules import Action
+
+    per = {}
+    for g in gathered:
+        for it in g["events"]:
+            for a, s, e in it:
+                act = Action.parse(a)
+                per.setdefault((act.op.value, act.stage), []).append((e - s) * 1e3)
+    stages = schedule.stages_per_pipeline
+    return {"forward": [statistics.median(per[("F", s)]) for s in range(stages)],
+            "backward": [statistics.median(per[("B", s)]) for s in range(stages)]}
+
+
+def _predict_baselines(rows, comm):
+    """megatron-1f1b runs our 1F1B's schedule with the same costs; data parallelism runs the whole model
+    per rank (the sum of the stage costs) and all-reduces all of it once per iteration."""
+    from chimera_schedules import CostModel, build, simulate
+
+    ours = {r["N"]: r for r in rows if r["schedule"] == "1f1b"}
+    for r in rows:
+        base = ours.get(r["N"])
+        if base is None or "bubble_predicted" in r:
+            continue
+        c = base["costs_ms"]
+        if r["schedule"] == "megatron-1f1b":
+            pred = simulate(build("1f1b", 2, r["N"]), CostModel(forward=c["forward"], backward=c["backward"],
+                                                                p2p_latency=comm["p2p_ms"]))
+            r.update({"bubble_predicted": pred.bubble_ratio, "predicted_pipeline_ms": pred.makespan})
+        else:
+            micro = r["N"] // 2  # global batch 2N samples: N micro-batches of 2, half on each replica
+            f, b = sum(c["forward"]), sum(c["backward"])
+            r.update({"bubble_predicted": 0.0,
+                      "predicted_pipeline_ms": micro * (f + b) + comm["allreduce_ms"] * 2})  # whole model = 2 stages
+        r["predicted_ms"] = r["predicted_pipeline_ms"] + r["step_overhead_ms"]
+
+
+def worker(cfg: dict, out: str, name: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron.training.parallel import init_distributed
+
+    init_distributed(None, 10)
+    p2p, allreduce = _comm_costs(torch.device("cpu"))
+    comm = {"p2p_ms": p2p * 1e3, "allreduce_ms": allreduce * 1e3}
+    todo = cases(cfg)
+    rows = []
+    for i, (label, n, flags) in enumerate(todo, 1):
+        row = _run_case(label, n, flags, cfg, comm)
+        if dist.get_rank() == 0:
+            rows.append(row)
+            print(f"[{i:2d}/{len(todo)}] {label:<17} N={n}: {row['iteration_ms']['median']:7.1f} ms/iter, "
+                  f"{row['tokens_per_s']:8.0f} tokens/s" + (f", bubble {row['bubble_measured']:.1%}"
+                  if "bubble_measured" in row else ""), flush=True)
+    if dist.get_rank() == 0:
+        _predict_baselines(rows, comm)
+        write_outputs(rows, comm, cfg, out, name)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------- outputs
+def ratios(rows: list[dict]) -> dict:
+    by = {(r["schedule"], r["N"]): r for r in rows}
+    out = {}
+    for n in sorted({r["N"] for r in rows}):
+        c = by.get(("chimera direct", n))
+        for base in ("1f1b", "megatron-1f1b", "gpipe", "data-parallel"):
+            if c and (base, n) in by:
+                out[f"chimera/{base} N={n}"] = c["tokens_per_s"] / by[(base, n)]["tokens_per_s"]
+    return out
+
+
+def write_outputs(rows, comm, cfg, out, name) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from chimera_schedules.render import perfetto_trace, png_timeline
+
+    os.makedirs(os.path.join(out, "traces"), exist_ok=True)
+    for r in rows:
+        if "_measured" in r:
+            slug = f"{name}_{r['schedule'].replace(' ', '-')}_N{r['N']}"
+            with open(os.path.join(out, "traces", slug + ".json"), "w") as f:
+                json.dump(perfetto_trace(r["_measured"]), f)
+    pick = [r for r in rows if r["N"] == 4 and r["schedule"] in ("1f1b", "chimera direct")]
+    for r in pick:
+        png_timeline(r["_measured"], os.path.join(out, f"{name}_timeline_{r['schedule'].replace(' ', '-')}_N4.png"))
+    labels = sorted({r["schedule"] for r in rows}, key=[r["schedule"] for r in rows].index)
+    ns = sorted({r["N"] for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        ys = [next((r["tokens_per_s"] for r in rows if r["schedule"] == label and r["N"] == n), 0) for n in ns]
+        ax.bar([k + i * width for k in range(len(ns))], ys, width, label=label)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(ns))], [f"N={n}" for n in ns])
+    ax.set_ylabel("tokens/s (median iteration)")
+    ax.set_title(f"{name}: D=2, 2 CPU ranks, GPT {cfg['model'][1]} layers x {cfg['model'][3]} hidden")
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{name}_throughput.png"), dpi=110)
+    plt.close(fig)
+    write_profile(rows, comm, cfg, out)
+    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    doc = {"name": name, "date": str(date.today()), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cores, {socket.gethostname()}", "config": cfg, "comm": comm,
+           "ratios": ratios(rows), "results": clean}
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def write_profile(rows, comm, cfg, out) -> None:
+    """This machine as a planner profile (profiles/cpu-<host>.json), from this run's measurements:
+    sustained FLOP/s of a stage's forward (1F1B, N=4), one-way p2p time of one activation, and the
+    all-reduce time of one stage's gradients between the two ranks (as bandwidths, latency folded in)."""
+    from chimera_schedules.planner import ModelShape
+
+    m = dict(zip(cfg["model"][::2], cfg["model"][1::2]))
+    shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),
+                       int(m["--seq-length"]), int(m["--vocab-size"]))
+    b = int(m["--micro-batch-size"])
+    ref = next(r for r in rows if r["schedule"] == "1f1b" and r["N"] == 4)
+    flops = (shape.layers // 2) * shape.layer_forward_flops(b) / (ref["costs_ms"]["forward"][0] / 1e3)
+    act_bytes = shape.seq * b * shape.hidden * 4
+    grad_bytes = 2 * 12 * shape.hidden ** 2 * 4
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    profile = {"name": f"cpu-{socket.gethostname()} (measured {date.today()})",
+               "source": f"Measured by scripts/benchmark.py --quick on {date.today()}: {os.cpu_count()} cores, one "
+                         f"thread per rank, gloo over loopback. fp32: 16 bytes per parameter (weights, gradients, "
+                         f"Adam moments).",
+               "flops": flops, "p2p_latency": 0.0, "p2p_bandwidth": act_bytes / (comm["p2p_ms"] / 1e3),
+               "allreduce_latency": 0.0, "allreduce_bandwidth": grad_bytes / (comm["allreduce_ms"] / 1e3),
+               "memory": mem, "bytes_per_param": 16}
+    os.makedirs(os.path.join(ROOT, "profiles"), exist_ok=True)
+    with open(os.path.join(ROOT, "profiles", "cpu-this-machine.json"), "w") as f:
+        json.dump(profile, f, indent=1)
+
+
+def table(doc: dict) -> str:
+    lines = [f"{'schedule':<17}{'N':>3}{'ms/iter':>9}{'(min-max)':>15}{'pred ms':>9}{'tokens/s':>10}"
+             f"{'bubble':>8}{'pred':>7}"]
+    for r in doc["results"]:
+        it = r["iteration_ms"]
+        bub = f"{r['bubble_measured']:8.1%}" if "bubble_measured" in r else f"{'-':>8}"
+        spread = "({:.0f}-{:.0f})".format(it["min"], it["max"])
+        lines.append(f"{r['schedule']:<17}{r['N']:>3}{it['median']:9.1f}{spread:>15}"
+                     f"{r['predicted_ms']:9.1f}{r['tokens_per_s']:10.0f}{bub}{r['bubble_predicted']:7.1%}")
+    lines += [f"{k}: {v:.2f}x" for k, v in doc["ratios"].items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 CPU ranks, D=2, N=2,4,8 (the only mode so far)")
+    p.add_argument("--name", default="quick")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(QUICK, args.out, args.name)
+        return
+    if not args.quick:
+        p.error("only --quick exists so far; see docs/ for the cluster-scale projection")
+    os.makedirs(args.out, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(port), __file__, "--worker", "--name", args.name, "--out", args.out],
+                          env=env, cwd=ROOT)
+    if proc.returncode:
+        sys.exit(proc.returncode)
+    with open(os.path.join(args.out, f"{args.name}.json")) as f:
+        print(table(json.load(f)))
+    print(f"wrote {args.out}/{args.name}.json and plots in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

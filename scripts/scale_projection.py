@@ -1,0 +1,94 @@
+"""Predicted throughput of each schedule for GPT-2 1.3B (64 layers, hidden 1280, 20 heads, sequence 632,
+as in the paper) for pipeline depth D from 4 to 64 and up to 2,048 workers, under a hardware profile.
+
+    python scripts/scale_projection.py --profile profiles/piz-daint-p100.json
+
+A prediction, not a measurement: it rests on the profile's numbers and on the planner's cost model
+(chimera_schedules/planner.py), whose schedule simulator is checked against real runs by
+scripts/benchmark.py. Writes docs/scale_projection.{md,json,png}.
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from chimera_schedules.planner import ModelShape, Profile, best_per_schedule, plan  # noqa: E402
+
+GPT2 = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
+DEPTHS = (4, 8, 16, 32, 64)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default=os.path.join(ROOT, "profiles", "piz-daint-p100.json"))
+    p.add_argument("--workers", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--batch-per-worker", type=int, default=1, help="global batch = workers x this")
+    p.add_argument("--out", default=os.path.join(ROOT, "docs"))
+    args = p.parse_args()
+    profile = Profile.load(args.profile)
+    rows = []
+    for workers in args.workers:
+        for d in DEPTHS:
+            ranked = plan(workers, workers * args.batch_per_worker, GPT2, profile, depths=[d])
+            for schedule, c in best_per_schedule(ranked).items():
+                rows.append({"workers": workers, "depth": d, "schedule": schedule, "layout": c.label,
+                             "tokens_per_s": c.tokens_per_s, "seconds": c.seconds, "memory_gib": c.memory / 2**30})
+    best = {}
+    for r in rows:
+        key = (r["workers"], r["schedule"])
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = r
+    lines = [f"# Scale projection: GPT-2 1.3B (predicted, not measured)\n",
+             f"Profile: {profile.name}. {profile.source}\n",
+             "Global batch = workers x 1 sequence of 632 tokens. Each cell: the best layout of that schedule at that "
+             "depth (micro-batch size 1, 2, 4 or 8; layouts that do not fit in memory excluded), in tokens/s.\n",
+             "| workers | D | " + " | ".join(["gpipe", "1f1b", "chimera"]) + " | chimera / best other |",
+             "|---|---|---|---|---|---|"]
+    for workers in args.workers:
+        for d in DEPTHS:
+            cells = {r["schedule"]: r["tokens_per_s"] for r in rows if r["workers"] == workers and r["depth"] == d}
+            others = max([cells.get("gpipe", 0), cells.get("1f1b", 0)])
+            ratio = f"{cells['chimera'] / others:.2f}x" if others and "chimera" in cells else "-"
+            lines.append(f"| {workers} | {d} | " + " | ".join(f"{cells[s]:,.0f}" if s in cells else "does not fit"
+                                                              for s in ("gpipe", "1f1b", "chimera")) + f" | {ratio} |")
+    lines.append("\nBest layout per schedule and worker count:\n")
+    lines.append("| workers | schedule | layout | tokens/s | chimera speedup |")
+    lines.append("|---|---|---|---|---|")
+    for workers in args.workers:
+        for s in ("gpipe", "1f1b", "chimera"):
+            r = best.get((workers, s))
+            if r:
+                speed = best[(workers, "chimera")]["tokens_per_s"] / r["tokens_per_s"] if (workers, "chimera") in best else 0
+                lines.append(f"| {workers} | {s} | {r['layout']} | {r['tokens_per_s']:,.0f} | {speed:.2f}x |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scale_projection.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "scale_projection.json"), "w") as f:
+        json.dump({"profile": profile.__dict__, "model": GPT2.__dict__, "rows": rows}, f, indent=1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.workers), figsize=(4 * len(args.workers), 3.6), sharey=False)
+    for ax, workers in zip(axes, args.workers):
+        for s in ("gpipe", "1f1b", "chimera"):
+            pts = [(r["depth"], r["tokens_per_s"]) for r in rows if r["workers"] == workers and r["schedule"] == s]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=s)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{workers} workers")
+        ax.set_xlabel("pipeline depth D")
+    axes[0].set_ylabel("predicted tokens/s")
+    axes[0].legend()
+    fig.suptitle(f"GPT-2 1.3B, predicted under {profile.name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "scale_projection.png"), dpi=110)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

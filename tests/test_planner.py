@@ -1,0 +1,54 @@
+"""The planner's memory filter and ranking on cases small enough to compute by hand, and the
+benchmark's bubble measurement on a synthetic trace with known idle time."""
+import pytest
+
+from chimera_schedules import Action, build
+from chimera_schedules.measure import measured_result
+from chimera_schedules.planner import Candidate, ModelShape, Profile, evaluate, plan
+from chimera_schedules.simulator import Event
+
+SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0)  # no logits: equal stages
+
+
+def profile(memory: float, flops: float = 1e9) -> Profile:
+    return Profile("test", flops=flops, p2p_latency=0.0, p2p_bandwidth=float("inf"), allreduce_latency=0.0,
+                   allreduce_bandwidth=float("inf"), memory=memory)
+
+
+def test_memory_is_weights_of_every_copy_plus_peak_activations():
+    # params per layer 12 h^2 + 13 h = 49,984; embeddings (vocab + seq) h = 2,048, split over D=2 stages.
+    # A stage: 2 layers + 1,024 = 100,992 params, x 16 bytes = 1,615,872. Activations: s b h (34 + 5 a s / h)
+    # = 32 x 64 x 44 = 90,112 bytes per layer per micro-batch; 2 layers x peak 2 micro-batches = 360,448.
+    one = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2))
+    chimera = evaluate(SHAPE, profile(3e6), 2, Candidate("chimera direct", 2, 1, 1, 2))
+    assert one.memory == 1_615_872 + 360_448 and one.fits
+    assert chimera.memory == 2 * 1_615_872 + 360_448 and not chimera.fits  # two stage copies per worker
+
+
+def test_ranking_matches_hand_computed_makespans():
+    # forward of a stage = 2 layers x 24 b s h^2 (1 + s / 6h) FLOPs; choose the rate that makes it 1 s
+    f = 2 * SHAPE.layer_forward_flops(1)
+    ranked = plan(2, 2, SHAPE, profile(1e12, flops=f), depths=[2], micro_batches=[1])
+    times = {c.schedule: c.seconds for c in ranked}
+    # 1F1B and GPipe, D=2, N=2, B=2F: (N + D - 1)(F + B) = 9; Chimera: both workers F, F, B, B with the
+    # second backward waiting for the peer's first one: 6
+    assert times["1f1b"] == pytest.approx(9.0) and times["gpipe"] == pytest.approx(9.0)
+    assert times["chimera direct"] == pytest.approx(6.0)
+    assert ranked[0].schedule == "chimera direct"
+    assert "chimera doubling" not in times  # N=2 is not a multiple of 2D: the schedule library says no
+
+
+def test_layouts_that_do_not_fit_rank_last():
+    ranked = plan(2, 2, SHAPE, profile(3e6), depths=[2], micro_batches=[1])
+    assert [c.fits for c in ranked] == sorted((c.fits for c in ranked), reverse=True)
+    assert ranked[0].schedule in ("1f1b", "gpipe") and ranked[-1].schedule == "chimera direct"
+
+
+def test_bubble_measurement_on_a_synthetic_trace():
+    s = build("1f1b", 2, 1)
+    events = [Event(0, Action.parse("F0p0s0"), 0.0, 1.0), Event(1, Action.parse("F0p0s1"), 1.5, 2.5),
+              Event(1, Action.parse("B0p0s1"), 2.5, 4.5), Event(0, Action.parse("B0p0s0"), 5.0, 7.0)]
+    result = measured_result(s, events, makespan=8.0, activation_bytes={(0, 0, 0): 100, (0, 1, 0): 40})
+    assert result.busy == [3.0, 3.0] and result.idle == [5.0, 5.0]
+    assert result.bubble_ratio == pytest.approx(10.0 / 16.0)
+    assert result.peak_activations == [100, 40]
