@@ -36,13 +36,15 @@ class GradSync(Protocol):
 @dataclass(frozen=True)
 class Transport:
     """Where this worker's peers are. ``ranks[w]`` is the global rank of worker w (same data- and
-    tensor-parallel position); ``groups[p]`` the process group of pipeline p (None: the default)."""
+    tensor-parallel position); ``groups[p]`` the process group of pipeline p (None: the default).
+    ``comm_device`` stages p2p through another device, e.g. host memory for gloo with CUDA tensors."""
 
     worker: int
     ranks: Sequence[int]
     groups: Sequence[object]
     device: torch.device
     dtype: torch.dtype
+    comm_device: torch.device | None = None  # where p2p buffers live (host staging: CPU); default: device
 
 
 def _messages(schedule: Schedule, forward_only: bool):
@@ -78,7 +80,7 @@ class _Mailbox:
         if dst_worker == self.t.worker:
             self.local[message] = tensor
             return
-        tensor = tensor.detach().to(self.t.dtype).contiguous()
+        tensor = tensor.detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
         group = self.t.groups[message[1]]
         self.sends.append((dist.isend(tensor, self.t.ranks[dst_worker], group=group), tensor))
 
@@ -88,9 +90,9 @@ class _Mailbox:
         channel = (src_worker, self.t.worker, message[1])
         while message not in self.arrived:
             nxt = self.expected[channel].popleft()
-            buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.device)
+            buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.comm_device or self.t.device)
             dist.recv(buf, self.t.ranks[src_worker], group=self.t.groups[message[1]])
-            self.arrived[nxt] = buf
+            self.arrived[nxt] = buf.to(self.t.device)
         return self.arrived.pop(message)
 
     def drain(self) -> None:

@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    par.add_argument("--p2p-host-staging", action="store_true",
+                     help="GPU compute, gloo communication through host memory: several ranks on one GPU")
     par.add_argument("--pipeline-schedule", choices=OUR_SCHEDULES + MEGATRON_SCHEDULES,
                      help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
     par.add_argument("--chimera-pipelines", type=int, default=2)
@@ -118,7 +120,9 @@ def _validate(args) -> None:
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
     require(not args.fp16, "--fp16", True, "is not supported yet (fp16 needs loss scaling); use --bf16 on a GPU")
-    on_gpu = torch.cuda.is_available() and args.distributed_backend != "gloo"
+    require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
+            "needs a CUDA device (it stages GPU tensors through host memory)")
+    on_gpu = torch.cuda.is_available() and (args.distributed_backend != "gloo" or args.p2p_host_staging)
     require(not args.bf16 or on_gpu, "--bf16", True, "needs a CUDA device: megatron-core's linear layers do not "
             "support bf16 autocast on the CPU")
     if args.recompute_granularity == "full":

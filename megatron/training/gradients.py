@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .model import TIED_NAME
@@ -41,7 +40,7 @@ class ReplicaGradSync:
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
-        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+        work = self.rt.all_reduce(flat, group=group, async_op=True) if group is not None else None
         self.pending.append((work, flat, grads))
 
     def finish(self) -> None:
@@ -54,7 +53,7 @@ class ReplicaGradSync:
         self.pending.clear()
         if self.shared:
             total = torch.stack(_grads(self.shared)).sum(0)
-            dist.all_reduce(total, group=self.rt.embedding_group)
+            self.rt.all_reduce(total, group=self.rt.embedding_group)
             total /= self.rt.dp
             for p in self.shared:
                 p.grad.copy_(total)
@@ -89,7 +88,7 @@ def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
         for p in c.parameters():
             if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
                 total += p.grad.detach().double().pow(2).sum() / weight[id(p)]
-    dist.all_reduce(total)
+    runtime.all_reduce(total)
     return math.sqrt(total.item() / runtime.dp)
 
 

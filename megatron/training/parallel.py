@@ -40,18 +40,46 @@ class Runtime:
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
+    comm_device: torch.device | None = None  # host staging: collectives and p2p through the CPU
+
+    def all_reduce(self, tensor: torch.Tensor, group=None, async_op: bool = False):
+        """dist.all_reduce, through host memory when staging; returns a handle with wait() if async."""
+        if self.comm_device is None:
+            return dist.all_reduce(tensor, group=group, async_op=async_op)
+        host = tensor.to(self.comm_device)
+        work = dist.all_reduce(host, group=group, async_op=async_op)
+        staged = _Staged(work, host, tensor)
+        if not async_op:
+            staged.wait()
+        return staged
 
     @property
     def model_stages(self) -> int:
         return len(self.placement[0])
 
 
-def init_distributed(backend: str | None, timeout_minutes: float) -> tuple[str, torch.device]:
-    """nccl on GPU and gloo on CPU unless told otherwise; a lone process needs no launcher."""
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
+class _Staged:
+    """An all-reduce on a host copy; wait() copies the result back to the device tensor."""
+
+    def __init__(self, work, host: torch.Tensor, target: torch.Tensor):
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.target.copy_(self.host)
+
+
+def init_distributed(backend: str | None, timeout_minutes: float,
+                     host_staging: bool = False) -> tuple[str, torch.device]:
+    """nccl on GPU and gloo on CPU unless told otherwise; a lone process needs no launcher.
+    ``host_staging``: compute on the GPU, communicate with gloo through host memory (several ranks
+    sharing one GPU, which NCCL refuses)."""
+    use_cuda = torch.cuda.is_available() and (backend != "gloo" or host_staging)
+    backend = "gloo" if host_staging else backend or ("nccl" if use_cuda else "gloo")
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -87,7 +115,8 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
     placement = schedule.placement if schedule else (tuple(s % pp for s in range(args.model_stages)),)
     held = [(p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker]
     rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, placement, held,
-                 worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)])
+                 worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
+                 comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
     stages = rt.model_stages
     # Every rank creates every group, in the same order; each keeps the ones it belongs to.
     for t in range(tp):

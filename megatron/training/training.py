@@ -64,7 +64,8 @@ class Trainer:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         self.args = args
-        backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
+                                           args.p2p_host_staging)
         self.forward_step_func = _with_autocast(forward_step_func, device) if args.bf16 else forward_step_func
         self.rt = rt = setup_parallel(args, backend, device)
         torch.manual_seed(args.seed)
@@ -78,7 +79,7 @@ class Trainer:
         self.scheduler = _scheduler(args, self.optimizer)
         schedule = args.schedule
         if schedule is not None:
-            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32)
+            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32, rt.comm_device)
             self.forward_backward = make_forward_backward(schedule, transport, self.sync, tracer)
             self.num_microbatches = schedule.microbatches
             scale = schedule.microbatch_scale
@@ -116,7 +117,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         for r in reports:
             total += r["lm loss"].double()
-        dist.all_reduce(total)
+        self.rt.all_reduce(total)
         return (total[0] / total[1]).item()
 
     def train_step(self, iteration: int) -> dict:
