@@ -10,8 +10,8 @@ bytes (saved-tensor accounting) and weight bytes per rank. The simulator, fed wi
 measured per-stage forward/backward times, p2p latency and all-reduce time, predicts each schedule's
 bubbles and iteration time next to the measurement.
 
-Writes benchmarks/<name>.json, <name>_throughput.png, <name>_timelines.png and Perfetto traces in
-benchmarks/traces/.
+Writes benchmarks/<name>.json, <name>.md (the README's tables), <name>_throughput.png,
+<name>_timeline_*.png and Perfetto traces in benchmarks/traces/.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from datetime import date
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-QUICK = {"microbatches": [2, 4, 8], "stages": 2, "warmup": 2, "iters": 4,
+QUICK = {"microbatches": [2, 4, 8], "stages": 2, "warmup": 2, "iters": 8,
          "model": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
                    "--max-position-embeddings", "128", "--micro-batch-size", "2", "--vocab-size", "1000",
                    "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
@@ -324,6 +324,25 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(doc: dict) -> str:
+    """The README's results tables, from the JSON."""
+    by = {(r["schedule"], r["N"]): r for r in doc["results"]}
+    ns = sorted({r["N"] for r in doc["results"]})
+    out = ["| N | schedule | ms/iter (min-max) | predicted ms | tokens/s | bubbles measured | predicted |",
+           "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        it = r["iteration_ms"]
+        measured = f"{r['bubble_measured']:.1%}" if "bubble_measured" in r else "-"
+        out.append(f"| {r['N']} | {r['schedule']} | {it['median']:.0f} ({it['min']:.0f}-{it['max']:.0f}) | "
+                   f"{r['predicted_ms']:.0f} | {r['tokens_per_s']:.0f} | {measured} | {r['bubble_predicted']:.1%} |")
+    out += ["", "| N | chimera over our 1f1b | over megatron-core's 1F1B | over GPipe | over data parallelism |",
+            "|---|---|---|---|---|"]
+    for n in ns:
+        ratio = [doc["ratios"].get(f"chimera/{b} N={n}") for b in ("1f1b", "megatron-1f1b", "gpipe", "data-parallel")]
+        out.append(f"| {n} | " + " | ".join(f"{x:.2f}x" if x else "-" for x in ratio) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 CPU ranks, D=2, N=2,4,8 (the only mode so far)")
@@ -348,7 +367,10 @@ def main() -> None:
     if proc.returncode:
         sys.exit(proc.returncode)
     with open(os.path.join(args.out, f"{args.name}.json")) as f:
-        print(table(json.load(f)))
+        doc = json.load(f)
+    print(table(doc))
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(markdown(doc))
     print(f"wrote {args.out}/{args.name}.json and plots in {time.time() - start:.0f} s")
 
 
