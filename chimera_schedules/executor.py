@@ -25,6 +25,10 @@ import torch.distributed as dist
 from .ir import Op, Schedule
 
 
+class PipelineFault(RuntimeError):
+    """A peer died or stopped answering: names the rank, the message it waited for and the peer."""
+
+
 class GradSync(Protocol):
     def start(self, pipeline: int, stage: int) -> None:
         """Begin reducing the gradients of this stage copy over its replica group."""
@@ -91,7 +95,16 @@ class _Mailbox:
         while message not in self.arrived:
             nxt = self.expected[channel].popleft()
             buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.comm_device or self.t.device)
-            dist.recv(buf, self.t.ranks[src_worker], group=self.t.groups[message[1]])
+            try:
+                dist.recv(buf, self.t.ranks[src_worker], group=self.t.groups[message[1]])
+            except RuntimeError as e:  # the peer died or the timeout passed
+                kind, pipeline, stage, mb = message
+                what = "activation" if kind == "act" else "gradient"
+                raise PipelineFault(
+                    f"rank {dist.get_rank()} (worker {self.t.worker}) waited for the {what} of micro-batch {mb}, "
+                    f"pipeline {pipeline}, stage {stage} from worker {src_worker} (rank {self.t.ranks[src_worker]}) "
+                    f"for {'F' if kind == 'act' else 'B'}{mb}p{pipeline}s{stage}: "
+                    f"{str(e).splitlines()[0][:200]}") from None
             self.arrived[nxt] = buf.to(self.t.device)
         return self.arrived.pop(message)
 

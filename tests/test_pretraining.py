@@ -56,7 +56,8 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert "elapsed time per iteration (ms):" in proc.stdout and "throughput (tokens/s):" in proc.stdout
     assert {int(i) for i, _ in VALID.findall(proc.stdout)} == {2, 4}
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
-    assert sorted(os.listdir(save / "iter_0000002")) == ["metadata.pt", "mp_rank_00_000", "mp_rank_00_001", "rng"]
+    assert sorted(os.listdir(save / "iter_0000002")) == ["manifest.json", "metadata.pt", "mp_rank_00_000",
+                                                         "mp_rank_00_001", "rng"]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(save.parent / "tb"))
 
 

@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
+                   help="stop after this many iterations in a row with a NaN/Inf loss or gradient norm")
+    t.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save a checkpoint at the next iteration boundary and exit cleanly")
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast with fp32 master weights (GPU)")
     t.add_argument("--fp16", action="store_true", help="not supported yet: needs loss scaling; use --bf16")
     t.add_argument("--seed", type=int, default=1234)
@@ -114,6 +118,20 @@ def _validate(args) -> None:
                  "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
         require(getattr(args, flag) > 0, "--" + flag.replace("_", "-"), getattr(args, flag), "must be positive")
+    for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval),
+                        ("--save-interval", args.save_interval), ("--recompute-num-layers", args.recompute_num_layers),
+                        ("--distributed-timeout-minutes", args.distributed_timeout_minutes),
+                        ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
+                        ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations)):
+        require(value > 0, flag, value, "must be positive")
+    for flag, value in (("--eval-iters", args.eval_iters), ("--lr", args.lr), ("--min-lr", args.min_lr),
+                        ("--lr-warmup-iters", args.lr_warmup_iters), ("--weight-decay", args.weight_decay),
+                        ("--clip-grad", args.clip_grad), ("--hidden-dropout", args.hidden_dropout),
+                        ("--attention-dropout", args.attention_dropout)):
+        require(value >= 0, flag, value, "must not be negative")
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path:
+            require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
     _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
@@ -163,6 +181,29 @@ def _validate(args) -> None:
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
     args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in OUR_SCHEDULES else None
+    if args.load:
+        _validate_checkpoint(args)
+
+
+def _writable(path: str) -> bool:
+    """Without creating anything: an existing writable directory, or a missing one whose nearest
+    existing ancestor is a writable directory."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        return os.path.isdir(path) and os.access(path, os.W_OK)
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent) and os.access(parent, os.W_OK)
+
+
+def _validate_checkpoint(args) -> None:
+    """--load must hold a whole checkpoint of this model's shape (manifest, sizes and metadata only)."""
+    from .checkpointing import check_shape, check_sizes, find_checkpoint, read_metadata
+
+    folder = find_checkpoint(args.load)
+    check_sizes(folder, args.load)
+    check_shape(args, read_metadata(folder, args.load), args.load)
 
 
 def _validate_data(args) -> None:

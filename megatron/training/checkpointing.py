@@ -1,6 +1,7 @@
 """Checkpoints in Megatron's directory layout, readable by any schedule and pipeline layout.
 
     SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_0000100/manifest.json                    shape, schedule, layout, iteration, sha256 per file
     SAVE/iter_0000100/metadata.pt                      iteration, samples, LR scheduler, model shape
     SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt  weights + AdamW state (data-parallel rank 0)
     SAVE/iter_0000100/rng/rank_RRRRR.pt                per-rank RNG states
@@ -11,11 +12,15 @@ each rank takes the tensors of the chunks it holds. Tensor parallelism must matc
 
 Writes are atomic: every rank writes into ``iter_X.tmp``; after a barrier rank 0 renames it to
 ``iter_X`` and then replaces the ``latest`` file. A crash mid-save leaves the previous checkpoint as
-the latest one. Loads use ``torch.load(weights_only=True)``: a checkpoint file cannot run code.
+the latest one. Loads use ``torch.load(weights_only=True)``: a checkpoint file cannot run code; and
+every file is checked against the manifest (sizes before any process starts, sha256 at load time), so a
+truncated or corrupted file is named, never silently used.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -23,16 +28,22 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from chimera_schedules import ScheduleConfigError
+
 from .model import TIED_NAME
 
 LATEST = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
               "disable_bias_linear", "tensor_model_parallel_size")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ScheduleConfigError):
+    """A checkpoint that cannot be used, named by the --load directory and the reason."""
+
+    def __init__(self, root: str, rule: str):
+        super().__init__("--load", root, rule)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -83,7 +94,12 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rt.rank:05d}.pt"))
     if fault_hook is not None:
         fault_hook()  # tests: die here, mid-save
-    dist.barrier()
+    files = {}
+    for path in [os.path.join(tmp, "rng", f"rank_{rt.rank:05d}.pt")] + (
+            [os.path.join(tmp, f"mp_rank_{rt.tp_rank:02d}_{rt.worker:03d}", "model_optim_rng.pt")] if owned else []):
+        files[os.path.relpath(path, tmp)] = _digest(path)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, files)
     if dist.get_rank() == 0:
         torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
                     "scheduler": trainer.scheduler.state_dict(),
@@ -91,6 +107,14 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
                     "layout": {"world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp,
                                "schedule": args.pipeline_schedule}},
                    os.path.join(tmp, "metadata.pt"))
+        manifest = {"iteration": iteration, "shape": {k: getattr(args, k) for k in SHAPE_KEYS},
+                    "schedule": args.pipeline_schedule, "layout": {"world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp},
+                    "files": {k: v for per_rank in gathered for k, v in per_rank.items()}}
+        manifest["files"]["metadata.pt"] = _digest(os.path.join(tmp, "metadata.pt"))
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -108,27 +132,62 @@ def find_checkpoint(root: str) -> str:
     """The directory the latest file names; CheckpointError with the reason otherwise."""
     latest = os.path.join(root, LATEST)
     if not os.path.isfile(latest):
-        raise CheckpointError(f"--load={root}: no checkpoint there (no {LATEST})")
+        raise CheckpointError(root, f"no checkpoint there (no {LATEST})")
     with open(latest) as f:
         text = f.read().strip()
     if not text.isdigit():
-        raise CheckpointError(f"--load={root}: {LATEST} does not hold an iteration number ({text!r})")
+        raise CheckpointError(root, f"{LATEST} does not hold an iteration number ({text!r})")
     folder = iteration_dir(root, int(text))
-    if not os.path.isfile(os.path.join(folder, "metadata.pt")):
-        raise CheckpointError(f"--load={root}: {LATEST} names iteration {text}, but {folder} is incomplete")
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        raise CheckpointError(root, f"{LATEST} names iteration {text}, but {folder} has no {MANIFEST}")
     return folder
 
 
-def read_metadata(folder: str) -> dict:
-    return torch.load(os.path.join(folder, "metadata.pt"), weights_only=True)
+def _digest(path: str) -> dict:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
+
+
+def read_manifest(folder: str, root: str) -> dict:
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(root, f"{MANIFEST} in {folder} is unreadable ({e.__class__.__name__})") from None
+
+
+def check_sizes(folder: str, root: str) -> None:
+    """Cheap, before any process starts: every file the manifest lists is there, whole."""
+    for rel, want in read_manifest(folder, root)["files"].items():
+        path = os.path.join(folder, rel)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size != want["bytes"]:
+            have = "missing" if size is None else f"{size} of {want['bytes']} bytes"
+            raise CheckpointError(root, f"{rel} in {folder} is truncated or missing ({have})")
+
+
+def verified_load(path: str, folder: str, root: str, **kwargs):
+    """torch.load(weights_only=True) of a file whose sha256 matches the manifest."""
+    rel = os.path.relpath(path, folder)
+    want = read_manifest(folder, root)["files"].get(rel)
+    if want is None or _digest(path) != want:
+        raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
+    return torch.load(path, weights_only=True, **kwargs)
+
+
+def read_metadata(folder: str, root: str | None = None) -> dict:
+    return verified_load(os.path.join(folder, "metadata.pt"), folder, root or os.path.dirname(folder))
 
 
 def check_shape(args, metadata: dict, root: str) -> None:
     for key, value in metadata["shape"].items():
         if getattr(args, key) != value:
             flag = "--" + key.replace("_", "-")
-            raise CheckpointError(f"--load={root}: checkpoint has {flag}={value}, this run {getattr(args, key)}: "
-                                  f"model shapes must match")
+            raise CheckpointError(root, f"checkpoint has {flag}={value}, this run {getattr(args, key)}: "
+                                        f"model shapes must match")
 
 
 def load_checkpoint(trainer) -> tuple[int, int]:
@@ -136,18 +195,27 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     (iteration, consumed samples). Collective only in that every rank reads."""
     args, rt = trainer.args, trainer.rt
     folder = find_checkpoint(args.load)
-    meta = read_metadata(folder)
-    check_shape(args, meta, args.load)
-    weights, optim = {}, {}
-    for path in sorted(glob.glob(os.path.join(folder, f"mp_rank_{rt.tp_rank:02d}_*", "model_optim_rng.pt"))):
-        shard = torch.load(path, weights_only=True, mmap=True)
-        weights.update(shard["model"])
-        optim.update(shard["optimizer"])
+    weights, optim, failure = {}, {}, None
+    try:
+        meta = read_metadata(folder, args.load)
+        check_shape(args, meta, args.load)
+        for path in sorted(glob.glob(os.path.join(folder, f"mp_rank_{rt.tp_rank:02d}_*", "model_optim_rng.pt"))):
+            shard = verified_load(path, folder, args.load, mmap=True)
+            weights.update(shard["model"])
+            optim.update(shard["optimizer"])
+    except CheckpointError as e:
+        failure = e
+    bad = torch.tensor([failure is not None], dtype=torch.int32, device=rt.device)
+    rt.all_reduce(bad)  # every rank stops if any rank found a bad file
+    if failure is not None:
+        raise failure
+    if bad.item():
+        raise CheckpointError(args.load, f"another rank found a corrupted file in {folder}")
     with torch.no_grad():
         for chunk in trainer.models:
             for param in chunk.parameters():
                 if param.global_name not in weights:
-                    raise CheckpointError(f"--load={args.load}: {folder} has no {param.global_name}")
+                    raise CheckpointError(args.load, f"{folder} has no {param.global_name}")
                 param.copy_(weights[param.global_name])
                 if optim.get(param.global_name):
                     # AdamW keeps its step count on the CPU; moments live with the parameter
@@ -158,7 +226,7 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     rng_file = os.path.join(folder, "rng", f"rank_{rt.rank:05d}.pt")
     same_layout = meta["layout"]["world"] == rt.world and meta["layout"]["pp"] == rt.pp
     if same_layout and os.path.isfile(rng_file):
-        _restore_rng(torch.load(rng_file, weights_only=True))
+        _restore_rng(verified_load(rng_file, folder, args.load))
     return meta["iteration"], meta["consumed_samples"]
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
 
-from chimera_schedules.executor import Transport, make_forward_backward
+from chimera_schedules import ScheduleConfigError
+from chimera_schedules.executor import PipelineFault, Transport, make_forward_backward
 
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
@@ -54,6 +56,14 @@ def _with_autocast(forward_step_func, device: torch.device):
             return forward_step_func(data_iterator, model)
 
     return forward_step
+
+
+def _test_poison_gradients(iteration: int, models) -> None:
+    """Test-only fault injection: CHIMERA_TEST_NAN_ITERATIONS="2,5" puts a NaN into one gradient at
+    those (1-based) iterations."""
+    wanted = os.environ.get("CHIMERA_TEST_NAN_ITERATIONS")
+    if wanted and str(iteration + 1) in wanted.split(",") and dist.get_rank() == 0:
+        next(p for m in models for p in m.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
 
 class Trainer:
@@ -121,19 +131,31 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def train_step(self, iteration: int) -> dict:
+        """One iteration. A NaN/Inf loss or gradient norm (the same on every rank: both are all-reduced)
+        skips the optimizer and scheduler step; the batch counts as consumed, as in Megatron."""
         self.optimizer.zero_grad(set_to_none=True)
         for m in self.models:
             m.train()
-        loss = self._run(self.train_data, iteration, forward_only=False)
-        if self.args.schedule is None:
-            self.sync.reduce_all()
-        tied = not self.args.untie_embeddings_and_output_weights
-        norm = global_grad_norm(self.chunks, self.rt, tied)
+        try:
+            loss = self._run(self.train_data, iteration, forward_only=False)
+            if self.args.schedule is None:
+                self.sync.reduce_all()
+            _test_poison_gradients(iteration, self.models)
+            tied = not self.args.untie_embeddings_and_output_weights
+            norm = global_grad_norm(self.chunks, self.rt, tied)
+        except PipelineFault as e:
+            raise PipelineFault(f"{e} (iteration {iteration + 1})") from None
+        except RuntimeError as e:  # a collective failed: a peer died or timed out
+            raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
+                                f"{str(e).splitlines()[0][:200]}") from None
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"lm loss": loss, "grad norm": norm, "nan": True}
         if self.args.clip_grad > 0:
             clip_(self.chunks, self.args.clip_grad, norm)
         self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"lm loss": loss, "grad norm": norm}
+        return {"lm loss": loss, "grad norm": norm, "nan": False}
 
     def evaluate(self, eval_round: int) -> float:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
@@ -163,25 +185,67 @@ class _Board:
 
 def pretrain(args, forward_step_func) -> list[dict]:
     """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
-    Returns the stats of the iterations this launch ran."""
+    Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
+    checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
+    try:
+        return _pretrain(args, forward_step_func)
+    except (PipelineFault, ScheduleConfigError, TrainingStopped) as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # peers may be gone: no collective clean-up that could hang
+
+
+class TrainingStopped(RuntimeError):
+    pass
+
+
+class _ExitSignal:
+    """--exit-signal-handler: SIGTERM (Slurm's preemption warning) sets a flag; ranks agree on it at the
+    next iteration boundary, so they all save the same checkpoint and stop together."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.received = enabled, False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def agreed(self, rt) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=rt.device)
+        rt.all_reduce(flag)
+        return bool(flag.item())
+
+
+def _pretrain(args, forward_step_func) -> list[dict]:
     from .checkpointing import load_checkpoint, save_checkpoint
 
+    exit_signal = _ExitSignal(args.exit_signal_handler)
     trainer = Trainer(args, forward_step_func)
     first = load_checkpoint(trainer)[0] if args.load else 0
     if args.load:
         print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
     board = _Board(args.tensorboard_dir)
     kill_at = int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1"))  # fault injection for tests
-    history = []
+    kill_rank = os.environ.get("CHIMERA_TEST_KILL_RANK", "")  # "RANK@ITERATION", fault injection for tests
+    history, nan_total, nan_run, last_saved = [], 0, 0, args.load and first
     start, logged = time.time(), first
     for iteration in range(first, args.train_iters):
+        if kill_rank == f"{trainer.rt.rank}@{iteration + 1}":
+            os.kill(os.getpid(), signal.SIGKILL)
         lr = trainer.optimizer.param_groups[0]["lr"]
-        history.append(trainer.train_step(iteration))
+        stats = trainer.train_step(iteration)
+        history.append(stats)
+        nan_total += stats["nan"]
+        nan_run = nan_run + 1 if stats["nan"] else 0
         done = iteration + 1
-        if done % args.log_interval == 0 or done == args.train_iters:
+        if done % args.log_interval == 0 or done == args.train_iters or nan_run:
             recent = history[logged - first:]
             elapsed = (time.time() - start) / len(recent)
-            loss = sum(s["lm loss"] for s in recent) / len(recent)
+            good = [s["lm loss"] for s in recent if not s["nan"]]
+            loss = sum(good) / len(good) if good else float("nan")
             throughput = args.global_batch_size * args.seq_length / elapsed
             print_rank_last(
                 f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
@@ -189,16 +253,26 @@ def pretrain(args, forward_step_func) -> list[dict]:
                 f" elapsed time per iteration (ms): {elapsed * 1000:.1f} | throughput (tokens/s): {throughput:.1f} |"
                 f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
                 f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
-                f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |")
+                f" number of skipped iterations: {nan_total:3d} | number of nan iterations: {nan_total:3d} |")
             board.add({"lm loss": loss, "learning-rate": lr, "grad-norm": recent[-1]["grad norm"],
                        "throughput": throughput}, done)
             logged = done
+        if nan_run >= args.max_consecutive_nan_iterations:
+            kept = f"the last good checkpoint is iteration {last_saved} in {args.save}" if last_saved else "no checkpoint saved"
+            raise TrainingStopped(f"{nan_run} iterations in a row ({done - nan_run + 1}-{done}) had a NaN or Inf loss "
+                                  f"or gradient norm (--max-consecutive-nan-iterations {args.max_consecutive_nan_iterations}); "
+                                  f"stopping; {kept}")
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
             _evaluate_and_print(trainer, board, done)
-        if args.save and (done % args.save_interval == 0 or done == args.train_iters):
+        stop = exit_signal.agreed(trainer.rt)
+        if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
             hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if done == kill_at else None
             folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=hook)
+            last_saved = done
             print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
+        if stop:
+            print_rank_last(f" exiting on SIGTERM at iteration {done}" + (f" after saving it" if args.save else ""))
+            return history
         if done == logged:
             start = time.time()  # time iterations, not logging, evaluation or saving
     if args.eval_iters and first >= args.train_iters:  # nothing left to train: evaluate what was loaded
