@@ -96,7 +96,7 @@ def svg_timeline(result: SimResult, px_per_unit: float | None = None) -> str:
     W, H = left + width * px + 20, legend_y + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W:.0f}" height="{H:.0f}" '
            f'font-family="sans-serif" font-size="11">',
-           f'<rect width="100%" height="100%" fill="white"/>',
+           '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="{left}" y="20" font-size="13">{escape(_title(result))}</text>']
     for w in range(rows):
         y = top + w * row_h

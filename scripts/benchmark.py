@@ -83,11 +83,10 @@ def _comm_costs(device):
 
 
 def _run_case(label, n, flags, cfg, comm):
-    import torch
     import torch.distributed as dist
     from torch.autograd.graph import saved_tensors_hooks
 
-    from chimera_schedules import CostModel, build, simulate
+    from chimera_schedules import CostModel, simulate
     from chimera_schedules.measure import measured_result
     from chimera_schedules.simulator import Event
     from megatron.training import Trainer, parse_args
@@ -326,7 +325,6 @@ def table(doc: dict) -> str:
 
 def markdown(doc: dict) -> str:
     """The README's results tables, from the JSON."""
-    by = {(r["schedule"], r["N"]): r for r in doc["results"]}
     ns = sorted({r["N"] for r in doc["results"]})
     out = ["| N | schedule | ms/iter (min-max) | predicted ms | tokens/s | bubbles measured | predicted |",
            "|---|---|---|---|---|---|---|"]

@@ -41,7 +41,7 @@ def main():
         key = (r["workers"], r["schedule"])
         if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = r
-    lines = [f"# Scale projection: GPT-2 1.3B (predicted, not measured)\n",
+    lines = ["# Scale projection: GPT-2 1.3B (predicted, not measured)\n",
              f"Profile: {profile.name}. {profile.source}\n",
              "Global batch = workers x 1 sequence of 632 tokens. Each cell: the best layout of that schedule at that "
              "depth (micro-batch size 1, 2, 4 or 8; layouts that do not fit in memory excluded), in tokens/s.\n",

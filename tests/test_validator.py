@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from chimera_schedules import Action, InvalidSchedule, Schedule, build, validate
+from chimera_schedules import InvalidSchedule, Schedule, build, validate
 from chimera_schedules.ir import B, F
 
 

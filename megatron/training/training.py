@@ -271,7 +271,7 @@ def _pretrain(args, forward_step_func) -> list[dict]:
             last_saved = done
             print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
         if stop:
-            print_rank_last(f" exiting on SIGTERM at iteration {done}" + (f" after saving it" if args.save else ""))
+            print_rank_last(f" exiting on SIGTERM at iteration {done}" + (" after saving it" if args.save else ""))
             return history
         if done == logged:
             start = time.time()  # time iterations, not logging, evaluation or saving
