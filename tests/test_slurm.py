@@ -24,19 +24,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def munge_works() -> bool:
+    return subprocess.run(["munge", "-n"], stdin=subprocess.DEVNULL, capture_output=True, timeout=10).returncode == 0
+
+
 def start_munge() -> None:
-    if os.path.exists(MUNGE_SOCKET):
+    """Start munged unless a live one answers. A socket file alone proves nothing: a munged that died
+    (a rebooted or snapshotted machine) leaves it behind and every Slurm call then fails to authenticate."""
+    if munge_works():
         return
     os.makedirs("/run/munge", exist_ok=True)
     for path in ("/run/munge", "/etc/munge", "/var/lib/munge", "/var/log/munge"):
         if os.path.exists(path):
             subprocess.run(["chown", "-R", "munge:munge", path], check=True)
-    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
-    for _ in range(50):
-        if os.path.exists(MUNGE_SOCKET):
-            return
-        time.sleep(0.1)
-    raise RuntimeError("munged did not start")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged", "--force"], check=True, timeout=30)
+    deadline = time.monotonic() + 10
+    while not munge_works():
+        if time.monotonic() > deadline:
+            raise RuntimeError("munged did not start: `munge -n` still fails")
+        time.sleep(0.2)
+
+
+def slurm(command: list, env: dict) -> str:
+    """stdout of a Slurm client command, or "" when it fails or stalls (an unreachable controller
+    makes each call wait tens of seconds, which must not add up to an hour)."""
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=15).stdout
+    except subprocess.TimeoutExpired:
+        return ""
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +89,18 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
     subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=env)
     subprocess.run(["slurmd", "-f", str(conf)], check=True, env=env)
     try:
-        for _ in range(60):
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
-            if "idle" in state:
-                break
+        deadline, state = time.monotonic() + 60, ""
+        while "idle" not in state:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test cluster did not come up: {state!r}\n" + (d / "slurmctld.log").read_text()[-2000:])
             time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the test cluster did not come up: {state!r}\n" + (d / "slurmctld.log").read_text()[-2000:])
+            state = slurm(["sinfo", "-h", "-o", "%T"], env)
         yield env, d
     finally:
-        subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True)
+        slurm(["scontrol", "shutdown"], env)
+        for pidfile in (d / "slurmd.pid", d / "slurmctld.pid"):  # when the shutdown request got nowhere
+            if pidfile.exists():
+                subprocess.run(["kill", pidfile.read_text().strip()], capture_output=True)
 
 
 def test_single_node_batch_script_trains_chimera(cluster, corpus, tmp_path):
