@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -41,7 +42,9 @@ class GradSync(Protocol):
 class Transport:
     """Where this worker's peers are. ``ranks[w]`` is the global rank of worker w (same data- and
     tensor-parallel position); ``groups[p]`` the process group of pipeline p (None: the default).
-    ``comm_device`` stages p2p through another device, e.g. host memory for gloo with CUDA tensors."""
+    ``comm_device`` stages p2p through another device, e.g. host memory for gloo with CUDA tensors.
+    ``timeout``: how long one p2p operation may wait for its peer (a blocking gloo recv never times
+    out by itself: a silent peer would hang this rank for good)."""
 
     worker: int
     ranks: Sequence[int]
@@ -49,6 +52,7 @@ class Transport:
     device: torch.device
     dtype: torch.dtype
     comm_device: torch.device | None = None  # where p2p buffers live (host staging: CPU); default: device
+    timeout: timedelta = timedelta(minutes=10)
 
 
 def _messages(schedule: Schedule, forward_only: bool):
@@ -78,7 +82,7 @@ class _Mailbox:
         self.expected = {k: deque(v) for k, v in expected.items()}
         self.arrived: dict[tuple, torch.Tensor] = {}
         self.local: dict[tuple, torch.Tensor] = {}
-        self.sends: list = []
+        self.sends: list = []  # (work, tensor kept alive until sent, destination worker, message)
 
     def send(self, tensor: torch.Tensor, dst_worker: int, message: tuple) -> None:
         if dst_worker == self.t.worker:
@@ -86,7 +90,7 @@ class _Mailbox:
             return
         tensor = tensor.detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
         group = self.t.groups[message[1]]
-        self.sends.append((dist.isend(tensor, self.t.ranks[dst_worker], group=group), tensor))
+        self.sends.append((dist.isend(tensor, self.t.ranks[dst_worker], group=group), tensor, dst_worker, message))
 
     def receive(self, src_worker: int, message: tuple) -> torch.Tensor:
         if src_worker == self.t.worker:
@@ -96,22 +100,32 @@ class _Mailbox:
             nxt = self.expected[channel].popleft()
             buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.comm_device or self.t.device)
             try:
-                dist.recv(buf, self.t.ranks[src_worker], group=self.t.groups[message[1]])
+                dist.irecv(buf, self.t.ranks[src_worker], group=self.t.groups[message[1]]).wait(self.t.timeout)
             except RuntimeError as e:  # the peer died or the timeout passed
-                kind, pipeline, stage, mb = message
-                what = "activation" if kind == "act" else "gradient"
-                raise PipelineFault(
-                    f"rank {dist.get_rank()} (worker {self.t.worker}) waited for the {what} of micro-batch {mb}, "
-                    f"pipeline {pipeline}, stage {stage} from worker {src_worker} (rank {self.t.ranks[src_worker]}) "
-                    f"for {'F' if kind == 'act' else 'B'}{mb}p{pipeline}s{stage}: "
-                    f"{str(e).splitlines()[0][:200]}") from None
+                raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) waited for the "
+                                    f"{_describe(message, src_worker, self.t)}: {_first_line(e)}") from None
             self.arrived[nxt] = buf.to(self.t.device)
         return self.arrived.pop(message)
 
     def drain(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
+        for work, _, dst_worker, message in self.sends:
+            try:
+                work.wait(self.t.timeout)
+            except RuntimeError as e:
+                raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) could not deliver the "
+                                    f"{_describe(message, dst_worker, self.t, to=True)}: {_first_line(e)}") from None
         self.sends.clear()
+
+
+def _describe(message: tuple, peer: int, t: Transport, to: bool = False) -> str:
+    kind, pipeline, stage, mb = message
+    what = "activation" if kind == "act" else "gradient"
+    return (f"{what} of micro-batch {mb}, pipeline {pipeline}, stage {stage} {'to' if to else 'from'} worker {peer} "
+            f"(rank {t.ranks[peer]}) for {'F' if kind == 'act' else 'B'}{mb}p{pipeline}s{stage}")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _scaled_loss(outputs, num_microbatches: int, per_token: bool):

@@ -109,12 +109,29 @@ CHIMERA2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
 
 
 def test_a_killed_rank_ends_the_other_with_a_clear_message():
-    p0, p1 = ranks(*CHIMERA2, "--train-iters", "50", env={"CHIMERA_TEST_KILL_RANK": "1@3"})
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "kill 1@3"})
     start = time.time()
     out0, err0 = p0.communicate(timeout=120)
     p1.communicate(timeout=30)
     assert time.time() - start < 60
     assert p1.returncode == -signal.SIGKILL and p0.returncode != 0
+    line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
+    assert "rank 0" in line and "iteration 3" in line, line
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \
+        or "a collective failed" in line, line
+
+
+def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
+    argv = [*CHIMERA2[:-1], "0.25", "--train-iters", "50"]  # a 15 s timeout
+    p0, p1 = ranks(*argv, env={"CHIMERA_TEST_FAULT": "hang 1@3"})
+    try:
+        start = time.time()
+        _, err0 = p0.communicate(timeout=120)
+        assert p0.returncode != 0 and 15 <= time.time() - start < 60
+        assert p1.poll() is None  # the hung rank is still there: only the launcher can reap it
+    finally:
+        p1.kill()
+        p1.communicate()
     line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line, line
     assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \

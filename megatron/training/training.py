@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,8 @@ class Trainer:
         self.scheduler = _scheduler(args, self.optimizer)
         schedule = args.schedule
         if schedule is not None:
-            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32, rt.comm_device)
+            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32, rt.comm_device,
+                                  timedelta(minutes=args.distributed_timeout_minutes))
             self.forward_backward = make_forward_backward(schedule, transport, self.sync, tracer)
             self.num_microbatches = schedule.microbatches
             scale = schedule.microbatch_scale
@@ -229,12 +230,15 @@ def _pretrain(args, forward_step_func) -> list[dict]:
         print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
     board = _Board(args.tensorboard_dir)
     kill_at = int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1"))  # fault injection for tests
-    kill_rank = os.environ.get("CHIMERA_TEST_KILL_RANK", "")  # "RANK@ITERATION", fault injection for tests
+    fault = os.environ.get("CHIMERA_TEST_FAULT", "")  # "kill|hang RANK@ITERATION", fault injection for tests
     history, nan_total, nan_run, last_saved = [], 0, 0, args.load and first
     start, logged = time.time(), first
     for iteration in range(first, args.train_iters):
-        if kill_rank == f"{trainer.rt.rank}@{iteration + 1}":
+        if fault == f"kill {trainer.rt.rank}@{iteration + 1}":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == f"hang {trainer.rt.rank}@{iteration + 1}":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
         history.append(stats)
