@@ -122,8 +122,7 @@ def test_a_killed_rank_ends_the_other_with_a_clear_message():
 
 
 def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
-    argv = [*CHIMERA2[:-1], "0.25", "--train-iters", "50"]  # a 15 s timeout
-    p0, p1 = ranks(*argv, env={"CHIMERA_TEST_FAULT": "hang 1@3"})
+    p0, p1 = ranks(*CHIMERA2[:-1], "0.25", "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "hang 1@3"})  # 15 s
     try:
         start = time.time()
         _, err0 = p0.communicate(timeout=120)
@@ -133,9 +132,21 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
         p1.kill()
         p1.communicate()
     line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
-    assert "rank 0" in line and "iteration 3" in line, line
-    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \
-        or "a collective failed" in line, line
+    assert "rank 0" in line and "iteration 3" in line and "Timed out" in line, line
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line)
+
+
+def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
+    """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
+    from megatron.core import parallel_state
+    from megatron.training.parallel import setup_parallel
+
+    args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
+    rt = setup_parallel(args, "gloo", torch.device("cpu"))
+    groups = [*rt.p2p_groups, *(g for g in rt.stage_groups.values() if g is not None),
+              parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
+              parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]
+    assert [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups] == [30.0] * len(groups)
 
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")

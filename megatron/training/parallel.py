@@ -104,7 +104,9 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
     dp = world // (tp * pp)
     vpp = args.model_stages // pp if args.pipeline_schedule == "megatron-interleaved" else None
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    timeout = args.distributed_timeout_minutes
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                             distributed_timeout_minutes=timeout)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
     tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)
@@ -118,21 +120,23 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
                  worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
     stages = rt.model_stages
-    # Every rank creates every group, in the same order; each keeps the ones it belongs to.
+    # Every rank creates every group, in the same order; each keeps the ones it belongs to. A group
+    # does not inherit init_process_group's timeout (gloo's default is 30 min): pass it explicitly.
+    new_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
     for t in range(tp):
         for d in range(dp):
             for p, row in enumerate(placement):
-                group = dist.new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
+                group = new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
                 if (t, d) == (tp_rank, dp_rank):
                     rt.p2p_groups.append(group)
         for s in range(stages):
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = new_group(ranks) if len(ranks) > 1 else None
             if t == tp_rank:
                 rt.stage_groups[s] = group
         if stages > 1 and not args.untie_embeddings_and_output_weights:
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in (0, stages - 1) for d in range(dp)})
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if t == tp_rank:
                 rt.embedding_group = group
     return rt
