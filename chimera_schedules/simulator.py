@@ -77,6 +77,7 @@ class SimResult:
     peak_activations: list[float]
     stage_copies: list[int]
     weight_units: list[float]
+    transfers: list[Event] = field(default_factory=list)  # p2p transfers of a lowered schedule
 
     def stats(self) -> dict:
         s = self.schedule
@@ -232,23 +233,33 @@ def peak_activations(schedule: Schedule) -> list[float]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: CostModel | None = None, comm: str = "nccl") -> SimResult:
+    """Replay under ``costs``. A lowered schedule is replayed operation by operation under the rules
+    of ``comm`` (nccl_model.py): a transfer starts when both ends have posted it and their streams are
+    free, so what the posting order overlaps is priced. A compute schedule charges each message a fixed
+    delay and runs reductions when every copy is ready."""
     costs = costs or CostModel()
-    run = replay(schedule, costs)
-    reductions = _reduce_windows(schedule, costs, run.posts)
-    finish = list(run.free)
-    for e in reductions:
-        finish[e.worker] = max(finish[e.worker], e.end)
+    if schedule.lowered:
+        from .nccl_model import run_lowered
+
+        run = run_lowered(schedule, comm, costs)
+        events, reductions, transfers, finish = run.events, run.reductions, run.transfers, run.finish
+    else:
+        plain = replay(schedule, costs)
+        events, reductions, transfers = plain.events, _reduce_windows(schedule, costs, plain.posts), []
+        finish = list(plain.free)
+        for e in reductions:
+            finish[e.worker] = max(finish[e.worker], e.end)
     makespan = max(finish, default=0.0)
     busy = [0.0] * schedule.num_workers
-    for e in run.events:
+    for e in events:
         busy[e.worker] += e.end - e.start
     idle = [makespan - b for b in busy]
     workers = schedule.num_workers
     copies = [len(schedule.held(w)) for w in range(workers)]
     return SimResult(
         schedule=schedule,
-        events=sorted(run.events, key=lambda e: (e.worker, e.start)),
+        events=sorted(events, key=lambda e: (e.worker, e.start)),
         reductions=reductions,
         makespan=makespan,
         busy=busy,
@@ -257,5 +268,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         peak_activations=peak_activations(schedule),
         stage_copies=copies,
         weight_units=[c / schedule.chunks for c in copies],
+        transfers=sorted(transfers, key=lambda e: (e.worker, e.start)),
     )
 

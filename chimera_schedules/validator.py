@@ -25,7 +25,16 @@ _GRAD_DONE = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the pass after which a stage c
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise InvalidSchedule on the first violated rule; return None for a valid schedule."""
+    """Raise InvalidSchedule on the first violated rule; return None for a valid schedule. A lowered
+    schedule is checked as its compute part plus the well-formedness of its communication (whether
+    that communication completes is nccl_model.check's question)."""
+    if schedule.lowered:
+        from .lowering import compute_part
+        from .nccl_model import check_structure
+
+        validate(compute_part(schedule))
+        check_structure(schedule)
+        return
     _check_shape(schedule)
     pipeline_of = _check_actions(schedule)
     _check_complete(schedule, pipeline_of)

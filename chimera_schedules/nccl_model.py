@@ -1,0 +1,379 @@
+"""NCCL's rules (shared/NCCL_MODEL.md) as a replay of lowered schedules: the communication checker,
+and the simulator's pricing of communication.
+
+Each worker's host walks its list in order. Compute runs on one compute stream; it starts when the
+previous compute is done and the RECV of its input has completed. Communication is posted without
+blocking the host onto a FIFO queue (rules 1, 4, 6):
+- p2p: one queue per (worker, group, peer), shared by sends and receives of that pair;
+- collectives: one queue per (worker, group);
+- a batch (consecutive operations with one ``batch`` id) sits on every queue it touches and completes
+  when all its operations have met their partners (rule 3).
+
+Modes:
+- ``nccl``: every p2p operation is a rendezvous: a send and its receive complete only while both are
+  at the head of their queues (rule 2). A collective completes when every member has it at the head
+  of the group's queue (rule 4).
+- ``nccl-single-queue``: as ``nccl``, and every communication blocks everything posted after it on
+  its device until it completes (rule 5, ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+- ``gloo``: sends complete when posted (gloo buffers them); receives and collectives as in ``nccl``.
+
+In every mode messages are matched by order per (group, pair), as both libraries do, so a receive
+that would get another message than it names is an error (wrong data), not just a deadlock. When
+nothing can progress, the wait-for cycle is reported: worker, operation and group at every step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import InvalidSchedule
+from .ir import Action, Op, Schedule
+from .lowering import compute_part, consumed_message, produced_message, source_worker
+from .simulator import CostModel, Event
+
+MODES = ("gloo", "nccl", "nccl-single-queue")
+
+
+@dataclass(eq=False)
+class _Item:
+    """One posted operation, or one batch, of one worker."""
+
+    worker: int
+    ops: list[Action]
+    queues: list[tuple]
+    posted: float
+    matched: dict[int, float] = field(default_factory=dict)  # op index -> end time
+    end: float | None = None
+
+    def pending(self, queue: tuple, op: Op) -> int | None:
+        for i, a in enumerate(self.ops):
+            if i not in self.matched and a.op is op and _queue(a) == queue:
+                return i
+        return None
+
+
+def _queue(a: Action) -> tuple:
+    return ("coll", a.group) if a.op is Op.ALLREDUCE else ("p2p", a.group, a.peer)
+
+
+@dataclass
+class LoweredRun:
+    events: list[Event]
+    transfers: list[Event]
+    reductions: list[Event]
+    finish: list[float]
+
+
+def check(lowered: Schedule, mode: str) -> None:
+    """Raise InvalidSchedule unless every worker's list completes under ``mode``'s rules."""
+    run_lowered(lowered, mode, CostModel(1.0, 1.0))
+
+
+def run_lowered(lowered: Schedule, mode: str, costs: CostModel) -> LoweredRun:
+    """Replay under ``mode`` with ``costs``; raise InvalidSchedule on a malformed list or a deadlock."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
+    from .validator import validate
+
+    validate(compute_part(lowered))
+    check_structure(lowered)
+    replay = _Replay(lowered, mode, costs)
+    replay.run()
+    return LoweredRun(replay.events, replay.transfers, replay.reductions, replay.finish())
+
+
+def check_structure(s: Schedule) -> None:
+    """Every remote input has a RECV from its producer before its consumer, every remote output a
+    SEND after its producer, each exactly once, and batches are consecutive p2p operations."""
+    for w, actions in enumerate(s.workers):
+        sent, received, computed, batches = set(), set(), set(), []
+        for a in actions:
+            if a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE):
+                _check_comm(s, w, a, sent, received, computed)
+            else:
+                _check_compute_inputs(s, w, a, received)
+                computed.add(a)
+            if a.batch >= 0 and (not batches or batches[-1] != a.batch):
+                if a.batch in batches:
+                    raise InvalidSchedule(f"batch {a.batch} is not consecutive", w, a)
+                batches.append(a.batch)
+        _check_outputs(s, w, actions, sent)
+
+
+def _check_comm(s: Schedule, w: int, a: Action, sent: set, received: set, computed: set) -> None:
+    if not a.group:
+        raise InvalidSchedule("communication names no group", w, a)
+    if a.op is Op.ALLREDUCE:
+        if a.batch >= 0:
+            raise InvalidSchedule("a batch holds sends and receives only", w, a)
+        return
+    if not (0 <= a.peer < s.num_workers) or a.peer == w:
+        raise InvalidSchedule(f"peer {a.peer} is not another worker", w, a)
+    message = a.message
+    if not (0 <= a.pipeline < s.pipelines and 0 <= a.stage < s.stages_per_pipeline and 0 <= a.mb < s.microbatches):
+        raise InvalidSchedule("no such message in this schedule", w, a)
+    src, dst = _ends(s, message)
+    if src < 0:
+        raise InvalidSchedule("no such message: nothing is sent to that stage", w, a)
+    if (a.op is Op.SEND and (src, dst) != (w, a.peer)) or (a.op is Op.RECV and (src, dst) != (a.peer, w)):
+        raise InvalidSchedule(f"this message goes from worker {src} to worker {dst}", w, a)
+    book = sent if a.op is Op.SEND else received
+    if message in book:
+        raise InvalidSchedule("message posted twice", w, a)
+    book.add(message)
+    if a.op is Op.SEND and not any(produced_message(s, c) == message for c in computed):
+        raise InvalidSchedule("send posted before the compute that produces it", w, a)
+
+
+def _ends(s: Schedule, message: tuple) -> tuple[int, int]:
+    kind, pipeline, stage, _ = message
+    if kind == "act" and stage == 0 or kind == "grad" and stage == s.stages_per_pipeline - 1:
+        return -1, -1
+    return source_worker(s, message), s.placement[pipeline][stage]
+
+
+def _check_compute_inputs(s: Schedule, w: int, a: Action, received: set) -> None:
+    needed = consumed_message(s, a)
+    if needed is not None and source_worker(s, needed) != w and needed not in received:
+        raise InvalidSchedule(f"no RECV of its input from worker {source_worker(s, needed)} is posted before it", w, a)
+
+
+def _check_outputs(s: Schedule, w: int, actions, sent: set) -> None:
+    for a in actions:
+        message = produced_message(s, a) if a.op not in (Op.SEND, Op.RECV, Op.ALLREDUCE) else None
+        if message is not None and s.placement[message[1]][message[2]] != w and message not in sent:
+            raise InvalidSchedule(f"its output is never sent to worker {s.placement[message[1]][message[2]]}", w, a)
+
+
+class _Replay:
+    def __init__(self, s: Schedule, mode: str, costs: CostModel):
+        self.s, self.mode, self.costs = s, mode, costs
+        self.transfer = costs.transfer_time(s)
+        self.pc = [0] * s.num_workers
+        self.time = [0.0] * s.num_workers
+        self.blocked: list[_Item | None] = [None] * s.num_workers  # single queue: the item the host waits on
+        self.queues: dict[tuple, deque] = {}
+        self.free: dict[tuple, float] = {}
+        self.arrived: dict[tuple, float] = {}  # (worker, message) -> when its RECV completed
+        self.posted_recv: dict[tuple, _Item] = {}
+        self.sent: dict[tuple, deque] = {}  # gloo: (group, src, dst) -> sent messages and times
+        self.members = {}
+        for w, actions in enumerate(s.workers):
+            for a in actions:
+                if a.op is Op.ALLREDUCE:
+                    self.members.setdefault(a.group, set()).add(w)
+        self.events, self.transfers, self.reductions = [], [], []
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = any([self._host(w) for w in range(self.s.num_workers)])
+            progress = self._match_p2p() or progress
+            progress = self._match_collectives() or progress
+        if any(self.pc[w] < len(self.s.workers[w]) or self.blocked[w] for w in range(self.s.num_workers)) \
+                or any(self.queues.values()):
+            raise self._deadlock()
+
+    def finish(self) -> list[float]:
+        out = list(self.time)
+        for (w, _), t in self.free.items():
+            out[w] = max(out[w], t)
+        return out
+
+    # ------------------------------------------------------------------------------ hosts
+    def _host(self, w: int) -> bool:
+        actions, moved = self.s.workers[w], False
+        while self.pc[w] < len(actions) and self.blocked[w] is None:
+            a = actions[self.pc[w]]
+            if a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE):
+                ops = [a]
+                while a.batch >= 0 and self.pc[w] + len(ops) < len(actions) and actions[self.pc[w] + len(ops)].batch == a.batch:
+                    ops.append(actions[self.pc[w] + len(ops)])
+                self._post(w, ops)
+                self.pc[w] += len(ops)
+            elif not self._compute(w, a):
+                break
+            else:
+                self.pc[w] += 1
+            moved = True
+        return moved
+
+    def _compute(self, w: int, a: Action) -> bool:
+        needed = consumed_message(self.s, a)
+        start = self.time[w]
+        if needed is not None and source_worker(self.s, needed) != w:
+            if (w, needed) not in self.arrived:
+                return False
+            start = max(start, self.arrived[(w, needed)])
+        end = start + self.costs.compute_time(self.s, a)
+        self.events.append(Event(w, a, start, end))
+        self.time[w] = end
+        return True
+
+    def _post(self, w: int, ops: list[Action]) -> None:
+        queues = list(dict.fromkeys(_queue(a) for a in ops))
+        item = _Item(w, ops, queues, self.time[w])
+        for q in queues:
+            self.queues.setdefault((w, q), deque()).append(item)
+        for i, a in enumerate(ops):
+            if a.op is Op.RECV:
+                self.posted_recv[(w, a.message)] = item
+            elif a.op is Op.SEND and self.mode == "gloo":  # buffered: complete at once
+                self.sent.setdefault((a.group, w, a.peer), deque()).append((a, self.time[w]))
+                self._complete(item, i, self.time[w])
+        if self.mode == "nccl-single-queue" and item.end is None:
+            self.blocked[w] = item
+
+    # ------------------------------------------------------------------------------ matching
+    def _active(self, item: _Item) -> bool:
+        return all(self.queues[(item.worker, q)][0] is item for q in item.queues)
+
+    def _head(self, w: int, q: tuple) -> _Item | None:
+        queue = self.queues.get((w, q))
+        return queue[0] if queue else None
+
+    def _match_p2p(self) -> bool:
+        moved = False
+        for (w, q), queue in list(self.queues.items()):
+            if q[0] != "p2p" or not queue or not self._active(queue[0]):
+                continue
+            item = queue[0]
+            i = item.pending(q, Op.RECV)
+            if i is None:
+                continue
+            a = item.ops[i]
+            if self.mode == "gloo":
+                moved = self._match_gloo(item, i, a) or moved
+                continue
+            partner = self._head(a.peer, ("p2p", a.group, w))
+            if partner is None or not self._active(partner):
+                continue
+            j = partner.pending(("p2p", a.group, w), Op.SEND)
+            if j is None:
+                continue
+            self._same_message(partner.ops[j], a)
+            start = max(item.posted, partner.posted, self.free.get((w, q), 0.0),
+                        self.free.get((a.peer, ("p2p", a.group, w)), 0.0))
+            self._complete(partner, j, start + self.transfer)
+            self._complete(item, i, start + self.transfer)
+            moved = True
+        return moved
+
+    def _match_gloo(self, item: _Item, i: int, a: Action) -> bool:
+        sent = self.sent.get((a.group, a.peer, item.worker))
+        if not sent:
+            return False
+        send, posted = sent.popleft()
+        self._same_message(send, a)
+        q = ("p2p", a.group, a.peer)
+        self._complete(item, i, max(item.posted, posted, self.free.get((item.worker, q), 0.0)) + self.transfer)
+        return True
+
+    def _same_message(self, send: Action, recv: Action) -> None:
+        if send.message != recv.message:
+            raise InvalidSchedule(f"mismatched messages on group {recv.group}: worker {recv.peer} posts {send} "
+                                  f"where worker {send.peer} expects {recv} (matched by order: wrong data)",
+                                  send.peer, recv)
+
+    def _complete(self, item: _Item, i: int, end: float) -> None:
+        item.matched[i] = end
+        a = item.ops[i]
+        if a.op is Op.RECV:
+            self.arrived[(item.worker, a.message)] = end
+        if a.op in (Op.SEND, Op.RECV):
+            self.transfers.append(Event(item.worker, a, end - self.transfer, end))
+        if len(item.matched) < len(item.ops):
+            return
+        item.end = max(item.matched.values())
+        for q in item.queues:
+            queue = self.queues[(item.worker, q)]
+            if queue and queue[0] is item:
+                queue.popleft()
+            else:
+                queue.remove(item)  # gloo sends leave their queue at once
+            self.free[(item.worker, q)] = max(self.free.get((item.worker, q), 0.0), item.end)
+        if self.blocked[item.worker] is item:
+            self.blocked[item.worker] = None
+            self.time[item.worker] = max(self.time[item.worker], item.end)
+
+    def _match_collectives(self) -> bool:
+        moved = False
+        for group, members in self.members.items():
+            heads = [self._head(m, ("coll", group)) for m in sorted(members)]
+            if any(h is None for h in heads):
+                continue
+            first = heads[0].ops[0]
+            for h in heads[1:]:
+                if h.ops[0].stage != first.stage:
+                    raise InvalidSchedule(f"collectives out of order on group {group}: worker {heads[0].worker} "
+                                          f"posts {first} where worker {h.worker} posts {h.ops[0]}", h.worker, h.ops[0])
+            start = max([h.posted for h in heads] + [self.free.get((h.worker, ("coll", group)), 0.0) for h in heads])
+            end = start + self.costs.allreduce_time(self.s, len(members))
+            for h in heads:
+                self.reductions.append(Event(h.worker, h.ops[0], start, end))
+                self._complete(h, 0, end)
+            moved = True
+        return moved
+
+    # ------------------------------------------------------------------------------ diagnosis
+    def _deadlock(self) -> InvalidSchedule:
+        """Follow 'waits for' from a stuck host until a step repeats: that is the cycle."""
+        busy = {w for (w, _), queue in self.queues.items() if queue}
+        stuck = next(w for w in range(self.s.num_workers)
+                     if self.pc[w] < len(self.s.workers[w]) or self.blocked[w] or w in busy)
+        node, chain = ("host", stuck, None), []
+        while node not in [c[0] for c in chain]:
+            text, nxt = self._waits(node)
+            chain.append((node, text))
+            if nxt is None:
+                return InvalidSchedule(f"deadlock ({self.mode}): " + " -> ".join(t for _, t in chain), stuck)
+            node = nxt
+        start = [c[0] for c in chain].index(node)
+        cycle = " -> ".join(t for _, t in chain[start:])
+        w = chain[start][0][1]
+        return InvalidSchedule(f"deadlock ({self.mode}): wait-for cycle: {cycle}", w)
+
+    def _waits(self, node) -> tuple[str, tuple | None]:
+        kind, w, item = node
+        if kind == "host":
+            return self._host_waits(w)
+        for q in item.queues:  # not at the head of one of its queues: waits behind that head
+            head = self._head(w, q)
+            if head is not item:
+                return (f"worker {w}'s {_ops(item)} waits behind {_ops(head)} on {_qname(q)}", ("item", w, head))
+        a = next(a for i, a in enumerate(item.ops) if i not in item.matched)
+        if a.op is Op.ALLREDUCE:
+            m = next(m for m in sorted(self.members[a.group]) if self._head(m, ("coll", a.group)) is None)
+            return f"worker {w}'s {a} on group {a.group} waits for worker {m} to post it", ("host", m, None)
+        partner = self._head(a.peer, ("p2p", a.group, w))
+        if partner is None or (self.mode == "gloo" and a.op is Op.RECV):
+            return (f"worker {w}'s {a} on group {a.group} waits for worker {a.peer} to post its partner",
+                    ("host", a.peer, None))
+        return (f"worker {w}'s {a} on group {a.group} waits for worker {a.peer}, whose stream for this pair "
+                f"is at {_ops(partner)}", ("item", a.peer, partner))
+
+    def _host_waits(self, w: int) -> tuple[str, tuple | None]:
+        if self.blocked[w] is not None:
+            item = self.blocked[w]
+            return f"worker {w} blocks on {_ops(item)} (single hardware queue)", ("item", w, item)
+        if self.pc[w] < len(self.s.workers[w]):
+            a = self.s.workers[w][self.pc[w]]
+            needed = consumed_message(self.s, a)
+            item = self.posted_recv[(w, needed)]
+            q = _queue(next(r for r in item.ops if r.op is Op.RECV and r.message == needed))
+            head = self._head(w, q)
+            return f"worker {w} at {a} waits for its input ({_ops(item)})", ("item", w, head)
+        for (v, q), queue in self.queues.items():
+            if v == w and queue:
+                return f"worker {w} at the end of its list waits for {_ops(queue[0])}", ("item", w, queue[0])
+        return f"worker {w} is done", None
+
+
+def _ops(item: _Item | None) -> str:
+    if item is None:
+        return "nothing"
+    return str(item.ops[0]) if len(item.ops) == 1 else "batch [" + " ".join(map(str, item.ops)) + "]"
+
+
+def _qname(q: tuple) -> str:
+    return f"group {q[1]}" + (f" (pair with worker {q[2]})" if q[0] == "p2p" else "")

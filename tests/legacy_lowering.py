@@ -1,0 +1,34 @@
+"""The communication of the executor before lowering existed, written out as a lowered schedule:
+one process group per pipeline carrying activations down and gradients up, each send posted right
+after its producer, each receive just before its consumer, each reduction where the compute schedule
+has it. Tests show the NCCL checker and the emulated NCCL transport both reject it."""
+from __future__ import annotations
+
+from chimera_schedules.ir import Action, Op, Schedule
+from chimera_schedules.lowering import consumed_message, produced_message, source_worker
+
+
+def legacy_lower(schedule: Schedule) -> Schedule:
+    workers = []
+    for w, actions in enumerate(schedule.workers):
+        out = []
+        for a in actions:
+            if a.op is Op.REDUCE_GRADS:
+                out.append(Action(Op.ALLREDUCE, -1, a.pipeline, a.stage, group=f"stage{a.stage}"))
+                continue
+            needed = consumed_message(schedule, a)
+            if needed is not None and source_worker(schedule, needed) != w:
+                out.append(_p2p(Op.RECV, needed, source_worker(schedule, needed)))
+            out.append(a)
+            made = produced_message(schedule, a)
+            if made is not None and schedule.placement[made[1]][made[2]] != w:
+                out.append(_p2p(Op.SEND, made, schedule.placement[made[1]][made[2]]))
+        workers.append(tuple(out))
+    return Schedule(name=schedule.name + " (one group per pipeline)", stages=schedule.stages,
+                    microbatches=schedule.microbatches, placement=schedule.placement, workers=tuple(workers),
+                    chunks=schedule.chunks, microbatch_scale=schedule.microbatch_scale)
+
+
+def _p2p(op: Op, message: tuple, peer: int) -> Action:
+    kind, pipeline, stage, mb = message
+    return Action(op, mb, pipeline, stage, peer, f"p{pipeline}", kind)
