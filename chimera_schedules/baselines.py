@@ -14,8 +14,16 @@ def _single_pipeline(name: str, stages: int, microbatches: int, orders: list[lis
 
 
 def _check_common(stages: int, microbatches: int) -> None:
-    require(stages >= 1, "--stages", stages, "must be at least 1")
-    require(microbatches >= 1, "--microbatches", microbatches, "must be at least 1")
+    require(stages >= 1, "stages", stages, "must be at least 1")
+    require(microbatches >= 1, "microbatches", microbatches, "must be at least 1")
+
+
+def check_interleaved(stages: int, microbatches: int, chunks: int) -> None:
+    """Every rule an interleaved request must meet, each naming its option."""
+    _check_common(stages, microbatches)
+    require(chunks >= 1, "chunks", chunks, "must be at least 1")
+    require(microbatches % stages == 0, "microbatches", microbatches,
+            f"interleaved 1F1B needs a multiple of $stages ({stages})")
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -44,10 +52,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
     """Megatron's interleaved 1F1B: the k-th forward of a worker runs chunk (k // D) % v on micro-batch
     (k // (D v)) D + k % D; backwards walk the chunks in reverse. Warm-up: 2 (D-1-w) + (v-1) D."""
-    _check_common(stages, microbatches)
-    require(chunks >= 1, "--chunks", chunks, "must be at least 1")
-    require(microbatches % stages == 0, "--microbatches", microbatches,
-            f"interleaved 1F1B needs a multiple of --stages ({stages})")
+    check_interleaved(stages, microbatches, chunks)
     total = microbatches * chunks
 
     def unit(k: int, backward: bool) -> tuple[int, int]:

@@ -1,58 +1,72 @@
-"""One entry point from options to a validated schedule, shared by the CLI and the training program.
+"""One path from a schedule request to a validated schedule, shared by every front end.
 
 Options that do not apply to the chosen schedule are rejected rather than ignored, so a typo such as
-``--schedule 1f1b --pipelines 4`` fails loudly instead of silently describing another schedule."""
+``--schedule 1f1b --pipelines 4`` fails loudly instead of silently describing another schedule.
+Errors name ScheduleSpec fields; each front end spells them as its own flags (see ``spec.OPTIONS``)."""
 from __future__ import annotations
 
-from .baselines import gpipe, interleaved, one_f_one_b
-from .chimera import CONCATS, chimera
+import dataclasses
+
+from .baselines import check_interleaved, gpipe, interleaved, one_f_one_b
+from .chimera import check as check_chimera
+from .chimera import chimera
 from .errors import require
 from .ir import Schedule
 from .search import best_order
 from .simulator import CostModel
+from .spec import OPTION, ScheduleSpec
 from .validator import validate
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
-ORDERS = ("paper", "best")
+
+def check_options(schedule: str, given: dict) -> None:
+    """Each option in ``given`` (field -> value, None if not given) is one of its choices and applies to
+    ``schedule``. The trainer asks this on its own for the schedules that build nothing (megatron-core's,
+    or depth 1)."""
+    for field, value in given.items():
+        o = OPTION[field]
+        if value is None:
+            continue
+        if o.choices:
+            require(value in o.choices, field, value, f"must be one of {', '.join(o.choices)}")
+        require(schedule in o.schedules, field, value, o.scope_rule)
 
 
-def build(schedule: str, stages: int, microbatches: int, *, chunks: int | None = None,
-          pipelines: int | None = None, concat: str | None = None, order: str | None = None,
-          costs: CostModel | None = None) -> Schedule:
-    """The schedule the options describe, validated. ``None`` means the option was not given."""
-    require(schedule in SCHEDULES, "--schedule", schedule, f"must be one of {', '.join(SCHEDULES)}")
-    require(stages >= 1, "--stages", stages, "must be at least 1")
-    require(microbatches >= 1, "--microbatches", microbatches, "must be at least 1")
-    if costs is not None:
-        require(_positive(costs.forward), "--forward-time", costs.forward, "must be positive")
-        require(_positive(costs.backward), "--backward-time", costs.backward, "must be positive")
-    if schedule != "interleaved":
-        require(chunks in (None, 1), "--chunks", chunks, "applies to --schedule interleaved only")
-    if schedule != "chimera":
-        for option, value in (("--pipelines", pipelines), ("--concat", concat), ("--order", order)):
-            require(value is None, option, value, "applies to --schedule chimera only")
+def check(spec: ScheduleSpec) -> ScheduleSpec:
+    """Every rule the request must meet, without generating the schedule (``--order best`` takes seconds
+    to generate): the spec with its defaults filled in."""
+    check_options(spec.schedule, dataclasses.asdict(spec))
+    require(spec.stages >= 1, "stages", spec.stages, "must be at least 1")
+    require(spec.microbatches >= 1, "microbatches", spec.microbatches, "must be at least 1")
+    spec = spec.with_defaults()
+    if spec.schedule == "interleaved":
+        check_interleaved(spec.stages, spec.microbatches, spec.chunks)
+    if spec.schedule == "chimera":
+        require(spec.order == "paper" or spec.concat == "direct", "concat", spec.concat,
+                "$order best builds its own order for N = K x D; use $concat direct")
+        check_chimera(spec.stages, spec.microbatches, spec.pipelines, spec.concat)
+    return spec
 
-    if schedule == "gpipe":
-        result = gpipe(stages, microbatches)
-    elif schedule == "1f1b":
-        result = one_f_one_b(stages, microbatches)
-    elif schedule == "interleaved":
-        result = interleaved(stages, microbatches, 2 if chunks is None else chunks)
+
+def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
+    """The schedule the spec describes, validated. ``costs`` guide the orders that depend on them
+    (``--order best``, more than two Chimera pipelines)."""
+    spec = check(spec)
+    d, n = spec.stages, spec.microbatches
+    if spec.schedule == "gpipe":
+        result = gpipe(d, n)
+    elif spec.schedule == "1f1b":
+        result = one_f_one_b(d, n)
+    elif spec.schedule == "interleaved":
+        result = interleaved(d, n, spec.chunks)
+    elif spec.order == "best":
+        result = best_order(d, n, costs, spec.pipelines)
     else:
-        order = order or "paper"
-        concat = concat or "direct"
-        require(order in ORDERS, "--order", order, f"must be one of {', '.join(ORDERS)}")
-        require(concat in CONCATS, "--concat", concat, f"must be one of {', '.join(CONCATS)}")
-        if order == "best":
-            require(concat == "direct", "--concat", concat,
-                    "--order best builds its own order for N = K x D; use --concat direct")
-            result = best_order(stages, microbatches, costs, pipelines or 2)
-        else:
-            result = chimera(stages, microbatches, pipelines or 2, concat, costs)
+        result = chimera(d, n, spec.pipelines, spec.concat, costs)
     validate(result)
     return result
 
 
-def _positive(value) -> bool:
-    values = [value] if isinstance(value, (int, float)) else list(value)
-    return bool(values) and all(v > 0 for v in values)
+def build(schedule: str, stages: int, microbatches: int, *, costs: CostModel | None = None,
+          **options) -> Schedule:
+    """``build_spec(ScheduleSpec(schedule, stages, microbatches, **options), costs)``, for short calls."""
+    return build_spec(ScheduleSpec(schedule, stages, microbatches, **options), costs)

@@ -31,8 +31,7 @@ from .errors import require
 from .ir import Action, B, F, Schedule, with_grad_sync
 from .listsched import Shape, list_schedule
 from .simulator import CostModel
-
-CONCATS = ("direct", "doubling", "halving")
+from .spec import CONCATS
 
 
 def placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
@@ -51,20 +50,20 @@ def mb_pipelines(microbatches: int, pipelines: int) -> tuple[int, ...]:
 
 def check(stages: int, microbatches: int, pipelines: int = 2, concat: str = "direct") -> None:
     """Every rule a Chimera request must meet, each naming its option."""
-    require(stages >= 2 and stages % 2 == 0, "--stages", stages,
+    require(stages >= 2 and stages % 2 == 0, "stages", stages,
             "Chimera needs an even number of stages (at least 2)")
-    require(pipelines >= 2 and pipelines % 2 == 0, "--pipelines", pipelines,
+    require(pipelines >= 2 and pipelines % 2 == 0, "pipelines", pipelines,
             "Chimera needs an even number of pipelines (down and up in pairs)")
-    require((stages // 2) % (pipelines // 2) == 0, "--pipelines", pipelines,
+    require((stages // 2) % (pipelines // 2) == 0, "pipelines", pipelines,
             f"P/2 must divide D/2 = {stages // 2}")
-    require(concat in CONCATS, "--concat", concat, f"must be one of {', '.join(CONCATS)}")
-    require(microbatches >= stages and microbatches % stages == 0, "--microbatches", microbatches,
-            f"Chimera needs a multiple of --stages ({stages}): N = K x D")
+    require(concat in CONCATS, "concat", concat, f"must be one of {', '.join(CONCATS)}")
+    require(microbatches >= stages and microbatches % stages == 0, "microbatches", microbatches,
+            f"Chimera needs a multiple of $stages ({stages}): N = K x D")
     if concat == "doubling":
-        require((microbatches // stages) % 2 == 0, "--microbatches", microbatches,
+        require((microbatches // stages) % 2 == 0, "microbatches", microbatches,
                 f"forward doubling pairs basic units: needs a multiple of 2 x D = {2 * stages}")
     if pipelines > 2:
-        require(concat == "direct", "--concat", concat,
+        require(concat == "direct", "concat", concat,
                 "more than two pipelines support direct concatenation only")
 
 

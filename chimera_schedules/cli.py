@@ -7,15 +7,18 @@ schedule, 2 bad options or input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from .build import ORDERS, SCHEDULES, build
-from .chimera import CONCATS
-from .errors import InvalidSchedule, ScheduleConfigError
+from .build import build_spec
+from .errors import InvalidSchedule, ScheduleConfigError, require
 from .ir import Schedule
+from .lowering import lower
+from .nccl_model import MODES, check
 from .render import ascii_timeline, write_picture
 from .simulator import CostModel, simulate
+from .spec import OPTION, SHARED, VARIANTS, ScheduleSpec, add_arguments, variant
 from .validator import validate
 
 
@@ -27,14 +30,16 @@ class _Parser(argparse.ArgumentParser):
 def _options() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     g = common.add_argument_group("schedule")
-    g.add_argument("--schedule", default="chimera", help=f"one of {', '.join(SCHEDULES)} (default chimera)")
-    g.add_argument("--stages", "-D", type=int, default=4, help="pipeline depth D = number of workers")
-    g.add_argument("--microbatches", "-N", type=int, help="micro-batches per iteration (default D)")
-    g.add_argument("--chunks", type=int, help="model chunks per worker (interleaved; default 2)")
-    g.add_argument("--pipelines", type=int, help="Chimera pipelines, an even number (default 2)")
-    g.add_argument("--concat", help=f"Chimera for N > D: one of {', '.join(CONCATS)} (default direct)")
-    g.add_argument("--order", help=f"Chimera order: one of {', '.join(ORDERS)} (default paper)")
+    g.add_argument("--schedule", default="chimera", help=OPTION["schedule"].describe() + " (default chimera)")
+    g.add_argument("--stages", "-D", type=int, default=4, help=OPTION["stages"].describe() + " (default 4)")
+    g.add_argument("--microbatches", "-N", type=int, help=OPTION["microbatches"].describe() + " (default D)")
+    add_arguments(g, "cli", ("chunks",) + SHARED)
     g.add_argument("--file", help="read the schedule from this JSON file instead of generating it")
+    g.add_argument("--lowered", action="store_true",
+                   help="with its communication: SEND/RECV/ALLREDUCE actions, lowered as the trainer does")
+    g.add_argument("--comm", choices=MODES, help="replay the communication under these rules (implies "
+                   "--lowered): validate proves it completes (exit 1 names the wait-for cycle), show and "
+                   "stats price it")
     c = common.add_argument_group("costs (time units are arbitrary; bytes and bytes per unit)")
     c.add_argument("--forward-time", type=float, default=1.0, help="forward of one stage (default 1)")
     c.add_argument("--backward-time", type=float, default=2.0, help="backward of one stage (default 2)")
@@ -75,6 +80,8 @@ def _options() -> argparse.ArgumentParser:
 
 
 def _costs(args) -> CostModel:
+    for option, value in (("--forward-time", args.forward_time), ("--backward-time", args.backward_time)):
+        require(value > 0, option, value, "must be positive")
     return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
                      args.grad_bytes, args.data_parallel)
@@ -96,31 +103,28 @@ def _schedule(args) -> Schedule:
         schedule = _load(path, "FILE" if getattr(args, "path", None) else "--file")
         validate(schedule)
         return schedule
-    return build(args.schedule, args.stages, args.microbatches or args.stages, chunks=args.chunks,
-                 pipelines=args.pipelines, concat=args.concat, order=args.order, costs=_costs(args))
+    spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, chunks=args.chunks,
+                        pipelines=args.pipelines, concat=args.concat, order=args.order)
+    return build_spec(spec, _costs(args))
 
 
 def _compare(args) -> list[dict]:
-    """gpipe, 1f1b, interleaved, and every Chimera variant the sizes allow."""
+    """Every registered variant the sizes allow; ``--chunks`` sets the interleaved one's v."""
     d, n, costs = args.stages, args.microbatches or args.stages, _costs(args)
-    variants = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": args.chunks or 2})]
-    variants += [("chimera", {"concat": c}) for c in CONCATS] + [("chimera", {"order": "best"})]
     rows = []
-    for name, extra in variants:
+    for name in VARIANTS:
+        spec = variant(name, d, n)
+        if spec.chunks and args.chunks:
+            spec, name = dataclasses.replace(spec, chunks=args.chunks), f"{spec.schedule} v={args.chunks}"
         try:
-            schedule = build(name, d, n, costs=costs, **extra)
+            row = simulate(build_spec(spec, costs), costs).stats()
         except ScheduleConfigError as e:
-            rows.append({"schedule": name + _suffix(extra), "skipped": str(e)})
-            continue
-        row = simulate(schedule, costs).stats()
-        row["schedule"] = name + _suffix(extra)
-        rows.append(row)
+            row = {"skipped": str(e)}
+        rows.append({**row, "schedule": name})
     return rows
 
 
 def _plan(args) -> int:
-    import dataclasses
-
     from .planner import ModelShape, Profile, as_json, explain, plan
 
     for option in ("workers", "global_batch", "layers", "hidden", "heads", "seq", "vocab"):
@@ -146,10 +150,6 @@ def _plan(args) -> int:
     return 0
 
 
-def _suffix(extra: dict) -> str:
-    return "".join(f" {v}" if k != "chunks" else f" v={v}" for k, v in extra.items())
-
-
 def _table(rows: list[dict]) -> str:
     peak = max([len(str(r.get("peak_activations", ""))) for r in rows] + [24]) + 2
     lines = [f"{'schedule':<22}{'makespan':>9}{'bubble':>8}  {'peak activations (M_a)':<{peak}}weights (M_theta)"]
@@ -172,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows, indent=1) if args.json else _table(rows))
             return 0
         schedule = _schedule(args)
-        if args.command == "validate":
+        if args.lowered or args.comm:
+            schedule = lower(schedule)
+        if args.command == "validate" and args.comm:
+            check(schedule, args.comm)
+            print(f"proven: {schedule.name}, {schedule.num_workers} workers, {sum(map(len, schedule.workers))} "
+                  f"operations, every one completes under {args.comm}'s rules")
+        elif args.command == "validate":
             print(f"valid: {schedule.name}, {schedule.num_workers} workers, "
                   f"{sum(map(len, schedule.workers))} actions")
         elif args.command == "export":
@@ -183,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(text)
         elif args.command == "stats":
-            stats = simulate(schedule, _costs(args)).stats()
+            stats = simulate(schedule, _costs(args), args.comm or "nccl").stats()
             print(json.dumps(stats, indent=1) if args.json else _table([stats]))
         else:
-            result = simulate(schedule, _costs(args))
+            result = simulate(schedule, _costs(args), args.comm or "nccl")
             if args.out:
                 write_picture(result, args.out)
                 print(f"wrote {args.out}")

@@ -1,16 +1,28 @@
 """The two ways a schedule request fails, each with a one-line message a user can act on."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from string import Template
+
+from .spec import flags
+
 
 class ScheduleConfigError(ValueError):
     """An impossible request (odd depth for Chimera, N not a multiple of what the schedule needs, ...).
 
-    ``option`` is the command-line flag that carries the offending value, so the CLI and the training
-    program can both name it."""
+    ``option`` names what carries the offending value: a ScheduleSpec field (``"concat"``) when the
+    schedule library raises it, whose ``rule`` may name other fields as ``$stages``; else a front end's
+    own flag (``"--out"``). Each front end prints ``message`` with its flags, so the user reads the flag
+    they typed; ``str()`` speaks the CLI's."""
 
     def __init__(self, option: str, value, rule: str):
         self.option, self.value, self.rule = option, value, rule
-        super().__init__(f"{option}={value}: {rule}")
+        super().__init__(self.message(flags("cli")))
+
+    def message(self, names: Mapping[str, str]) -> str:
+        """One line, with every field spelled as ``names`` maps it (field -> flag)."""
+        rule = Template(self.rule).safe_substitute(names)
+        return f"{names.get(self.option, self.option)}={self.value}: {rule}"
 
 
 class InvalidSchedule(ValueError):

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .build import build
+from .build import build_spec
 from .errors import ScheduleConfigError
 from .simulator import CostModel, simulate
+from .spec import VARIANTS, variant
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Profile:
 
 @dataclass
 class Candidate:
-    schedule: str
+    schedule: str  # a name in spec.VARIANTS
     depth: int
     width: int
     micro_batch: int
@@ -89,8 +90,7 @@ class Candidate:
         return f"{self.schedule} D={self.depth} W={self.width} B={self.micro_batch} N={self.microbatches}"
 
 
-SCHEDULES = {"gpipe": {}, "1f1b": {}, "chimera direct": {"concat": "direct"},
-             "chimera doubling": {"concat": "doubling"}}
+PLANNED = ("gpipe", "1f1b", "chimera direct", "chimera doubling")  # names in spec.VARIANTS
 
 
 def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int) -> CostModel:
@@ -105,9 +105,8 @@ def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int) -
 
 
 def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate) -> Candidate:
-    name, extra = c.schedule.split(" ")[0], SCHEDULES[c.schedule]
     model = costs(shape, profile, c.depth, c.micro_batch, c.width)
-    result = simulate(build(name, c.depth, c.microbatches, **extra), model)
+    result = simulate(build_spec(variant(c.schedule, c.depth, c.microbatches)), model)
     per_stage = shape.layers // c.depth
     weights = max(result.stage_copies) * (per_stage * shape.params_per_layer + shape.embedding_params / c.depth)
     act = max(result.peak_activations) * per_stage * shape.layer_activation_bytes(c.micro_batch)
@@ -129,7 +128,7 @@ def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, 
             if global_batch % (w * b):
                 continue
             n = global_batch // (w * b)
-            for name in SCHEDULES:
+            for name in PLANNED:
                 yield Candidate(name, d, w, b, n)
 
 
@@ -149,7 +148,7 @@ def best_per_schedule(ranked: list[Candidate]) -> dict[str, Candidate]:
     out: dict[str, Candidate] = {}
     for c in ranked:
         if c.fits:
-            out.setdefault(c.schedule.split(" ")[0], c)
+            out.setdefault(VARIANTS[c.schedule]["schedule"], c)
     return out
 
 

@@ -23,6 +23,13 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
     (["--fp16"], 1, "--fp16=True: is not supported yet"),
     (["--bf16", "--distributed-backend", "gloo"], 1, "--bf16=True: needs a CUDA device"),
     (["--recompute-granularity", "full"], 1, "--recompute-method=None: --recompute-granularity full needs"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--chimera-concat", "halving"], 2,
+     "--chimera-concat=halving: applies to --pipeline-schedule chimera only"),
+    (["--chimera-pipelines", "4"], 1, "--chimera-pipelines=4: applies to --pipeline-schedule chimera only"),
+    (["--pipeline-schedule", "chimera", "--chimera-order", "fastest"], 1,
+     "--chimera-order=fastest: must be one of paper, best"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--chimera-order", "best",
+      "--chimera-concat", "doubling"], 2, "--chimera-concat=doubling: --chimera-order best builds its own order"),
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:
@@ -35,3 +42,4 @@ def test_valid_chimera_configuration_builds_its_schedule():
     args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"], world_size=8)
     assert (args.data_parallel_size, args.num_microbatches) == (2, 4)
     assert args.schedule.name == "chimera-direct" and args.schedule.microbatches == 4
+    assert len(args.schedule.placement) == 2 and args.schedule.meta["order"] == "paper"  # the defaults

@@ -2,7 +2,7 @@
 generates is valid."""
 import pytest
 
-from chimera_schedules import CostModel, build, simulate, validate
+from chimera_schedules import CostModel, ScheduleSpec, build, build_spec, simulate, validate, variant
 from chimera_schedules.chimera import chimera
 from chimera_schedules.search import best_order
 
@@ -22,13 +22,12 @@ def test_bubble_ratios_at_unit_cost(d, n):
 
 @pytest.mark.parametrize("d,n", GRID)
 def test_every_generated_schedule_is_valid(d, n):
-    variants = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("interleaved", {"chunks": 3}),
-                ("chimera", {"concat": "direct"}), ("chimera", {"concat": "halving"})]
-    if (n // d) % 2 == 0:
-        variants.append(("chimera", {"concat": "doubling"}))
-    variants += [("chimera", {"pipelines": p}) for p in (4, 8) if (d // 2) % (p // 2) == 0]
-    for name, extra in variants:
-        validate(build(name, d, n, **extra))  # build validates too; be explicit
+    names = ["gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera halving"]
+    names += ["chimera doubling"] if (n // d) % 2 == 0 else []
+    specs = [variant(name, d, n) for name in names] + [ScheduleSpec("interleaved", d, n, chunks=3)]
+    specs += [ScheduleSpec("chimera", d, n, pipelines=p) for p in (4, 8) if (d // 2) % (p // 2) == 0]
+    for spec in specs:
+        validate(build_spec(spec))  # build_spec validates too; be explicit
 
 
 def test_figure_one_makespans():

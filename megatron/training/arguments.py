@@ -10,18 +10,14 @@ import sys
 
 import torch
 
-from chimera_schedules import ScheduleConfigError, build
+from chimera_schedules import ScheduleConfigError, ScheduleSpec, build_spec
+from chimera_schedules.build import check_options
 from chimera_schedules.errors import require
+from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
 
 from .tokenizer import build_tokenizer, padded_vocab_size
 
-OUR_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
-
-# Schedule-library options, as the training program's flags name them.
-_FLAG_OF = {"--stages": "--pipeline-model-parallel-size", "--microbatches": "--global-batch-size",
-            "--pipelines": "--chimera-pipelines", "--concat": "--chimera-concat", "--order": "--chimera-order",
-            "--chunks": "--num-layers-per-virtual-pipeline-stage"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,13 +87,14 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    par.add_argument("--emulate-nccl", action="store_true",
+                     help="CPU only: run p2p over gloo under NCCL's rules (in-order streams per pair and group, "
+                          "sends that wait for their receive), to try a layout before a GPU job")
     par.add_argument("--p2p-host-staging", action="store_true",
                      help="GPU compute, gloo communication through host memory: several ranks on one GPU")
-    par.add_argument("--pipeline-schedule", choices=OUR_SCHEDULES + MEGATRON_SCHEDULES,
+    par.add_argument("--pipeline-schedule", choices=SCHEDULES + MEGATRON_SCHEDULES,
                      help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
-    par.add_argument("--chimera-pipelines", type=int, default=2)
-    par.add_argument("--chimera-concat", choices=("direct", "doubling", "halving"), default="direct")
-    par.add_argument("--chimera-order", choices=("paper", "best"), default="paper")
+    add_arguments(par, "trainer")
     return p
 
 
@@ -108,7 +105,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     try:
         _validate(args)
     except ScheduleConfigError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        print(f"pretrain_gpt.py: error: {e.message(flags('trainer'))}", file=sys.stderr)
         raise SystemExit(2) from None
     return args
 
@@ -138,6 +135,9 @@ def _validate(args) -> None:
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
     require(not args.fp16, "--fp16", True, "is not supported yet (fp16 needs loss scaling); use --bf16 on a GPU")
+    require(not args.emulate_nccl or args.distributed_backend != "nccl" and not args.p2p_host_staging
+            and not torch.cuda.is_available(), "--emulate-nccl", True,
+            "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
     on_gpu = torch.cuda.is_available() and (args.distributed_backend != "gloo" or args.p2p_host_staging)
@@ -159,6 +159,7 @@ def _validate(args) -> None:
 
     if args.pipeline_schedule is None:
         args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
+    check_options(args.pipeline_schedule, _given(args))
     chunks = 1
     if args.pipeline_schedule in ("interleaved", "megatron-interleaved"):
         v = args.num_layers_per_virtual_pipeline_stage
@@ -180,7 +181,7 @@ def _validate(args) -> None:
     if args.chimera_concat == "halving":
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
-    args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in OUR_SCHEDULES else None
+    args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in SCHEDULES else None
     if args.load:
         _validate_checkpoint(args)
 
@@ -228,19 +229,37 @@ def _validate_data(args) -> None:
                 "must be positive with the NullTokenizer")
 
 
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _given(args) -> dict:
+    """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
+    return {field: getattr(args, _dest(OPTION[field].trainer)) for field in SHARED}
+
+
 def _schedule(args, chunks: int):
-    options = {}
-    if args.pipeline_schedule == "interleaved":
-        options["chunks"] = chunks
-    if args.pipeline_schedule == "chimera":
-        options = {"pipelines": args.chimera_pipelines, "concat": args.chimera_concat, "order": args.chimera_order}
+    """Our executor's schedule. A library error about a value the trainer derives (micro-batches from
+    --global-batch-size) names the flag the user gave, and says what it gives."""
+    spec = ScheduleSpec(args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches,
+                        chunks=chunks if args.pipeline_schedule == "interleaved" else None, **_given(args))
     try:
-        return build(args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches, **options)
+        return build_spec(spec)
     except ScheduleConfigError as e:
-        flag = _FLAG_OF.get(e.option, e.option)
-        value = {"--microbatches": args.global_batch_size}.get(e.option, e.value)
-        rule = e.rule
-        if e.option == "--microbatches":
-            rule = (f"gives {args.num_microbatches} micro-batches per pipeline replica "
-                    f"(global batch / (micro-batch size x data-parallel size)); {e.rule}")
-        raise ScheduleConfigError(flag, value, rule) from None
+        option = OPTION.get(e.option)
+        if option is None or not option.trainer_derives:
+            raise
+        rule = f"gives {e.value} {option.trainer_derives}; {e.rule}"
+        raise ScheduleConfigError(option.trainer, getattr(args, _dest(option.trainer)), rule) from None
+
+
+def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
+    """The flags that make the trainer build ``spec`` for a model of ``num_layers``, given a global batch
+    that gives its micro-batches (the benchmark runs the registry's variants with these)."""
+    out = ["--pipeline-model-parallel-size", str(spec.stages), "--pipeline-schedule", spec.schedule]
+    if spec.chunks:
+        out += [OPTION["chunks"].trainer, str(num_layers // (spec.stages * spec.chunks))]
+    for field in SHARED:
+        if getattr(spec, field) is not None:
+            out += [OPTION[field].trainer, str(getattr(spec, field))]
+    return out

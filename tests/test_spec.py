@@ -1,0 +1,60 @@
+"""One table of schedule options for every front end: the CLI and the trainer add the same options from
+it, name their own flags in the same errors, and build the registry's variants the same way."""
+import argparse
+
+import pytest
+
+from chimera_schedules import ScheduleConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
+from chimera_schedules.cli import _options as cli_parser
+from chimera_schedules.spec import OPTION, OPTIONS, SHARED, flags
+from megatron.training.arguments import _parser as trainer_parser
+from megatron.training.arguments import parse_args, schedule_flags
+
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+
+
+def actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every flag of a parser and of its sub-commands -> its action."""
+    out = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out.update(actions(sub))
+        out.update({flag: action for flag in action.option_strings})
+    return out
+
+
+def test_both_front_ends_take_every_option_and_share_choices_defaults_and_help():
+    cli, trainer = actions(cli_parser()), actions(trainer_parser())
+    for option in OPTIONS:
+        assert option.cli in cli and option.trainer in trainer
+    for field in SHARED:
+        ours, theirs = cli[OPTION[field].cli], trainer[OPTION[field].trainer]
+        assert (ours.type, ours.choices, ours.default, ours.help) == \
+            (theirs.type, theirs.choices, theirs.default, theirs.help)
+        assert ours.default is None and ours.help == OPTION[field].describe()
+
+
+def test_an_error_names_each_front_ends_own_flags():
+    with pytest.raises(ScheduleConfigError) as info:
+        build("1f1b", 4, 4, concat="halving")
+    assert info.value.option == "concat"
+    assert info.value.message(flags("cli")) == "--concat=halving: applies to --schedule chimera only"
+    assert info.value.message(flags("trainer")) == \
+        "--chimera-concat=halving: applies to --pipeline-schedule chimera only"
+
+
+def test_check_fills_in_the_defaults_of_the_options_the_schedule_takes():
+    assert check(ScheduleSpec("chimera", 4, 4)) == ScheduleSpec("chimera", 4, 4, pipelines=2, concat="direct",
+                                                                 order="paper")
+    assert check(ScheduleSpec("interleaved", 4, 4)) == ScheduleSpec("interleaved", 4, 4, chunks=2)
+    assert check(ScheduleSpec("1f1b", 4, 4)) == ScheduleSpec("1f1b", 4, 4)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "chimera best"])  # best: seconds of search
+def test_the_trainer_builds_each_variant_as_the_library_does(name):
+    spec = variant(name, 2, 4)  # global batch 8 / micro-batch 2 = 4 micro-batches on one pipeline
+    args = parse_args(MODEL + schedule_flags(spec, num_layers=8), world_size=2)
+    assert args.schedule == build_spec(spec)
