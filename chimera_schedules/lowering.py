@@ -30,7 +30,7 @@ from .ir import Action, Op, Schedule
 from .simulator import CostModel, replay
 
 ORDER_COSTS = CostModel(forward=1.0, backward=2.0)  # for the posting order only, never for timing
-RECV_BUFFERS = 2
+RECV_BUFFERS = 3
 _KIND_RANK = {"act": 0, "grad": 1}
 
 

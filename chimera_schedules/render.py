@@ -43,6 +43,10 @@ def ascii_timeline(result: SimResult) -> str:
     backwards as their label followed by '=', bubbles as '.'."""
     durations = [e.end - e.start for e in result.events if e.end > e.start]
     quantum = min(durations) if durations else 1.0
+    for _ in range(4):  # a grid on which every start falls (transfer delays shift starts off it)
+        if all(abs(e.start / quantum - round(e.start / quantum)) < 1e-6 for e in result.events):
+            break
+        quantum /= 2
     labels = {id(e): label(result, e) for e in result.events}
     cell = max(map(len, labels.values()), default=2) + 1
     width = int(math.ceil(result.makespan / quantum - 1e-9))
@@ -61,7 +65,16 @@ def ascii_timeline(result: SimResult) -> str:
     stats = result.stats()
     footer = (f"peak activations {stats['peak_activations']}  stage copies {stats['stage_copies']}  "
               f"(label = op, micro-batch, direction; '=' continues a backward; '.' is a bubble)")
-    return "\n".join([_title(result), ruler, *rows, footer])
+    return "\n".join([_title(result), ruler, *rows, footer, *_posting_order(result)])
+
+
+def _posting_order(result: SimResult) -> list[str]:
+    """For a lowered schedule: what each worker posts, in order (tokens as in ir.py)."""
+    s = result.schedule
+    if not s.lowered:
+        return []
+    return ["posting order (sA = send activation, rG = receive gradient, > to / < from worker, @ group, "
+            "AR = all-reduce):"] + [f"P{w:<3}| {s.tokens(w)}" for w in range(s.num_workers)]
 
 
 @dataclass(frozen=True)
@@ -74,17 +87,24 @@ class _Box:
     text: str
 
 
+_TRANSFER_COLOURS = {"act": "#4a4a8a", "grad": "#8a4a4a"}
+
+
 def _boxes(result: SimResult) -> tuple[list[_Box], float, float]:
-    """Layout in time units (x) and rows (y): compute boxes per worker, reductions as a thin grey bar
-    under the row. Returns boxes, total width, total height."""
+    """Layout in time units (x) and rows (y): compute boxes per worker; under the row, incoming
+    transfers of a lowered schedule (dark blue: activations, dark red: gradients) and reductions (grey)
+    as thin bars. Returns boxes, total width, total height."""
     boxes = []
     for e in result.events:
         fwd, bwd = _COLOURS[e.action.pipeline % len(_COLOURS)]
         fill = fwd if e.action.op is Op.FORWARD else bwd
-        boxes.append(_Box(e.start, e.worker, e.end - e.start, 0.8, fill, str(e.action.mb)))
+        boxes.append(_Box(e.start, e.worker, e.end - e.start, 0.74, fill, str(e.action.mb)))
+    for e in result.transfers:
+        if e.action.op is Op.RECV and e.end > e.start:
+            boxes.append(_Box(e.start, e.worker + 0.76, e.end - e.start, 0.09, _TRANSFER_COLOURS[e.action.kind], ""))
     for e in result.reductions:
         if e.end > e.start:
-            boxes.append(_Box(e.start, e.worker + 0.82, e.end - e.start, 0.12, "#888888", ""))
+            boxes.append(_Box(e.start, e.worker + 0.86, e.end - e.start, 0.09, "#888888", ""))
     return boxes, max(result.makespan, 1e-9), result.schedule.num_workers
 
 
@@ -152,19 +172,21 @@ def png_timeline(result: SimResult, path: str) -> None:
 
 
 def perfetto_trace(result: SimResult, us_per_unit: float = 1000.0) -> dict:
-    """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one thread per worker
-    for compute, one per worker for gradient reductions. One time unit = ``us_per_unit`` microseconds."""
+    """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): per worker one thread for
+    compute, one for gradient reductions and, for a lowered schedule, one for p2p transfers (each named
+    by its action: direction, message, peer and group). One time unit = ``us_per_unit`` microseconds."""
     events = []
     for w in range(result.schedule.num_workers):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * w, "args": {"name": f"worker {w}"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * w + 1,
-                       "args": {"name": f"worker {w} grad sync"}})
-    for kind, items, offset in (("compute", result.events, 0), ("sync", result.reductions, 1)):
+        for offset, name in enumerate(("", " grad sync", " p2p")):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 3 * w + offset,
+                           "args": {"name": f"worker {w}{name}"}})
+    for kind, items, offset in (("compute", result.events, 0), ("sync", result.reductions, 1),
+                                ("p2p", result.transfers, 2)):
         for e in items:
             a = e.action
-            events.append({"ph": "X", "name": str(a), "cat": kind, "pid": 0, "tid": 2 * e.worker + offset,
+            events.append({"ph": "X", "name": str(a), "cat": kind, "pid": 0, "tid": 3 * e.worker + offset,
                            "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit,
-                           "args": {"op": a.op.value, "mb": a.mb, "pipeline": a.pipeline, "stage": a.stage}})
+                           "args": a.to_json()})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": _title(result)}}
 
 

@@ -7,7 +7,7 @@ Rules, in the order they are checked (the first violation is reported with its w
 3. no duplicated action;
 4. each micro-batch belongs to exactly one pipeline;
 5. completeness: every (pipeline, stage, micro-batch) has one forward and one backward (a B, or an
-   I and a W);
+   I and a W), unless the schedule has no backward at all (evaluation's forward-only lists);
 6. local order: a backward after its forward, W after its I, a gradient reduction after the last
    backward of its stage copy;
 7. no deadlock: replaying every worker's list in order (sends never block) finishes; otherwise the
@@ -85,6 +85,7 @@ def _check_actions(s: Schedule) -> dict[int, int]:
 
 def _check_complete(s: Schedule, pipeline_of: dict[int, int]) -> None:
     present = {(a.op, a.mb, a.pipeline, a.stage) for actions in s.workers for a in actions}
+    forward_only = all(op is Op.FORWARD for op, *_ in present)
     for m in range(s.microbatches):
         if m not in pipeline_of:
             raise InvalidSchedule(f"dropped action: micro-batch {m} is never run")
@@ -99,7 +100,7 @@ def _check_complete(s: Schedule, pipeline_of: dict[int, int]) -> None:
             has_w = (Op.BACKWARD_WEIGHT, m, p, stage) in present
             if has_b and (has_i or has_w):
                 raise InvalidSchedule(f"micro-batch {m} pipeline {p} stage {stage} has both B and I/W", w)
-            if not has_b and not (has_i and has_w):
+            if not has_b and not (has_i and has_w) and not forward_only:
                 raise InvalidSchedule(f"dropped action: no backward B{m}p{p}s{stage}", w)
 
 

@@ -57,6 +57,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         return {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS}
     if world == 2:
         out = {k: ("tied-learned", v) for k, v in schedule_cases(2).items()}
+        out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
         out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                                                         "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
         return out
@@ -64,6 +65,8 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
     chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
     out = {k: ("tied-learned", v) for k, v in schedule_cases(4).items()}
     out.update({
+        "chimera direct D=4 emulated NCCL": ("tied-learned", chimera4 + ["--emulate-nccl"]),
+        "chimera best D=4 emulated NCCL": ("tied-learned", chimera4 + ["--chimera-order", "best", "--emulate-nccl"]),
         "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
         "chimera D=2 DP=2": ("tied-learned", chimera2),
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),

@@ -61,6 +61,8 @@ RULES = [  # (flags, world size, what the one line must say)
     (["--lr", "-0.1"], 1, "--lr=-0.1: must not be negative"),
     (["--save-interval", "0"], 1, "--save-interval=0: must be positive"),
     (["--pipeline-schedule", "zigzag"], 1, "argument --pipeline-schedule: invalid choice: 'zigzag'"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--chimera-concat", "halving"], 2,
+     "--chimera-concat=halving: applies to --pipeline-schedule chimera only"),
 ]
 
 
@@ -143,7 +145,7 @@ def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
 
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
     rt = setup_parallel(args, "gloo", torch.device("cpu"))
-    groups = [*rt.p2p_groups, *(g for g in rt.stage_groups.values() if g is not None),
+    groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
               parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
               parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]
     assert [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups] == [30.0] * len(groups)

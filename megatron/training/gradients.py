@@ -22,8 +22,9 @@ def _grads(params) -> list[torch.Tensor]:
 
 
 class ReplicaGradSync:
-    """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over its
-    stage's replica group (eager sync, while the worker computes on); ``finish`` waits for them, then
+    """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over the
+    group the lowered schedule names, its stage's replica group (eager sync, while the worker computes
+    on); ``finish`` waits for them, then
     sums the tied word embedding over all of its copies (input embeddings and output layers)."""
 
     def __init__(self, chunks: dict, runtime):
@@ -34,9 +35,8 @@ class ReplicaGradSync:
         self.params = {key: [p for p in c.parameters() if id(p) not in shared_ids] for key, c in chunks.items()}
         self.pending: list = []
 
-    def start(self, pipeline: int, stage: int) -> None:
+    def start(self, pipeline: int, stage: int, group) -> None:
         grads = _grads(self.params[(pipeline, stage)])
-        group = self.rt.stage_groups.get(stage)
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
@@ -60,8 +60,8 @@ class ReplicaGradSync:
 
     def reduce_all(self) -> None:
         """For schedules that do not post R actions themselves (megatron-core's): reduce everything."""
-        for key in self.chunks:
-            self.start(*key)
+        for pipeline, stage in self.chunks:
+            self.start(pipeline, stage, self.rt.stage_groups.get(stage))
         self.finish()
 
 

@@ -2,7 +2,8 @@
 
 megatron-core owns tensor- and data-parallel groups and its own (down-direction) pipeline group.
 On top of it, derived from the schedule's placement for any schedule:
-- one p2p group per pipeline (direction), ranks in stage order;
+- the p2p groups the lowered schedule names: per pipeline one for activations and one for
+  gradients (lowering.py explains why two), ranks in stage order;
 - one replica group per model stage: every rank holding a copy of it, in any pipeline and any
   data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
 - the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from chimera_schedules import Schedule
+from chimera_schedules.lowering import act_group, grad_group
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Runtime:
     worker: int
     placement: tuple[tuple[int, ...], ...]
     held: list[tuple[int, int]]
-    p2p_groups: list = field(default_factory=list)
+    p2p_groups: dict = field(default_factory=dict)  # lowered group name -> process group
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
@@ -126,9 +128,10 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
     for t in range(tp):
         for d in range(dp):
             for p, row in enumerate(placement):
-                group = new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
-                if (t, d) == (tp_rank, dp_rank):
-                    rt.p2p_groups.append(group)
+                for name in (act_group(p), grad_group(p)):
+                    group = new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
+                    if (t, d) == (tp_rank, dp_rank):
+                        rt.p2p_groups[name] = group
         for s in range(stages):
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
             group = new_group(ranks) if len(ranks) > 1 else None

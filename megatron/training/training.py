@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from chimera_schedules import ScheduleConfigError
 from chimera_schedules.executor import PipelineFault, Transport, make_forward_backward
+from chimera_schedules.lowering import lower, stage_group
+from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
@@ -66,6 +68,14 @@ def _test_poison_gradients(iteration: int, models) -> None:
         next(p for m in models for p in m.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
 
+def _p2p(args, backend: str):
+    """gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not (see TorchP2P)."""
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if args.emulate_nccl:
+        return EmulatedNCCL(timeout)
+    return TorchP2P(None if backend == "nccl" else timeout)
+
+
 class Trainer:
     """Everything one rank needs to train: model chunks, optimizer, schedule function, data.
     ``tracer(action, start, end)`` sees every forward and backward of our schedules (benchmarks)."""
@@ -89,9 +99,10 @@ class Trainer:
         self.scheduler = _scheduler(args, self.optimizer)
         schedule = args.schedule
         if schedule is not None:
-            transport = Transport(rt.worker, rt.worker_ranks, rt.p2p_groups, device, torch.float32, rt.comm_device,
-                                  timedelta(minutes=args.distributed_timeout_minutes))
-            self.forward_backward = make_forward_backward(schedule, transport, self.sync, tracer)
+            groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
+            self.transport = Transport(rt.worker, rt.worker_ranks, groups, device, torch.float32,
+                                       _p2p(args, backend), rt.comm_device)
+            self.forward_backward = make_forward_backward(lower(schedule), self.transport, self.sync, tracer)
             self.num_microbatches = schedule.microbatches
             scale = schedule.microbatch_scale
         else:
