@@ -164,7 +164,8 @@ class _Run:
 
     def __init__(self, schedule, transport, chunk, data, forward_step_func, shape, num_microbatches, forward_only):
         self.s, self.t, self.chunk, self.data = schedule, transport, chunk, data
-        self.forward_step_func, self.num_microbatches, self.forward_only = forward_step_func, num_microbatches, forward_only
+        self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
+        self.forward_only = forward_only
         self.messages = _Messages(transport, shape)
         self.per_token = getattr(next(iter(chunk.values())).config, "calculate_per_token_loss", False)
         self.last = schedule.stages_per_pipeline - 1

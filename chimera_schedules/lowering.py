@@ -24,7 +24,7 @@ its send moving with it so both ends keep the same key.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .ir import Action, Op, Schedule
 from .simulator import CostModel, replay
@@ -114,9 +114,7 @@ def lower(schedule: Schedule, buffers: int = RECV_BUFFERS) -> Schedule:
         posts += [(m.order(keys[m]), m.action(Op.SEND)) for m in messages if m.src == w]
         posts += [(m.order(keys[m]), m.action(Op.RECV)) for m in messages if m.dst == w]
         workers.append(tuple(a for _, a in sorted(posts, key=lambda kv: kv[0])))
-    return Schedule(name=schedule.name, stages=schedule.stages, microbatches=schedule.microbatches,
-                    placement=schedule.placement, workers=tuple(workers), chunks=schedule.chunks,
-                    microbatch_scale=schedule.microbatch_scale, meta=schedule.meta)
+    return replace(schedule, workers=tuple(workers))
 
 
 def _messages(schedule: Schedule, times: dict) -> list[Message]:
@@ -171,15 +169,11 @@ def forward_only(lowered: Schedule) -> Schedule:
     """What evaluation posts: the forwards and their activations, in the same relative order (a
     subsequence of a consistent order is consistent)."""
     keep = lambda a: a.op is Op.FORWARD or (a.op in (Op.SEND, Op.RECV) and a.kind == "act")  # noqa: E731
-    return Schedule(name=lowered.name, stages=lowered.stages, microbatches=lowered.microbatches,
-                    placement=lowered.placement, workers=tuple(tuple(filter(keep, w)) for w in lowered.workers),
-                    chunks=lowered.chunks, microbatch_scale=lowered.microbatch_scale, meta=lowered.meta)
+    return replace(lowered, workers=tuple(tuple(filter(keep, w)) for w in lowered.workers))
 
 
 def compute_part(lowered: Schedule) -> Schedule:
     """The compute schedule inside a lowered one (ALLREDUCE back to R), for the compute validator."""
     workers = tuple(tuple(Action(Op.REDUCE_GRADS, -1, a.pipeline, a.stage) if a.op is Op.ALLREDUCE else a
                           for a in w if a.op not in (Op.SEND, Op.RECV)) for w in lowered.workers)
-    return Schedule(name=lowered.name, stages=lowered.stages, microbatches=lowered.microbatches,
-                    placement=lowered.placement, workers=workers, chunks=lowered.chunks,
-                    microbatch_scale=lowered.microbatch_scale, meta=lowered.meta)
+    return replace(lowered, workers=workers)

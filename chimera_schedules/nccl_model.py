@@ -186,9 +186,10 @@ class _Replay:
         while self.pc[w] < len(actions) and self.blocked[w] is None:
             a = actions[self.pc[w]]
             if a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE):
-                ops = [a]
-                while a.batch >= 0 and self.pc[w] + len(ops) < len(actions) and actions[self.pc[w] + len(ops)].batch == a.batch:
-                    ops.append(actions[self.pc[w] + len(ops)])
+                ops, nxt = [a], self.pc[w] + 1
+                while a.batch >= 0 and nxt < len(actions) and actions[nxt].batch == a.batch:
+                    ops.append(actions[nxt])
+                    nxt += 1
                 self._post(w, ops)
                 self.pc[w] += len(ops)
             elif not self._compute(w, a):
@@ -221,7 +222,8 @@ class _Replay:
             elif a.op is Op.SEND and self.mode == "gloo":  # buffered: complete at once
                 self.sent.setdefault((a.group, w, a.peer), deque()).append((a, self.time[w]))
                 self._complete(item, i, self.time[w])
-        if self.mode == "nccl-single-queue" and item.end is None:
+        collective_on_host = ops[0].op is Op.ALLREDUCE and self.costs.collectives_use_compute
+        if (self.mode == "nccl-single-queue" or collective_on_host) and item.end is None:
             self.blocked[w] = item
 
     # ------------------------------------------------------------------------------ matching
@@ -355,7 +357,8 @@ class _Replay:
     def _host_waits(self, w: int) -> tuple[str, tuple | None]:
         if self.blocked[w] is not None:
             item = self.blocked[w]
-            return f"worker {w} blocks on {_ops(item)} (single hardware queue)", ("item", w, item)
+            why = "single hardware queue" if self.mode == "nccl-single-queue" else "a collective on the host"
+            return f"worker {w} blocks on {_ops(item)} ({why})", ("item", w, item)
         if self.pc[w] < len(self.s.workers[w]):
             a = self.s.workers[w][self.pc[w]]
             needed = consumed_message(self.s, a)

@@ -35,6 +35,9 @@ class TorchP2P:
         else:
             work.wait(self.timeout)
 
+    def close(self) -> None:
+        pass
+
 
 _DATA, _CLEAR_TO_SEND = 1, 2  # gloo tags
 
@@ -64,6 +67,12 @@ class EmulatedNCCL:
         if work.error is not None:
             raise RuntimeError(f"emulated NCCL: {work.error}")
 
+    def close(self) -> None:
+        """End the stream threads (they hold their process groups)."""
+        for ops in self.streams.values():
+            ops.put(None)
+        self.streams.clear()
+
     def _enqueue(self, kind: str, tensor: torch.Tensor, rank: int, group) -> "_Pending":
         key = (id(group), rank)
         if key not in self.streams:
@@ -75,8 +84,7 @@ class EmulatedNCCL:
 
     def _stream(self, ops: queue.Queue, rank: int, group) -> None:
         ticket = torch.zeros(1)
-        while True:
-            work = ops.get()
+        while (work := ops.get()) is not None:
             try:
                 if work.kind == "send":
                     dist.irecv(ticket, rank, group=group, tag=_CLEAR_TO_SEND).wait(self.timeout)

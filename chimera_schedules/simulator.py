@@ -24,7 +24,10 @@ class CostModel:
     costs a 1/v share of that; a half-size micro-batch half of it.
 
     All-reduce: Rabenseifner, 2 log2(r) alpha + 2 (r-1)/r beta L, over r = copies x data_parallel,
-    with L = ``grad_bytes`` of one 1F1B stage and beta = 1 / ``allreduce_bandwidth``."""
+    with L = ``grad_bytes`` of one 1F1B stage and beta = 1 / ``allreduce_bandwidth``.
+    ``collectives_use_compute``: an all-reduce occupies the worker's compute while it runs, as gloo's
+    host-side reduction does when each rank has one core (lowered schedules only); on a GPU, NCCL's
+    collectives overlap compute."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
@@ -35,6 +38,7 @@ class CostModel:
     allreduce_bandwidth: float = math.inf
     grad_bytes: float = 0.0
     data_parallel: int = 1
+    collectives_use_compute: bool = False
 
     def compute_time(self, schedule: Schedule, action: Action) -> float:
         per_stage = self.forward if action.op is Op.FORWARD else self.backward

@@ -148,6 +148,7 @@ def main() -> None:
             torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()}},
                        os.path.join(out, f"ref_{variant}.pt"))
             results[name] = {"losses": losses, "eval": eval_loss}
+            trainer.close()
             continue
         ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
         model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp)
@@ -157,6 +158,7 @@ def main() -> None:
             "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
         }
+        trainer.close()
         if dist.get_rank() == 0:
             print(f"{name}: loss_rel {results[name]['loss_rel']:.2e} weight_rel {model_rel:.2e} "
                   f"worst tensor {tensor_rel:.2e}", flush=True)

@@ -4,6 +4,8 @@ after its producer, each receive just before its consumer, each reduction where 
 has it. Tests show the NCCL checker and the emulated NCCL transport both reject it."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from chimera_schedules.ir import Action, Op, Schedule
 from chimera_schedules.lowering import consumed_message, produced_message, source_worker
 
@@ -24,9 +26,7 @@ def legacy_lower(schedule: Schedule) -> Schedule:
             if made is not None and schedule.placement[made[1]][made[2]] != w:
                 out.append(_p2p(Op.SEND, made, schedule.placement[made[1]][made[2]]))
         workers.append(tuple(out))
-    return Schedule(name=schedule.name + " (one group per pipeline)", stages=schedule.stages,
-                    microbatches=schedule.microbatches, placement=schedule.placement, workers=tuple(workers),
-                    chunks=schedule.chunks, microbatch_scale=schedule.microbatch_scale)
+    return replace(schedule, name=schedule.name + " (one group per pipeline)", workers=tuple(workers))
 
 
 def _p2p(op: Op, message: tuple, peer: int) -> Action:

@@ -181,7 +181,8 @@ def test_export_lowered_round_trips_through_validate(capsys, tmp_path):
     obj = json.loads(path.read_text())
     sends = [a for w in obj["workers"] for a in w if a["op"] == "SEND"]
     assert sends and set(sends[0]) == {"op", "peer", "group", "kind", "mb", "pipeline", "stage"}
-    assert any(a["op"] == "ALLREDUCE" and set(a) == {"op", "group", "pipeline", "stage"} for w in obj["workers"] for a in w)
+    reductions = [a for w in obj["workers"] for a in w if a["op"] == "ALLREDUCE"]
+    assert reductions and all(set(a) == {"op", "group", "pipeline", "stage"} for a in reductions)
     code, out, _ = run(capsys, "validate", "--comm", "nccl", str(path))
     assert code == 0 and "proven" in out
     assert Schedule.from_json(obj) == lower(build("chimera", 4, 8))
@@ -190,3 +191,12 @@ def test_export_lowered_round_trips_through_validate(capsys, tmp_path):
 def test_validate_comm_with_options_lowers_as_the_trainer_does(capsys):
     code, out, _ = run(capsys, "validate", "--comm", "nccl-single-queue", "--schedule", "1f1b", "-D", "2", "-N", "4")
     assert code == 0 and "proven" in out
+
+
+def test_collectives_that_use_the_compute_core_are_not_hidden_behind_compute():
+    """gloo on one core per rank: an all-reduce overlapping a backward delays it."""
+    schedule = lower(build("chimera", 2, 2))
+    overlapped = simulate(schedule, CostModel(1.0, 2.0, allreduce_latency=1.0), "gloo")
+    on_core = simulate(schedule, CostModel(1.0, 2.0, allreduce_latency=1.0, collectives_use_compute=True), "gloo")
+    assert on_core.makespan > overlapped.makespan
+    assert on_core.busy == overlapped.busy

@@ -47,14 +47,16 @@ class ReplicaGradSync:
         for work, flat, grads in self.pending:
             if work is not None:
                 work.wait()
-            flat /= self.rt.dp
+            if self.rt.dp > 1:
+                flat /= self.rt.dp
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
         self.pending.clear()
         if self.shared:
             total = torch.stack(_grads(self.shared)).sum(0)
             self.rt.all_reduce(total, group=self.rt.embedding_group)
-            total /= self.rt.dp
+            if self.rt.dp > 1:
+                total /= self.rt.dp
             for p in self.shared:
                 p.grad.copy_(total)
 

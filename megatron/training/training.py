@@ -25,7 +25,7 @@ from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
-from .parallel import init_distributed, setup_parallel
+from .parallel import init_distributed, release_groups, setup_parallel
 
 
 def print_rank_last(message: str) -> None:
@@ -97,7 +97,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(_param_groups(params), lr=args.lr, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.scheduler = _scheduler(args, self.optimizer)
-        schedule = args.schedule
+        schedule, self.transport = args.schedule, None
         if schedule is not None:
             groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
             self.transport = Transport(rt.worker, rt.worker_ranks, groups, device, torch.float32,
@@ -120,6 +120,14 @@ class Trainer:
                                       max(evals, 1) * args.global_batch_size)
         self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
         self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
+
+    def close(self) -> None:
+        """Free the process groups and communication threads, for a process that builds more trainers."""
+        if self.transport is not None:
+            self.transport.p2p.close()
+            self.transport = None
+        self.forward_backward = None
+        release_groups(self.rt)
 
     def _run(self, source, iteration: int, forward_only: bool) -> float:
         reports = self.forward_backward(
