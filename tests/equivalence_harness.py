@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training import Trainer, parse_args  # noqa: E402
+from megatron.training.model import is_gated, tp_shard  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 ITERS = 3
@@ -34,7 +35,11 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
          "--disable-bias-linear"]
 VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weights"],
-            "rope": ["--position-embedding-type", "rope"]}
+            "rope": ["--position-embedding-type", "rope"],
+            # Llama's architecture flags as Megatron-LM's Llama recipes spell them (biases are off for all)
+            "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--group-query-attention",
+                      "--num-query-groups", "2", "--use-rotary-position-embeddings", "--no-position-embedding",
+                      "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-5"]}
 
 
 def schedule_cases(d: int) -> dict[str, list[str]]:
@@ -72,6 +77,8 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera untied D=4": ("untied", chimera4),
         "chimera rope D=4": ("rope", chimera4),
+        "chimera llama D=4": ("llama", chimera4),
+        "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                                                           "--pipeline-schedule", "megatron-interleaved",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -93,7 +100,7 @@ def copies_identical(trainer) -> bool:
     return all(seen.setdefault(k, d) == d for per_rank in gathered for k, d in per_rank.items())
 
 
-def compare_weights(weights: dict, reference: dict, tp: int) -> tuple[float, float]:
+def compare_weights(weights: dict, reference: dict, tp: int, args) -> tuple[float, float]:
     """(relative error of the whole model, worst relative error of one tensor), each logical tensor
     (global name and TP shard) counted once however many copies the layout holds. Whole-model is the
     criterion: AdamW turns ~1e-10 rounding differences in elements whose gradient is near its eps
@@ -102,7 +109,7 @@ def compare_weights(weights: dict, reference: dict, tp: int) -> tuple[float, flo
     for (gname, tp_rank), w in weights.items():
         full = reference[gname]
         dim = next((d for d in range(full.dim()) if full.shape[d] != w.shape[d]), None)
-        expected = full if dim is None else full.chunk(tp, dim)[tp_rank]
+        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(args, gname))
         mine[(gname, tp_rank)] = ((w - expected).double().pow(2).sum().item(), expected.double().pow(2).sum().item())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -151,7 +158,7 @@ def main() -> None:
             trainer.close()
             continue
         ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
-        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp)
+        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.args)
         results[name] = {
             "losses": losses, "reference": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),

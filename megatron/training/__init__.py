@@ -1,5 +1,11 @@
 """Our training program, beside megatron-core in the ``megatron`` namespace package."""
-from .arguments import parse_args
-from .training import Trainer, pretrain
+import warnings
+
+# megatron-core warns at import, once per module, that Transformer Engine and apex are missing; on a
+# CPU (where they never are) that was most of a run's output. The README says which parts are local.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")
+from .arguments import parse_args  # noqa: E402
+from .training import Trainer, pretrain  # noqa: E402
 
 __all__ = ["parse_args", "Trainer", "pretrain"]

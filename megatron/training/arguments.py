@@ -15,6 +15,7 @@ from chimera_schedules.build import check_options
 from chimera_schedules.errors import require
 from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
 
+from .model_flags import add_architecture_flags, add_compatibility_flags
 from .tokenizer import build_tokenizer, padded_vocab_size
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
@@ -26,20 +27,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining with Chimera and baseline pipeline schedules.")
+    p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining with Chimera and baseline pipeline schedules.",
+                allow_abbrev=False)  # Megatron-LM's rule: --exit-signal must not parse as --exit-signal-handler
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, required=True)
     m.add_argument("--hidden-size", type=int, required=True)
-    m.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
     m.add_argument("--num-attention-heads", type=int, required=True)
     m.add_argument("--seq-length", type=int, required=True)
     m.add_argument("--max-position-embeddings", type=int, required=True)
-    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute")
+    m.add_argument("--use-rotary-position-embeddings", action="store_true", help="= --position-embedding-type rope")
+    m.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned position table (with RoPE: RoPE only; else --position-embedding-type none)")
+    m.add_argument("--rotary-base", type=int, default=10000)
+    m.add_argument("--rotary-percent", type=float, default=1.0)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--hidden-dropout", type=float, default=0.1)
-    m.add_argument("--attention-dropout", type=float, default=0.1)
-    m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    m.add_argument("--swiglu", action="store_true", help="gated linear unit with SiLU (Llama's MLP)")
+    m.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups")
+    m.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
+                   help="layer spec on a GPU with Transformer Engine installed; the CPU always uses local")
+    add_architecture_flags(m)
     m.add_argument("--recompute-granularity", choices=("full", "selective"))
     m.add_argument("--recompute-method", choices=("uniform", "block"))
     m.add_argument("--recompute-num-layers", type=int, default=1)
@@ -95,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--pipeline-schedule", choices=SCHEDULES + MEGATRON_SCHEDULES,
                      help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
     add_arguments(par, "trainer")
+    add_compatibility_flags(p)
     return p
 
 
@@ -154,7 +164,7 @@ def _validate(args) -> None:
     require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
             f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    _validate_architecture(args)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, tp)
 
     if args.pipeline_schedule is None:
@@ -184,6 +194,33 @@ def _validate(args) -> None:
     args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in SCHEDULES else None
     if args.load:
         _validate_checkpoint(args)
+
+
+def _validate_architecture(args) -> None:
+    """Megatron-LM's derived settings: the position embedding from its shorthand flags, the FFN width
+    (4h, or 2/3 of it rounded down to 64 with SwiGLU), query groups only with --group-query-attention."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # as in Megatron-LM: drops the learned table, keeps RoPE
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if not args.group_query_attention:
+        args.num_query_groups = None
+    else:
+        groups, tp = args.num_query_groups, args.tensor_model_parallel_size
+        require(groups is not None and groups > 0 and args.num_attention_heads % groups == 0, "--num-query-groups",
+                groups, f"must divide --num-attention-heads ({args.num_attention_heads})")
+        require(groups % tp == 0, "--num-query-groups", groups, f"must be a multiple of --tensor-model-parallel-size ({tp})")
+    if args.layernorm_zero_centered_gamma:
+        require(_has("apex") or torch.cuda.is_available() and _has("transformer_engine"), "--apply-layernorm-1p", True,
+                "needs apex or Transformer Engine: megatron-core's torch norms have no zero-centred gamma")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _writable(path: str) -> bool:

@@ -36,7 +36,8 @@ LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
-              "disable_bias_linear", "tensor_model_parallel_size")
+              "disable_bias_linear", "tensor_model_parallel_size", "normalization", "swiglu", "num_query_groups",
+              "kv_channels", "qk_layernorm", "add_qkv_bias")
 
 
 class CheckpointError(ScheduleConfigError):

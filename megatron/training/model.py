@@ -19,36 +19,40 @@ import zlib
 
 import torch
 
+from .model_flags import ARCHITECTURE
+
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
-def _layer_spec(device: torch.device):
+def _layer_spec(args, device: torch.device):
+    """Transformer Engine's spec on a GPU where it is installed (unless --transformer-impl local),
+    megatron-core's local spec otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if device.type == "cuda":
+    if device.type == "cuda" and args.transformer_impl == "transformer_engine":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
             import transformer_engine  # noqa: F401
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
         except ImportError:
             pass
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
 
 
 def transformer_config(args, num_layers: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    architecture = {name: getattr(args, name) for name in ARCHITECTURE}
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
+        **architecture,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_dtype=torch.float32,
@@ -63,6 +67,7 @@ def transformer_config(args, num_layers: int):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual stage
         microbatch_group_size_per_vp_stage=args.pipeline_model_parallel_size,
+        cuda_graph_scope=[],  # the whole layer; megatron-core's default spelling of it ("full") warns
     )
 
 
@@ -72,13 +77,15 @@ def build_chunk(args, stage: int, device: torch.device):
     layers = args.num_layers // args.model_stages
     model = GPTModel(
         transformer_config(args, layers),
-        _layer_spec(device),
+        _layer_spec(args, device),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=stage == 0,
         post_process=stage == args.model_stages - 1,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
     )
     model.stage = stage
     init_chunk(model, args, stage * layers)
@@ -103,8 +110,9 @@ def init_chunk(model, args, layer_offset: int) -> None:
         for name, param in model.named_parameters():
             gname = global_name(name, layer_offset, tied)
             param.global_name = gname
-            if "norm" in gname:
-                param.fill_(1.0 if gname.endswith("weight") else 0.0)
+            if "norm" in gname:  # zero-centred gamma (--apply-layernorm-1p) stores gamma - 1
+                one = 0.0 if args.layernorm_zero_centered_gamma else 1.0
+                param.fill_(one if gname.endswith("weight") else 0.0)
                 continue
             if gname.endswith("bias"):
                 param.zero_()
@@ -116,4 +124,18 @@ def init_chunk(model, args, layer_offset: int) -> None:
                 shape[dim] *= tp
             g = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}/{gname}".encode()))
             full = torch.empty(shape).normal_(0.0, std, generator=g)
-            param.copy_(full.chunk(tp, dim)[tp_rank] if dim >= 0 else full)
+            param.copy_(tp_shard(full, dim, tp, tp_rank, gated=is_gated(args, gname)))
+
+
+def is_gated(args, gname: str) -> bool:
+    return args.swiglu and gname.endswith("linear_fc1.weight")
+
+
+def tp_shard(full: torch.Tensor, dim: int, tp: int, rank: int, gated: bool) -> torch.Tensor:
+    """This rank's slice of a full tensor. A gated fc1 is [gate; up] in one process, and each
+    tensor-parallel rank holds [its gate rows; its up rows]."""
+    if dim < 0:
+        return full
+    if gated:
+        return torch.cat([half.chunk(tp, dim)[rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(tp, dim)[rank]
