@@ -45,7 +45,8 @@ def test_megatron_lm_defaults_for_derived_settings():
     assert args.ffn_hidden_size == 640  # 2/3 of 4h, rounded down to 64, as Megatron-LM
     assert args.num_query_groups is None  # only with --group-query-attention, as Megatron-LM
     assert parse_args(BASE + ["--no-position-embedding"]).position_embedding_type == "none"
-    assert parse_args(BASE + ["--use-rotary-position-embeddings", "--no-position-embedding"]).position_embedding_type == "rope"
+    rope_only = parse_args(BASE + ["--use-rotary-position-embeddings", "--no-position-embedding"])
+    assert rope_only.position_embedding_type == "rope"
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -23,7 +23,14 @@ MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        _fail(f"{self.prog}: error: {message}")
+
+
+def _fail(line: str):
+    """Exit 2 on every rank, printing the line once (rank 0), as Megatron-LM prints."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
                    help="stop after this many iterations in a row with a NaN/Inf loss or gradient norm")
+    t.add_argument("--exit-interval", type=int, help="save and exit after every this many iterations")
+    t.add_argument("--exit-duration-in-mins", type=float, help="save and exit once this long has passed")
     t.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary and exit cleanly")
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast with fp32 master weights (GPU)")
@@ -115,8 +124,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     try:
         _validate(args)
     except ScheduleConfigError as e:
-        print(f"pretrain_gpt.py: error: {e.message(flags('trainer'))}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(f"pretrain_gpt.py: error: {e.message(flags('trainer'))}")
     return args
 
 
@@ -129,7 +137,9 @@ def _validate(args) -> None:
                         ("--save-interval", args.save_interval), ("--recompute-num-layers", args.recompute_num_layers),
                         ("--distributed-timeout-minutes", args.distributed_timeout_minutes),
                         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
-                        ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations)):
+                        ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations),
+                        ("--exit-interval", args.exit_interval or 1),
+                        ("--exit-duration-in-mins", args.exit_duration_in_mins or 1)):
         require(value > 0, flag, value, "must be positive")
     for flag, value in (("--eval-iters", args.eval_iters), ("--lr", args.lr), ("--min-lr", args.min_lr),
                         ("--lr-warmup-iters", args.lr_warmup_iters), ("--weight-decay", args.weight_decay),
@@ -192,6 +202,9 @@ def _validate(args) -> None:
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
     args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in SCHEDULES else None
+    args.fresh_start = None
+    if args.load and _first_launch(args):
+        args.fresh_start, args.load = args.load, None
     if args.load:
         _validate_checkpoint(args)
 
@@ -211,7 +224,8 @@ def _validate_architecture(args) -> None:
         groups, tp = args.num_query_groups, args.tensor_model_parallel_size
         require(groups is not None and groups > 0 and args.num_attention_heads % groups == 0, "--num-query-groups",
                 groups, f"must divide --num-attention-heads ({args.num_attention_heads})")
-        require(groups % tp == 0, "--num-query-groups", groups, f"must be a multiple of --tensor-model-parallel-size ({tp})")
+        require(groups % tp == 0, "--num-query-groups", groups,
+                f"must be a multiple of --tensor-model-parallel-size ({tp})")
     if args.layernorm_zero_centered_gamma:
         require(_has("apex") or torch.cuda.is_available() and _has("transformer_engine"), "--apply-layernorm-1p", True,
                 "needs apex or Transformer Engine: megatron-core's torch norms have no zero-centred gamma")
@@ -221,6 +235,31 @@ def _has(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def _require_documents(args, prefix: str) -> None:
+    """Every part of --split that training reads (train; valid with --eval-iters) gets at least one
+    document of ``prefix``, counted as megatron-core splits it."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    for name, bookends in zip(("train", "validation"), matrix[:2 if args.eval_iters else 1]):
+        count = 0 if bookends is None else round(bookends[1] * documents) - round(bookends[0] * documents)
+        require(count > 0, "--split", args.split, f"gives the {name} part 0 of the {documents} documents of "
+                f"{prefix}; give it a larger share" + (" or set --eval-iters 0" if name == "validation" else ""))
+
+
+def _first_launch(args) -> bool:
+    """``--save X --load X`` with nothing at X yet: every Megatron-LM script and Slurm requeue does this,
+    so it starts from scratch. A --load elsewhere with no checkpoint stays an error (a typo must not
+    train from scratch silently)."""
+    from .checkpointing import LATEST
+
+    same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    return same and not os.path.exists(os.path.join(args.load, LATEST))
 
 
 def _writable(path: str) -> bool:
@@ -258,6 +297,8 @@ def _validate_data(args) -> None:
                         f"no such file {prefix + ext} (make it with scripts/preprocess_data.py)")
         splits = [float(x) for x in args.split.replace("/", ",").split(",")]
         require(len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
+        for prefix in prefixes:
+            _require_documents(args, prefix)
     if args.tokenizer_type == "SentencePieceTokenizer":
         require(bool(args.tokenizer_model) and os.path.isfile(args.tokenizer_model or ""), "--tokenizer-model",
                 args.tokenizer_model, "must name an existing SentencePiece model file")

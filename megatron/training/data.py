@@ -25,9 +25,12 @@ def build_datasets(args, train_samples: int, valid_samples: int):
                               blend=get_blend_from_list(args.data_path), split=args.split,
                               tokenizer=build_tokenizer(args), reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    sizes = [train_samples, valid_samples, 0]
+    # A part asked for no samples is not built: a part with no documents would make megatron-core loop
+    # until the process-group timeout. The other parts keep Megatron-LM's document ranges.
+    config.split_matrix = [bookends if size else None for bookends, size in zip(config.split_matrix, sizes)]
     kind = MockGPTDataset if args.mock_data else GPTDataset
-    train, valid, _ = BlendedMegatronDatasetBuilder(kind, [train_samples, valid_samples, 0], lambda: True,
-                                                    config).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
     return train, valid
 
 

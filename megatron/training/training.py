@@ -26,6 +26,7 @@ from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
+from .startup import print_banner, print_building, print_parameter_counts
 
 
 def print_rank_last(message: str) -> None:
@@ -90,7 +91,9 @@ class Trainer:
         self.rt = rt = setup_parallel(args, backend, device)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
+        print_building()
         self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
+        print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
         self.sync = ReplicaGradSync(self.chunks, rt)
         params = [p for m in self.models for p in m.parameters()]
@@ -116,8 +119,7 @@ class Trainer:
         self.micro_batch_size = int(args.micro_batch_size * scale)
         self.orders = chunk_orders(schedule, rt.worker, rt.held, self.num_microbatches)
         evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
-        train, valid = build_datasets(args, args.train_iters * args.global_batch_size,
-                                      max(evals, 1) * args.global_batch_size)
+        train, valid = build_datasets(args, args.train_iters * args.global_batch_size, evals * args.global_batch_size)
         self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
         self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
 
@@ -207,6 +209,7 @@ def pretrain(args, forward_step_func) -> list[dict]:
     """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
     Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
     checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
+    print_banner(args)
     try:
         return _pretrain(args, forward_step_func)
     except (PipelineFault, ScheduleConfigError, TrainingStopped) as e:
@@ -219,31 +222,42 @@ class TrainingStopped(RuntimeError):
     pass
 
 
-class _ExitSignal:
-    """--exit-signal-handler: SIGTERM (Slurm's preemption warning) sets a flag; ranks agree on it at the
-    next iteration boundary, so they all save the same checkpoint and stop together."""
+class _ExitPolicy:
+    """When to save and stop before --train-iters, as Megatron-LM does: on SIGTERM with
+    --exit-signal-handler (Slurm's preemption warning), every --exit-interval iterations, or once
+    --exit-duration-in-mins have passed since the start. Ranks agree at each iteration boundary (one
+    all-reduce), so they all save the same checkpoint and stop together."""
 
-    def __init__(self, enabled: bool):
-        self.enabled, self.received = enabled, False
-        if enabled:
+    def __init__(self, args):
+        self.args, self.received, self.start = args, False, time.time()
+        if args.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
-    def agreed(self, rt) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=rt.device)
-        rt.all_reduce(flag)
-        return bool(flag.item())
+    def reason(self, done: int, rt) -> str | None:
+        args = self.args
+        if args.exit_interval and done % args.exit_interval == 0:
+            return f"--exit-interval {args.exit_interval}"
+        if not (args.exit_signal_handler or args.exit_duration_in_mins):
+            return None
+        minutes = (time.time() - self.start) / 60
+        local = [int(self.received), int(bool(args.exit_duration_in_mins) and minutes > args.exit_duration_in_mins)]
+        flags = torch.tensor(local, dtype=torch.int32, device=rt.device)
+        rt.all_reduce(flags)
+        if flags[0]:
+            return "SIGTERM"
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}" if flags[1] else None
 
 
 def _pretrain(args, forward_step_func) -> list[dict]:
     from .checkpointing import load_checkpoint, save_checkpoint
 
-    exit_signal = _ExitSignal(args.exit_signal_handler)
+    exit_policy = _ExitPolicy(args)
     trainer = Trainer(args, forward_step_func)
+    if args.fresh_start:
+        print_rank_last(f" no checkpoint in {args.fresh_start} yet (--load = --save): starting from scratch")
     first = load_checkpoint(trainer)[0] if args.load else 0
     if args.load:
         print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
@@ -287,14 +301,14 @@ def _pretrain(args, forward_step_func) -> list[dict]:
                                   f"stopping; {kept}")
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
             _evaluate_and_print(trainer, board, done)
-        stop = exit_signal.agreed(trainer.rt)
+        stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
         if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
             hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if done == kill_at else None
             folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=hook)
             last_saved = done
             print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
         if stop:
-            print_rank_last(f" exiting on SIGTERM at iteration {done}" + (" after saving it" if args.save else ""))
+            print_rank_last(f" exiting on {stop} at iteration {done}" + (" after saving it" if args.save else ""))
             return history
         if done == logged:
             start = time.time()  # time iterations, not logging, evaluation or saving

@@ -1,0 +1,58 @@
+"""Megatron-LM's conventions that scripts, log parsers and Slurm requeues rely on: the startup banner,
+--save X --load X on a first launch, --exit-interval and --exit-duration-in-mins saving and exiting
+like SIGTERM, an error printed once per job (not once per rank), and no hang on an empty split."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_pretraining import losses, run  # noqa: E402
+
+MODEL = ["pretrain_gpt.py", "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "4",
+         "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_limits(tmp_path):
+    ckpt = str(tmp_path / "run")
+    chained = MODEL + ["--save", ckpt, "--load", ckpt, "--save-interval", "100", "--exit-interval", "2"]
+    first = run(1, *chained)
+    banner = first.stdout.split("-------------------- end of arguments ---------------------")[0]
+    assert banner.startswith("------------------------ arguments ------------------------")
+    assert "  exit_interval " in banner and "building GPT model ..." in first.stdout
+    assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): " in first.stdout
+    assert f"no checkpoint in {ckpt} yet (--load = --save): starting from scratch" in first.stdout
+    assert "exiting on --exit-interval 2 at iteration 2 after saving it" in first.stdout
+    assert sorted(losses(first)) == [1, 2]
+    second = run(1, *chained, "--exit-duration-in-mins", "1e-6")
+    assert f"loaded checkpoint from {ckpt} at iteration 2" in second.stdout
+    assert "exiting on --exit-duration-in-mins 1e-06 at iteration 3 after saving it" in second.stdout
+    third = run(1, *chained)
+    assert f"loaded checkpoint from {ckpt} at iteration 3" in third.stdout and sorted(losses(third)) == [4]
+    whole = run(1, *MODEL)
+    assert losses(whole) == {**losses(first), **losses(second), **losses(third)}
+
+
+def test_load_elsewhere_without_a_checkpoint_is_still_an_error(tmp_path):
+    proc = run(1, *MODEL, "--save", str(tmp_path / "a"), "--load", str(tmp_path / "b"), check=False)
+    assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
+
+
+def test_an_impossible_configuration_is_printed_once_not_once_per_rank():
+    proc = run(2, *MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+               "--global-batch-size", "3", check=False)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("pretrain_gpt.py: error: --global-batch-size=3") == 1
+
+
+def test_a_split_part_with_no_documents_is_not_built_when_unused_and_refused_when_used(corpus, tmp_path):
+    """The shipped corpus has 27 documents: 949,50,1 leaves the test part none (it is never read);
+    99,1,0 leaves validation none, which --eval-iters would read."""
+    from test_pretraining import train_args
+
+    proc = run(1, *train_args(corpus, "--split", "949,50,1", "--train-iters", "2"))
+    assert "validation loss at iteration 2" in proc.stdout
+    refused = run(1, *train_args(corpus, "--split", "99,1,0", "--save", str(tmp_path / "c")), check=False)
+    assert refused.returncode == 2 and not (tmp_path / "c").exists()
+    assert refused.stderr.strip() == ("pretrain_gpt.py: error: --split=99,1,0: gives the validation part 0 of the "
+                                      f"27 documents of {corpus[1]}; give it a larger share or set --eval-iters 0")
