@@ -2,6 +2,7 @@
 --save X --load X on a first launch, --exit-interval and --exit-duration-in-mins saving and exiting
 like SIGTERM, an error printed once per job (not once per rank), and no hang on an empty split."""
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,3 +57,29 @@ def test_a_split_part_with_no_documents_is_not_built_when_unused_and_refused_whe
     assert refused.returncode == 2 and not (tmp_path / "c").exists()
     assert refused.stderr.strip() == ("pretrain_gpt.py: error: --split=99,1,0: gives the validation part 0 of the "
                                       f"27 documents of {corpus[1]}; give it a larger share or set --eval-iters 0")
+
+
+def test_train_samples_schedule_equals_the_iteration_one():
+    """--train-samples with the sample-based warmup and decay flags is the same run as iterations."""
+    by_iters = run(1, *MODEL, "--lr-warmup-iters", "1", "--lr-decay-iters", "3", "--lr-decay-style", "cosine")
+    at = MODEL.index("--train-iters")
+    samples = MODEL[:at] + MODEL[at + 2:]
+    by_samples = run(1, *samples, "--train-samples", "8", "--lr-warmup-samples", "2", "--lr-decay-samples", "6",
+                     "--lr-decay-style", "cosine")
+    lrs = lambda proc: re.findall(r"learning rate: (\S+) \|", proc.stdout)  # noqa: E731
+    assert len(lrs(by_iters)) == 4 and lrs(by_samples) == lrs(by_iters)
+    assert losses(by_samples) == losses(by_iters)
+
+
+def test_resuming_with_another_lr_schedule_asserts_unless_told_which_wins(tmp_path):
+    ckpt = str(tmp_path / "run")
+    run(1, *MODEL, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2")
+    changed = run(1, *MODEL, "--load", ckpt, "--lr", "2e-3", check=False)
+    assert changed.returncode == 2
+    assert changed.stderr.strip().startswith(f"pretrain_gpt.py: error: --lr=0.002: the checkpoint in {ckpt} was "
+                                             "trained with max_lr 0.001; pass --override-opt_param-scheduler")
+    lrs = lambda proc: re.findall(r"learning rate: (\S+) \|", proc.stdout)  # noqa: E731
+    overridden = run(1, *MODEL, "--load", ckpt, "--lr", "2e-3", "--override-opt_param-scheduler")
+    assert lrs(overridden) == ["1.000000E-03", "5.000000E-04"]  # linear decay of 2e-3 over 4 iterations, at 2 and 3
+    kept = run(1, *MODEL, "--load", ckpt, "--lr", "2e-3", "--use-checkpoint-opt_param-scheduler")
+    assert lrs(kept) == ["5.000000E-04", "2.500000E-04"]  # the checkpoint's 1e-3

@@ -64,13 +64,21 @@ def _parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, required=True)
     t.add_argument("--global-batch-size", type=int, required=True)
-    t.add_argument("--train-iters", type=int, required=True)
+    t.add_argument("--train-iters", type=int, help="iterations to train (or --train-samples)")
+    t.add_argument("--train-samples", type=int, help="samples to train; the LR schedule then counts samples")
     t.add_argument("--lr", type=float, required=True)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
                    default="linear")
     t.add_argument("--lr-warmup-iters", type=int, default=0)
     t.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    t.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
+    t.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
+    t.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay steps")
+    t.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, use this run's LR schedule instead of the checkpoint's")
+    t.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
     t.add_argument("--min-lr", type=float, default=0.0)
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
@@ -87,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
     t.add_argument("--eval-interval", type=int, default=1000)
-    t.add_argument("--eval-iters", type=int, default=0)
+    t.add_argument("--eval-iters", type=int, default=100, help="validation iterations per evaluation (0: none)")
     c = p.add_argument_group("checkpoints and logging")
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from")
@@ -97,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
     d.add_argument("--data-path", nargs="+", help="PREFIX, or a blend: WEIGHT PREFIX WEIGHT PREFIX ...")
     d.add_argument("--split", default="969,30,1", help="train,valid,test proportions of each dataset")
+    d.add_argument("--data-cache-path", help="where megatron-core caches the dataset indices")
     d.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"), default="NullTokenizer")
     d.add_argument("--tokenizer-model", help="SentencePiece model file")
     par = p.add_argument_group("parallelism")
@@ -129,6 +138,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 
 def _validate(args) -> None:
+    _training_length(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                  "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
@@ -252,6 +262,63 @@ def _require_documents(args, prefix: str) -> None:
                 f"{prefix}; give it a larger share" + (" or set --eval-iters 0" if name == "validation" else ""))
 
 
+def _training_length(args) -> None:
+    """--train-iters, or Megatron-LM's --train-samples (then --train-iters is derived and the LR
+    schedule counts samples, with the sample-based warmup and decay flags)."""
+    require((args.train_iters is None) != (args.train_samples is None), "--train-iters", args.train_iters,
+            "give exactly one of --train-iters and --train-samples")
+    require(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1 and not args.lr_warmup_iters
+            and not args.lr_warmup_samples, "--lr-warmup-fraction", args.lr_warmup_fraction,
+            "must be in [0, 1], without --lr-warmup-iters or --lr-warmup-samples")
+    if args.train_samples is None:
+        for flag, value in (("--lr-warmup-samples", args.lr_warmup_samples),
+                            ("--lr-decay-samples", args.lr_decay_samples)):
+            require(not value, flag, value, "goes with --train-samples; with --train-iters use the -iters flag")
+        return
+    g = args.global_batch_size
+    require(args.train_samples > 0 and args.train_samples % g == 0, "--train-samples", args.train_samples,
+            f"must be a positive multiple of --global-batch-size ({g})")
+    for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
+        require(not value, flag, value, "goes with --train-iters; with --train-samples use the -samples flag")
+    args.train_iters = args.train_samples // g
+
+
+def lr_schedule(args) -> dict:
+    """megatron-core's OptimizerParamScheduler settings (the ones it checks on load), in iterations or,
+    with --train-samples, in samples (``lr_increment`` per iteration)."""
+    if args.train_samples:
+        total, decay, warmup = args.train_samples, args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
+    else:
+        total, decay, warmup = args.train_iters, args.lr_decay_iters or args.train_iters, args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": warmup, "lr_decay_steps": decay,
+            "lr_decay_style": args.lr_decay_style, "start_wd": args.weight_decay, "end_wd": args.weight_decay,
+            "wd_incr_steps": total, "wd_incr_style": "constant"}
+
+
+def lr_increment(args) -> int:
+    return args.global_batch_size if args.train_samples else 1
+
+
+_SCHEDULE_FLAG = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
+                  "lr_decay_steps": "--lr-decay-iters/-samples", "lr_decay_style": "--lr-decay-style",
+                  "start_wd": "--weight-decay", "end_wd": "--weight-decay",
+                  "wd_incr_steps": "--train-iters/-samples", "wd_incr_style": "--weight-decay"}
+
+
+def _check_schedule(args, saved: dict) -> None:
+    """As Megatron-LM: resuming with another LR schedule is an error unless one of the two flags says
+    which schedule wins."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    for key, value in lr_schedule(args).items():
+        require(saved.get(key, value) == value, _SCHEDULE_FLAG[key], value,
+                f"the checkpoint in {args.load} was trained with {key} {saved.get(key)}; pass "
+                f"--override-opt_param-scheduler to use this run's schedule or --use-checkpoint-opt_param-scheduler "
+                f"to keep the checkpoint's")
+
+
 def _first_launch(args) -> bool:
     """``--save X --load X`` with nothing at X yet: every Megatron-LM script and Slurm requeue does this,
     so it starts from scratch. A --load elsewhere with no checkpoint stays an error (a typo must not
@@ -280,7 +347,9 @@ def _validate_checkpoint(args) -> None:
 
     folder = find_checkpoint(args.load)
     check_sizes(folder, args.load)
-    check_shape(args, read_metadata(folder, args.load), args.load)
+    metadata = read_metadata(folder, args.load)
+    check_shape(args, metadata, args.load)
+    _check_schedule(args, metadata["scheduler"])
 
 
 def _validate_data(args) -> None:

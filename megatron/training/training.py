@@ -22,6 +22,7 @@ from chimera_schedules.executor import PipelineFault, Transport, make_forward_ba
 from chimera_schedules.lowering import lower, stage_group
 from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
+from .arguments import lr_increment, lr_schedule
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
@@ -43,11 +44,11 @@ def _param_groups(params):
 def _scheduler(args, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    schedule = lr_schedule(args)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters or args.train_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+        optimizer, init_lr=0.0 if schedule["lr_warmup_steps"] else args.lr, **schedule,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
 def _with_autocast(forward_step_func, device: torch.device):
@@ -176,7 +177,7 @@ class Trainer:
         if self.args.clip_grad > 0:
             clip_(self.chunks, self.args.clip_grad, norm)
         self.optimizer.step()
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=lr_increment(self.args))
         return {"lm loss": loss, "grad norm": norm, "nan": False}
 
     def evaluate(self, eval_round: int) -> float:
