@@ -30,8 +30,9 @@ def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_li
     assert "exiting on --exit-duration-in-mins 1e-06 at iteration 3 after saving it" in second.stdout
     third = run(1, *chained)
     assert f"loaded checkpoint from {ckpt} at iteration 3" in third.stdout and sorted(losses(third)) == [4]
-    whole = run(1, *MODEL)
+    whole = run(1, *MODEL, "--log-throughput")
     assert losses(whole) == {**losses(first), **losses(second), **losses(third)}
+    assert len(re.findall(r"\| throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|", whole.stdout)) == 4
 
 
 def test_load_elsewhere_without_a_checkpoint_is_still_an_error(tmp_path):

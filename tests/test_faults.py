@@ -198,13 +198,13 @@ def test_corrupted_and_truncated_checkpoint_files_are_named(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     shard.write_bytes(bytes(data))
-    procs = ranks(*CHIMERA2, "--train-iters", "3", "--load", str(save))
+    procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode != 0 for p in procs)
     assert any("mp_rank_00_001/model_optim_rng.pt" in e and "is corrupted (its sha256 does not match manifest.json)" in e
                for e in errs), errs
     shard.write_bytes(bytes(data[: len(data) // 3]))  # truncated: caught before any process group exists
-    procs = ranks(*CHIMERA2, "--train-iters", "3", "--load", str(save))
+    procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode == 2 for p in procs)
     assert ["is truncated or missing" in e for e in errs] == [True, False], errs  # printed once, by rank 0

@@ -68,3 +68,16 @@ def test_flags_without_effect_are_accepted_and_say_why():
     help_text = _parser().format_help()
     assert all(name in help_text for name in NO_EFFECT) and "no effect:" in help_text
     assert not any(name in help_text for name in MOE)
+
+
+def test_log_throughput_flops_follow_the_standard_gpt_formula():
+    """72 b s L h^2 (1 + s / 6h + V / 12Lh) for a GPT-3-style layer; SwiGLU and GQA change their terms."""
+    from types import SimpleNamespace
+
+    from megatron.training.flops import iteration_flops
+
+    gpt3 = SimpleNamespace(hidden_size=12288, seq_length=2048, num_layers=96, num_attention_heads=96, kv_channels=None,
+                           num_query_groups=None, ffn_hidden_size=4 * 12288, swiglu=False, padded_vocab_size=51200)
+    b, s, layers, h, v = 8, 2048, 96, 12288, 51200
+    expected = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert abs(iteration_flops(gpt3, b) / expected - 1) < 1e-12

@@ -87,6 +87,7 @@ def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path
     assert proc.returncode != 0
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
-    resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3"))
+    resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
+                                   "--use-checkpoint-opt_param-scheduler"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
     assert list(losses(resumed)) == [3]

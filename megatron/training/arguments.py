@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--fp16", action="store_true", help="not supported yet: needs loss scaling; use --bf16")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
+    t.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' (per rank) to the iteration line")
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100, help="validation iterations per evaluation (0: none)")
     c = p.add_argument_group("checkpoints and logging")

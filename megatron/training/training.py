@@ -23,6 +23,7 @@ from chimera_schedules.lowering import lower, stage_group
 from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
 from .arguments import lr_increment, lr_schedule
+from .flops import iteration_flops
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
@@ -288,7 +289,8 @@ def _pretrain(args, forward_step_func) -> list[dict]:
             print_rank_last(
                 f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
                 f" consumed samples: {done * args.global_batch_size:12d} |"
-                f" elapsed time per iteration (ms): {elapsed * 1000:.1f} | throughput (tokens/s): {throughput:.1f} |"
+                f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
+                f" throughput (tokens/s): {throughput:.1f} |"
                 f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
                 f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
                 f" number of skipped iterations: {nan_total:3d} | number of nan iterations: {nan_total:3d} |")
@@ -316,6 +318,14 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     if args.eval_iters and first >= args.train_iters:  # nothing left to train: evaluate what was loaded
         _evaluate_and_print(trainer, board, first)
     return history
+
+
+def _tflops(args, seconds: float) -> str:
+    """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
+    if not args.log_throughput:
+        return ""
+    per_rank = iteration_flops(args, args.global_batch_size) / seconds / args.world_size
+    return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
 
 
 def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
