@@ -23,6 +23,7 @@ from chimera_schedules.lowering import lower, stage_group
 from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
 from .arguments import lr_increment, lr_schedule
+from .fault_injection import FaultInjection
 from .flops import iteration_flops
 from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
@@ -63,14 +64,6 @@ def _with_autocast(forward_step_func, device: torch.device):
     return forward_step
 
 
-def _test_poison_gradients(iteration: int, models) -> None:
-    """Test-only fault injection: CHIMERA_TEST_NAN_ITERATIONS="2,5" puts a NaN into one gradient at
-    those (1-based) iterations."""
-    wanted = os.environ.get("CHIMERA_TEST_NAN_ITERATIONS")
-    if wanted and str(iteration + 1) in wanted.split(",") and dist.get_rank() == 0:
-        next(p for m in models for p in m.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
-
-
 def _p2p(args, backend: str):
     """gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not (see TorchP2P)."""
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
@@ -83,10 +76,10 @@ class Trainer:
     """Everything one rank needs to train: model chunks, optimizer, schedule function, data.
     ``tracer(action, start, end)`` sees every forward and backward of our schedules (benchmarks)."""
 
-    def __init__(self, args, forward_step_func, tracer=None):
+    def __init__(self, args, forward_step_func, tracer=None, faults: FaultInjection = FaultInjection()):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        self.args = args
+        self.args, self.faults = args, faults
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
         self.forward_step_func = _with_autocast(forward_step_func, device) if args.bf16 else forward_step_func
@@ -164,7 +157,7 @@ class Trainer:
             loss = self._run(self.train_data, iteration, forward_only=False)
             if self.args.schedule is None:
                 self.sync.reduce_all()
-            _test_poison_gradients(iteration, self.models)
+            self.faults.after_backward(self.rt.rank, iteration + 1, self.models)
             tied = not self.args.untie_embeddings_and_output_weights
             norm = global_grad_norm(self.chunks, self.rt, tied)
         except PipelineFault as e:
@@ -254,70 +247,105 @@ class _ExitPolicy:
 
 
 def _pretrain(args, forward_step_func) -> list[dict]:
-    from .checkpointing import load_checkpoint, save_checkpoint
-
-    exit_policy = _ExitPolicy(args)
-    trainer = Trainer(args, forward_step_func)
-    if args.fresh_start:
-        print_rank_last(f" no checkpoint in {args.fresh_start} yet (--load = --save): starting from scratch")
-    first = load_checkpoint(trainer)[0] if args.load else 0
-    if args.load:
-        print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
+    faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
+    trainer = Trainer(args, forward_step_func, faults=faults)
+    first = _resume(trainer)
     board = _Board(args.tensorboard_dir)
-    kill_at = int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1"))  # fault injection for tests
-    fault = os.environ.get("CHIMERA_TEST_FAULT", "")  # "kill|hang RANK@ITERATION", fault injection for tests
-    history, nan_total, nan_run, last_saved = [], 0, 0, args.load and first
-    start, logged = time.time(), first
+    progress = _Progress(args, first, board)
     for iteration in range(first, args.train_iters):
-        if fault == f"kill {trainer.rt.rank}@{iteration + 1}":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault == f"hang {trainer.rt.rank}@{iteration + 1}":
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
+        faults.before_iteration(trainer.rt.rank, iteration + 1)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
-        history.append(stats)
-        nan_total += stats["nan"]
-        nan_run = nan_run + 1 if stats["nan"] else 0
         done = iteration + 1
-        if done % args.log_interval == 0 or done == args.train_iters or nan_run:
-            recent = history[logged - first:]
-            elapsed = (time.time() - start) / len(recent)
-            good = [s["lm loss"] for s in recent if not s["nan"]]
-            loss = sum(good) / len(good) if good else float("nan")
-            throughput = args.global_batch_size * args.seq_length / elapsed
-            print_rank_last(
-                f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
-                f" consumed samples: {done * args.global_batch_size:12d} |"
-                f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
-                f" throughput (tokens/s): {throughput:.1f} |"
-                f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-                f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
-                f" number of skipped iterations: {nan_total:3d} | number of nan iterations: {nan_total:3d} |")
-            board.add({"lm loss": loss, "learning-rate": lr, "grad-norm": recent[-1]["grad norm"],
-                       "throughput": throughput}, done)
-            logged = done
-        if nan_run >= args.max_consecutive_nan_iterations:
-            kept = f"the last good checkpoint is iteration {last_saved} in {args.save}" if last_saved else "no checkpoint saved"
-            raise TrainingStopped(f"{nan_run} iterations in a row ({done - nan_run + 1}-{done}) had a NaN or Inf loss "
-                                  f"or gradient norm (--max-consecutive-nan-iterations {args.max_consecutive_nan_iterations}); "
-                                  f"stopping; {kept}")
+        progress.record(stats, done, lr)
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
             _evaluate_and_print(trainer, board, done)
         stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
-        if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
-            hook = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if done == kill_at else None
-            folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=hook)
-            last_saved = done
-            print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
+        _maybe_save(trainer, progress, stats, done, stop, faults)
         if stop:
             print_rank_last(f" exiting on {stop} at iteration {done}" + (" after saving it" if args.save else ""))
-            return history
-        if done == logged:
-            start = time.time()  # time iterations, not logging, evaluation or saving
+            return progress.history
+        progress.restart_clock(done)
     if args.eval_iters and first >= args.train_iters:  # nothing left to train: evaluate what was loaded
         _evaluate_and_print(trainer, board, first)
-    return history
+    return progress.history
+
+
+def _resume(trainer) -> int:
+    """The iteration to start from: the loaded checkpoint's, or 0."""
+    from .checkpointing import load_checkpoint
+
+    args = trainer.args
+    if args.fresh_start:
+        print_rank_last(f" no checkpoint in {args.fresh_start} yet (--load = --save): starting from scratch")
+    if not args.load:
+        return 0
+    first = load_checkpoint(trainer)[0]
+    print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
+    return first
+
+
+def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, faults: FaultInjection) -> None:
+    """Megatron's save policy: every --save-interval, at the end, and before an early exit; never the
+    state of a NaN iteration."""
+    from .checkpointing import save_checkpoint
+
+    args = trainer.args
+    if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
+        folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=faults.during_save(done))
+        progress.last_saved = done
+        print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
+
+
+class _Progress:
+    """What the log line reports: losses and NaN counts since the last line, and the time of the
+    iterations themselves (not of logging, evaluation or saving). Stops the run after too many NaN
+    iterations in a row."""
+
+    def __init__(self, args, first: int, board: _Board):
+        self.args, self.board = args, board
+        self.history, self.nan_total, self.nan_run = [], 0, 0
+        self.last_saved = args.load and first
+        self.first, self.logged, self.start = first, first, time.time()
+
+    def record(self, stats: dict, done: int, lr: float) -> None:
+        self.history.append(stats)
+        self.nan_total += stats["nan"]
+        self.nan_run = self.nan_run + 1 if stats["nan"] else 0
+        if done % self.args.log_interval == 0 or done == self.args.train_iters or self.nan_run:
+            self._log(done, lr)
+        if self.nan_run >= self.args.max_consecutive_nan_iterations:
+            raise TrainingStopped(self._nan_message(done))
+
+    def restart_clock(self, done: int) -> None:
+        if done == self.logged:
+            self.start = time.time()
+
+    def _log(self, done: int, lr: float) -> None:
+        args = self.args
+        recent = self.history[self.logged - self.first:]
+        elapsed = (time.time() - self.start) / len(recent)
+        good = [s["lm loss"] for s in recent if not s["nan"]]
+        loss = sum(good) / len(good) if good else float("nan")
+        throughput = args.global_batch_size * args.seq_length / elapsed
+        print_rank_last(
+            f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
+            f" consumed samples: {done * args.global_batch_size:12d} |"
+            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
+            f" throughput (tokens/s): {throughput:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+            f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
+            f" number of skipped iterations: {self.nan_total:3d} | number of nan iterations: {self.nan_total:3d} |")
+        self.board.add({"lm loss": loss, "learning-rate": lr, "grad-norm": recent[-1]["grad norm"],
+                        "throughput": throughput}, done)
+        self.logged = done
+
+    def _nan_message(self, done: int) -> str:
+        limit, run = self.args.max_consecutive_nan_iterations, self.nan_run
+        kept = (f"the last good checkpoint is iteration {self.last_saved} in {self.args.save}" if self.last_saved
+                else "no checkpoint saved")
+        return (f"{run} iterations in a row ({done - run + 1}-{done}) had a NaN or Inf loss or gradient norm "
+                f"(--max-consecutive-nan-iterations {limit}); stopping; {kept}")
 
 
 def _tflops(args, seconds: float) -> str:

@@ -1,0 +1,42 @@
+"""Faults the tests inject, read once from the environment. Every hook does nothing unless its
+variable is set, so the training loop calls them at fixed points and holds no test logic itself.
+
+- ``CHIMERA_TEST_FAULT="kill|hang RANK@ITERATION"``: that rank dies (SIGKILL), or stays alive but
+  silent, at the start of that (1-based) iteration;
+- ``CHIMERA_TEST_NAN_ITERATIONS="2,5"``: rank 0 puts a NaN into one gradient at those iterations;
+- ``CHIMERA_TEST_KILL_DURING_SAVE=N``: every rank dies in the middle of writing checkpoint N.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    fault: str = ""
+    nan_iterations: frozenset = frozenset()
+    kill_during_save: int = -1
+
+    @classmethod
+    def from_environment(cls) -> FaultInjection:
+        nan = os.environ.get("CHIMERA_TEST_NAN_ITERATIONS", "")
+        return cls(os.environ.get("CHIMERA_TEST_FAULT", ""), frozenset(int(i) for i in nan.split(",") if i),
+                   int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1")))
+
+    def before_iteration(self, rank: int, iteration: int) -> None:
+        if self.fault == f"kill {rank}@{iteration}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == f"hang {rank}@{iteration}":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
+
+    def after_backward(self, rank: int, iteration: int, models) -> None:
+        if iteration in self.nan_iterations and rank == 0:
+            next(p for m in models for p in m.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+    def during_save(self, iteration: int):
+        """The checkpoint writer's mid-save hook for this iteration, or None."""
+        return (lambda: os.kill(os.getpid(), signal.SIGKILL)) if iteration == self.kill_during_save else None
