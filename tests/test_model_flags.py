@@ -54,6 +54,8 @@ def test_megatron_lm_defaults_for_derived_settings():
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups=3: must divide --num-attention-heads"),
     (["--apply-layernorm-1p"], "--apply-layernorm-1p=True: needs apex or Transformer Engine"),
     (["--exit-signal", "SIGTERM"], "unrecognized arguments"),  # no abbreviation of --exit-signal-handler
+    (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
+    (["--sequence-parallel"], "--sequence-parallel=True: is not supported yet"),
 ])
 def test_unsupported_model_flags_fail_in_one_line(capsys, extra, needle):
     with pytest.raises(SystemExit) as exit_info:
@@ -81,3 +83,11 @@ def test_log_throughput_flops_follow_the_standard_gpt_formula():
     b, s, layers, h, v = 8, 2048, 96, 12288, 51200
     expected = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
     assert abs(iteration_flops(gpt3, b) / expected - 1) < 1e-12
+
+
+def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
+    args = parse_args(BASE + ["--recompute-activations", "--context-parallel-size", "1"])
+    assert args.recompute_granularity == "selective"
+    vpp = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
+                             "--virtual-pipeline-model-parallel-size", "2"], world_size=2)
+    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and vpp.schedule.chunks == 2

@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="layer spec on a GPU with Transformer Engine installed; the CPU always uses local")
     add_architecture_flags(m)
     m.add_argument("--recompute-granularity", choices=("full", "selective"))
+    m.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     m.add_argument("--recompute-method", choices=("uniform", "block"))
     m.add_argument("--recompute-num-layers", type=int, default=1)
     m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    par.add_argument("--virtual-pipeline-model-parallel-size", type=int,
+                     help="model chunks per pipeline rank (Megatron-LM's other spelling of the one above)")
+    par.add_argument("--context-parallel-size", type=int, default=1,
+                     help="1 only: context parallelism is not supported yet")
+    par.add_argument("--sequence-parallel", action="store_true", help="not supported yet")
     par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     par.add_argument("--emulate-nccl", action="store_true",
@@ -141,6 +147,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def _validate(args) -> None:
     _training_length(args)
+    _megatron_spellings(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                  "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
@@ -219,6 +226,25 @@ def _validate(args) -> None:
         args.fresh_start, args.load = args.load, None
     if args.load:
         _validate_checkpoint(args)
+
+
+def _megatron_spellings(args) -> None:
+    """Megatron-LM's alternative spellings, mapped as Megatron-LM maps them, and the parallelism it
+    has and we do not yet, refused by name."""
+    if args.recompute_activations:
+        require(args.recompute_granularity in (None, "selective"), "--recompute-activations", True,
+                f"means --recompute-granularity selective, not {args.recompute_granularity}")
+        args.recompute_granularity = "selective"
+    v, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
+    if v is not None and v > 1:
+        require(args.num_layers_per_virtual_pipeline_stage is None and args.num_layers % (pp * v) == 0,
+                "--virtual-pipeline-model-parallel-size", v, f"PP x it must divide --num-layers ({args.num_layers}), "
+                "without --num-layers-per-virtual-pipeline-stage")
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
+    require(args.context_parallel_size == 1, "--context-parallel-size", args.context_parallel_size,
+            "context parallelism is not supported yet (1 only)")
+    require(not args.sequence_parallel, "--sequence-parallel", True, "is not supported yet: the pipeline "
+            "executor sends whole-sequence activations between stages")
 
 
 def _validate_architecture(args) -> None:
