@@ -16,6 +16,7 @@ setup(
         # torch resolves to a multi-GB CUDA build.
         "torch",
         "megatron-core==0.16.1",
+        "psutil",  # megatron-core's checkpoint writer
         "sentencepiece",
         "matplotlib",  # PNG timelines and benchmark plots
         "ortools",  # CP-SAT behind --order best

@@ -1,5 +1,6 @@
 """Fail loudly, never hang, lose nothing: every configuration rule fails before anything starts; a dead
 peer, SIGTERM, NaNs and corrupted checkpoints end every rank cleanly with a clear message."""
+import argparse
 import json
 import os
 import re
@@ -21,15 +22,16 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def fake_checkpoint(root, hidden: int):
-    """A checkpoint directory whose manifest and metadata describe a model of another hidden size."""
-    from megatron.training.checkpointing import SHAPE_KEYS, _digest
+    """A torch_dist checkpoint directory whose common state describes a model of another hidden size."""
+    from megatron.training.checkpointing import SHAPE_KEYS
 
     folder = root / "iter_0000001"
     folder.mkdir(parents=True)
     ours = parse_args(MODEL, world_size=1)
     shape = {k: getattr(ours, k) for k in SHAPE_KEYS} | {"hidden_size": hidden}
-    torch.save({"iteration": 1, "shape": shape}, folder / "metadata.pt")
-    (folder / "manifest.json").write_text(json.dumps({"files": {"metadata.pt": _digest(str(folder / "metadata.pt"))}}))
+    torch.save({"iteration": 1, "args": argparse.Namespace(**shape)}, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
     (root / "latest_checkpointed_iteration.txt").write_text("1")
 
 
@@ -194,14 +196,14 @@ def test_corrupted_and_truncated_checkpoint_files_are_named(tmp_path):
     save = tmp_path / "ckpt"
     for p in ranks(*CHIMERA2, "--train-iters", "2", "--save", str(save)):
         assert p.wait(timeout=120) == 0
-    shard = save / "iter_0000002" / "mp_rank_00_001" / "model_optim_rng.pt"
+    shard = save / "iter_0000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     shard.write_bytes(bytes(data))
     procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode != 0 for p in procs)
-    assert any("mp_rank_00_001/model_optim_rng.pt" in e and "is corrupted (its sha256 does not match manifest.json)" in e
+    assert any("__1_0.distcp" in e and "is corrupted (its sha256 does not match manifest.json)" in e
                for e in errs), errs
     shard.write_bytes(bytes(data[: len(data) // 3]))  # truncated: caught before any process group exists
     procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))

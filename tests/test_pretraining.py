@@ -56,8 +56,9 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert "elapsed time per iteration (ms):" in proc.stdout and "throughput (tokens/s):" in proc.stdout
     assert {int(i) for i, _ in VALID.findall(proc.stdout)} == {2, 4}
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
-    assert sorted(os.listdir(save / "iter_0000002")) == ["manifest.json", "metadata.pt", "mp_rank_00_000",
-                                                         "mp_rank_00_001", "rng"]
+    files = os.listdir(save / "iter_0000002")  # megatron-core's torch_dist files, and our manifest
+    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "common.pt", "manifest.json", "metadata.json"}
+    assert {f.split("_")[2] for f in files if f.endswith(".distcp")} == {"0", "1"}  # written by both ranks
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(save.parent / "tb"))
 
 
@@ -91,3 +92,44 @@ def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path
                                    "--use-checkpoint-opt_param-scheduler"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
     assert list(losses(resumed)) == [3]
+
+
+PROBE = os.path.join(ROOT, "tests", "mcore_checkpoint_probe.py")
+
+
+def probe(*argv: str) -> str:
+    """The loss the megatron-core probe printed."""
+    return run(1, PROBE, *argv).stdout.split()[-1]
+
+
+def test_chimera_checkpoint_loads_into_megatron_core_gpt_model(uninterrupted, corpus):
+    """dist_checkpointing.load into a plain GPTModel: its loss on batch 2 is the loss Chimera logged
+    at iteration 3, the first one computed from the iteration-2 weights."""
+    proc, save = uninterrupted
+    assert probe("load", str(save / "iter_0000002"), "--", *train_args(corpus)[1:], "--probe-batch", "2") \
+        == losses(proc)[3]
+
+
+def test_megatron_core_and_legacy_checkpoints_load_into_chimera(corpus, tmp_path):
+    """A GPTModel saved by megatron-core's dist_checkpointing.save, and the same weights in Megatron-LM's
+    legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
+    flags = train_args(corpus, "--train-iters", "1")[1:]
+    expected = probe("save", str(tmp_path), "--", *flags)
+    dist = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch_dist"),
+                              "--finetune"))
+    legacy = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch"),
+                                "--no-load-optim"))
+    assert losses(dist)[1] == losses(legacy)[1] == expected
+
+
+def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(corpus, tmp_path):
+    """Weights and AdamW moments re-cut by dist_checkpointing: the resumed iterations 3 and 4 repeat the
+    Chimera run's (tensor parallelism reorders fp32 sums, hence 1e-5)."""
+    chimera = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
+                                 "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0"))
+    resharded = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                   "--pipeline-schedule", "1f1b", "--eval-iters", "0",
+                                   "--load", str(tmp_path / "iter_0000002")))
+    assert list(losses(resharded)) == [3, 4]
+    for i in (3, 4):
+        assert abs(float(losses(resharded)[i]) / float(losses(chimera)[i]) - 1) < 1e-5

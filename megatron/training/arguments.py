@@ -103,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from")
     c.add_argument("--save-interval", type=int, default=1000)
+    c.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
+                   help="the format --save writes: torch_dist (megatron-core's dist_checkpointing). Loading "
+                        "detects the format and also reads Megatron-LM's legacy per-rank torch files")
+    c.add_argument("--finetune", action="store_true",
+                   help="load the weights only: no optimizer, scheduler or RNG state, iteration 0")
+    c.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer and LR scheduler state")
+    c.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
     c.add_argument("--tensorboard-dir")
     d = p.add_argument_group("data")
     d.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
@@ -168,6 +175,8 @@ def _validate(args) -> None:
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path:
             require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
+    require(args.ckpt_format == "torch_dist" or not args.save, "--ckpt-format", args.ckpt_format,
+            "is read, not written: --save writes torch_dist (loading detects the format)")
     _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
@@ -370,14 +379,20 @@ def _writable(path: str) -> bool:
 
 
 def _validate_checkpoint(args) -> None:
-    """--load must hold a whole checkpoint of this model's shape (manifest, sizes and metadata only)."""
-    from .checkpointing import check_shape, check_sizes, find_checkpoint, read_metadata
+    """--load must hold a whole checkpoint of this model's shape (sizes and common state only)."""
+    from .checkpointing import check_shape, check_sizes, find_checkpoint, read_common
 
-    folder = find_checkpoint(args.load)
+    folder, fmt = find_checkpoint(args.load)
     check_sizes(folder, args.load)
-    metadata = read_metadata(folder, args.load)
-    check_shape(args, metadata, args.load)
-    _check_schedule(args, metadata["scheduler"])
+    common = read_common(folder, fmt, args.load)
+    check_shape(args, common, args.load)
+    loads_optimizer = not (args.finetune or args.no_load_optim)
+    require(fmt != "torch" or not loads_optimizer, "--load", args.load,
+            "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")
+    require(fmt != "torch_dist" or not loads_optimizer or "optimizer" in common, "--load", args.load,
+            "holds no optimizer state (a model saved alone?): pass --no-load-optim or --finetune")
+    if loads_optimizer and "opt_param_scheduler" in common:
+        _check_schedule(args, common["opt_param_scheduler"])
 
 
 def _validate_data(args) -> None:

@@ -1,28 +1,28 @@
-"""Checkpoints in Megatron's directory layout, readable by any schedule and pipeline layout.
+"""Checkpoints in Megatron-LM's ``torch_dist`` format, through megatron-core's dist_checkpointing.
 
     SAVE/latest_checkpointed_iteration.txt
-    SAVE/iter_0000100/manifest.json                    shape, schedule, layout, iteration, sha256 per file
-    SAVE/iter_0000100/metadata.pt                      iteration, samples, LR scheduler, model shape
-    SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt  weights + AdamW state (data-parallel rank 0)
-    SAVE/iter_0000100/rng/rank_RRRRR.pt                per-rank RNG states
+    SAVE/iter_0000100/metadata.json, .metadata, __R_I.distcp   megatron-core's dist_checkpointing
+    SAVE/iter_0000100/common.pt        iteration, args, opt_param_scheduler, optimizer step, layout
+    SAVE/iter_0000100/manifest.json    ours: the size and sha256 of every file above
 
-Weights and optimizer state are keyed by *global parameter name* (and saved once per logical tensor,
-by pipeline 0's copy), not by chunk, so a Chimera checkpoint loads into 1F1B or into one process:
-each rank takes the tensors of the chunks it holds. Tensor parallelism must match.
+Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
+checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
+and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
+files are read too (legacy_checkpoint.py).
 
-Writes are atomic: every rank writes into ``iter_X.tmp``; after a barrier rank 0 renames it to
-``iter_X`` and then replaces the ``latest`` file. A crash mid-save leaves the previous checkpoint as
-the latest one. Loads use ``torch.load(weights_only=True)``: a checkpoint file cannot run code; and
-every file is checked against the manifest (sizes before any process starts, sha256 at load time), so a
-truncated or corrupted file is named, never silently used.
+What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
+renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
+checkpoint the latest one. At load every file is checked against the manifest (sizes before any
+process starts, sha256 before anything is unpickled), so a truncated or corrupted file is named,
+never used, and no tampered file runs code. A foreign checkpoint (no manifest) is loaded as it is.
 """
 from __future__ import annotations
 
-import glob
+import argparse
+import contextlib
 import hashlib
 import json
 import os
-import random
 import shutil
 
 import torch
@@ -30,14 +30,16 @@ import torch.distributed as dist
 
 from chimera_schedules import ScheduleConfigError
 
-from .model import TIED_NAME
+from . import sharded_state
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
+DIST_METADATA = "metadata.json"  # what marks a dist_checkpointing folder
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
-              "disable_bias_linear", "tensor_model_parallel_size", "normalization", "swiglu", "num_query_groups",
-              "kv_channels", "qk_layernorm", "add_qkv_bias")
+              "disable_bias_linear", "normalization", "swiglu", "num_query_groups", "kv_channels",
+              "qk_layernorm", "add_qkv_bias")
 
 
 class CheckpointError(ScheduleConfigError):
@@ -51,97 +53,49 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _owned(trainer):
-    """(global name, parameter) this rank saves: pipeline 0's copy of every tensor, on DP rank 0;
-    the tied embedding once, from stage 0."""
-    if trainer.rt.dp_rank != 0:
-        return []
-    last = trainer.rt.model_stages - 1
-    out = []
-    for (p, s), chunk in trainer.chunks.items():
-        for param in chunk.parameters():
-            if p == 0 and not (param.global_name == TIED_NAME and s == last and last > 0):
-                out.append((param.global_name, param))
-    return out
+def safe_globals():
+    """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
+    weights_only unpickler (which runs no code)."""
+    import io
+
+    allowed = [argparse.Namespace, io.BytesIO]
+    with contextlib.suppress(ImportError):
+        from megatron.core.transformer.enums import AttnBackend, ModelType
+
+        allowed += [AttnBackend, ModelType]
+    with contextlib.suppress(ImportError):
+        from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+
+        allowed += [RerunDiagnostic, RerunMode, RerunState]
+    return torch.serialization.safe_globals(allowed)
 
 
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+# --- where the checkpoint is, and whether it is whole --------------------------------------------
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=None) -> str:
-    """Collective. Returns the final directory."""
-    args, rt = trainer.args, trainer.rt
-    final = iteration_dir(args.save, iteration)
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    owned = _owned(trainer)
-    if owned:
-        state = {id(p): s for p, s in trainer.optimizer.state.items()}
-        shard = {"model": {name: p.detach().cpu() for name, p in owned},
-                 "optimizer": {name: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                      for k, v in state.get(id(p), {}).items()} for name, p in owned}}
-        folder = os.path.join(tmp, f"mp_rank_{rt.tp_rank:02d}_{rt.worker:03d}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(shard, os.path.join(folder, "model_optim_rng.pt"))
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rt.rank:05d}.pt"))
-    if fault_hook is not None:
-        fault_hook()  # tests: die here, mid-save
-    files = {}
-    for path in [os.path.join(tmp, "rng", f"rank_{rt.rank:05d}.pt")] + (
-            [os.path.join(tmp, f"mp_rank_{rt.tp_rank:02d}_{rt.worker:03d}", "model_optim_rng.pt")] if owned else []):
-        files[os.path.relpath(path, tmp)] = _digest(path)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)
-    if dist.get_rank() == 0:
-        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "scheduler": trainer.scheduler.state_dict(),
-                    "shape": {k: getattr(args, k) for k in SHAPE_KEYS},
-                    "layout": {"world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp,
-                               "schedule": args.pipeline_schedule}},
-                   os.path.join(tmp, "metadata.pt"))
-        manifest = {"iteration": iteration, "shape": {k: getattr(args, k) for k in SHAPE_KEYS},
-                    "schedule": args.pipeline_schedule, "layout": {"world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp},
-                    "files": {k: v for per_rank in gathered for k, v in per_rank.items()}}
-        manifest["files"]["metadata.pt"] = _digest(os.path.join(tmp, "metadata.pt"))
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        latest_tmp = os.path.join(args.save, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(args.save, LATEST))
-    dist.barrier()
-    return final
-
-
-def find_checkpoint(root: str) -> str:
-    """The directory the latest file names; CheckpointError with the reason otherwise."""
+def find_checkpoint(root: str) -> tuple[str, str]:
+    """(folder, format) of the checkpoint --load names: the one its ``latest`` file points to, or the
+    folder itself when it is one (a bare dist_checkpointing.save or an ``iter_X`` folder)."""
     latest = os.path.join(root, LATEST)
-    if not os.path.isfile(latest):
-        raise CheckpointError(root, f"no checkpoint there (no {LATEST})")
-    with open(latest) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(root, f"{LATEST} does not hold an iteration number ({text!r})")
-    folder = iteration_dir(root, int(text))
-    if not os.path.isfile(os.path.join(folder, MANIFEST)):
-        raise CheckpointError(root, f"{LATEST} names iteration {text}, but {folder} has no {MANIFEST}")
-    return folder
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            text = f.read().strip()
+        if not (text.isdigit() or text == "release"):
+            raise CheckpointError(root, f"{LATEST} does not hold an iteration number ({text!r})")
+        folder = os.path.join(root, "release") if text == "release" else iteration_dir(root, int(text))
+        if checkpoint_format(folder) is None:
+            raise CheckpointError(root, f"{LATEST} names iteration {text}, but {folder} holds no checkpoint")
+        return folder, checkpoint_format(folder)
+    if checkpoint_format(root) is not None:
+        return root, checkpoint_format(root)
+    raise CheckpointError(root, f"no checkpoint there (no {LATEST})")
+
+
+def checkpoint_format(folder: str) -> str | None:
+    if os.path.isfile(os.path.join(folder, DIST_METADATA)):
+        return "torch_dist"
+    if os.path.isdir(folder) and any(d.startswith("mp_rank_") for d in os.listdir(folder)):
+        return "torch"
+    return None
 
 
 def _digest(path: str) -> dict:
@@ -152,9 +106,12 @@ def _digest(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
 
 
-def read_manifest(folder: str, root: str) -> dict:
+def _manifest(folder: str, root: str) -> dict | None:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None
     try:
-        with open(os.path.join(folder, MANIFEST)) as f:
+        with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(root, f"{MANIFEST} in {folder} is unreadable ({e.__class__.__name__})") from None
@@ -162,7 +119,7 @@ def read_manifest(folder: str, root: str) -> dict:
 
 def check_sizes(folder: str, root: str) -> None:
     """Cheap, before any process starts: every file the manifest lists is there, whole."""
-    for rel, want in read_manifest(folder, root)["files"].items():
+    for rel, want in (_manifest(folder, root) or {"files": {}})["files"].items():
         path = os.path.join(folder, rel)
         size = os.path.getsize(path) if os.path.isfile(path) else None
         if size != want["bytes"]:
@@ -170,72 +127,199 @@ def check_sizes(folder: str, root: str) -> None:
             raise CheckpointError(root, f"{rel} in {folder} is truncated or missing ({have})")
 
 
-def verified_load(path: str, folder: str, root: str, **kwargs):
-    """torch.load(weights_only=True) of a file whose sha256 matches the manifest."""
-    rel = os.path.relpath(path, folder)
-    want = read_manifest(folder, root)["files"].get(rel)
-    if want is None or _digest(path) != want:
-        raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
-    return torch.load(path, weights_only=True, **kwargs)
+def check_digests(folder: str, root: str) -> None:
+    manifest = _manifest(folder, root) or {"files": {}}
+    for rel, want in sorted(manifest["files"].items()):
+        if _digest(os.path.join(folder, rel)) != want:
+            raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
 
 
-def read_metadata(folder: str, root: str | None = None) -> dict:
-    return verified_load(os.path.join(folder, "metadata.pt"), folder, root or os.path.dirname(folder))
+def _verified_by_rank0(folder: str, root: str) -> None:
+    """Collective: rank 0 hashes the files, every rank raises the same error if one is bad."""
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            check_digests(folder, root)
+        except CheckpointError as e:
+            failure = str(e.rule)
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(root, box[0])
 
 
-def check_shape(args, metadata: dict, root: str) -> None:
-    for key, value in metadata["shape"].items():
-        if getattr(args, key) != value:
+def read_common(folder: str, fmt: str, root: str) -> dict:
+    """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
+    if fmt == "torch":
+        from .legacy_checkpoint import read_common as legacy_common
+
+        return legacy_common(folder, root)
+    from megatron.core import dist_checkpointing
+
+    manifest = _manifest(folder, root)
+    if manifest and "common.pt" in manifest["files"]:
+        if _digest(os.path.join(folder, "common.pt")) != manifest["files"]["common.pt"]:
+            raise CheckpointError(root, f"common.pt in {folder} is corrupted (its sha256 does not match {MANIFEST})")
+    try:
+        with safe_globals():
+            return dist_checkpointing.load_common_state_dict(folder)
+    except Exception as e:  # noqa: BLE001 -- any unreadable file is the checkpoint's fault, named
+        raise CheckpointError(root, f"common.pt in {folder} is unreadable ({str(e).splitlines()[0][:200]})") from None
+
+
+def check_shape(args, common: dict, root: str) -> None:
+    saved = common.get("args")
+    for key in SHAPE_KEYS:
+        if saved is not None and hasattr(saved, key) and getattr(saved, key) != getattr(args, key):
             flag = "--" + key.replace("_", "-")
-            raise CheckpointError(root, f"checkpoint has {flag}={value}, this run {getattr(args, key)}: "
-                                        f"model shapes must match")
+            raise CheckpointError(root, f"checkpoint has {flag}={getattr(saved, key)}, this run "
+                                        f"{getattr(args, key)}: model shapes must match")
 
+
+# --- save ----------------------------------------------------------------------------------------
+
+def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
+    """The run's flags as Megatron-LM stores them, plain values only (so loading them runs no code)."""
+    plain = (int, float, str, bool, type(None))
+    kept = {k: v for k, v in vars(args).items()
+            if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
+    return argparse.Namespace(**kept, consumed_train_samples=consumed_samples, consumed_valid_samples=0)
+
+
+def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=None) -> str:
+    """Collective. Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    args, rt = trainer.args, trainer.rt
+    final = iteration_dir(args.save, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    models = sharded_state.model_state(trainer)
+    state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False),
+             "rng_state": sharded_state.rng_state(rt.rank, rt.world),
+             "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+             "args": _saved_args(args, consumed_samples),
+             "opt_param_scheduler": trainer.scheduler.state_dict(),
+             "layout": {"schedule": args.pipeline_schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
+    _synchronous_writer()
+    dist_checkpointing.save(state, tmp)
+    if fault_hook is not None:
+        fault_hook()  # tests: die here, mid-save
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _publish(tmp, final, args.save, iteration)
+    dist.barrier()
+    return final
+
+
+def _synchronous_writer() -> None:
+    """megatron-core's file writer reports its results through a queue served by a spawned Manager
+    process, made for asynchronous saves. Ours are synchronous: the queue is filled and read by this
+    process, so a plain one does. No helper process re-imports the launch script (5 s here) or outlives
+    a killed rank while holding its output open."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _publish(tmp: str, final: str, root: str, iteration: int) -> None:
+    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next."""
+    files = {}
+    for folder, _, names in os.walk(tmp):
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, tmp)] = _digest(path)
+    _write_durably(os.path.join(tmp, MANIFEST), json.dumps({"iteration": iteration, "files": files}, indent=1))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _write_durably(os.path.join(root, LATEST + ".tmp"), str(iteration))
+    os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+
+
+def _write_durably(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- load ----------------------------------------------------------------------------------------
 
 def load_checkpoint(trainer) -> tuple[int, int]:
-    """Load weights, optimizer state, LR scheduler and (same layout only) RNG states; returns
-    (iteration, consumed samples). Collective only in that every rank reads."""
+    """Load weights and, unless --finetune / --no-load-optim / --no-load-rng say otherwise, the
+    optimizer, the LR scheduler and (same layout only) the RNG states; returns (iteration, consumed
+    samples), both 0 with --finetune. Collective."""
+    args = trainer.args
+    folder, fmt = find_checkpoint(args.load)
+    if fmt == "torch":
+        from .legacy_checkpoint import load_legacy
+
+        common = load_legacy(trainer, folder, args.load)
+    else:
+        _verified_by_rank0(folder, args.load)
+        common = _load_dist(trainer, folder)
+    if _loads_optimizer(args) and "opt_param_scheduler" in common:
+        trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
+    if args.finetune:
+        return 0, 0
+    iteration = common.get("iteration", 0)
+    saved = common.get("args")
+    return iteration, getattr(saved, "consumed_train_samples", iteration * args.global_batch_size)
+
+
+def _loads_optimizer(args) -> bool:
+    return not (args.finetune or args.no_load_optim)
+
+
+def _same_layout(common: dict, rt) -> bool:
+    layout = common.get("layout", {})
+    return (layout.get("world"), layout.get("tp"), layout.get("pp")) == (rt.world, rt.tp, rt.pp)
+
+
+def _load_dist(trainer, folder: str) -> dict:
+    from megatron.core import dist_checkpointing
+
     args, rt = trainer.args, trainer.rt
-    folder = find_checkpoint(args.load)
-    weights, optim, failure = {}, {}, None
+    common = read_common(folder, "torch_dist", args.load)
+    models = sharded_state.model_state(trainer)
+    request = {k: _tensors_only(v) for k, v in models.items()}
+    if _loads_optimizer(args):  # that the checkpoint has one was checked before start
+        request["optimizer"] = sharded_state.optimizer_state(trainer, models, loading=True)
+    rng = not (args.finetune or args.no_load_rng) and _same_layout(common, rt)
+    if rng:
+        request["rng_state"] = sharded_state.rng_state(rt.rank, rt.world)
     try:
-        meta = read_metadata(folder, args.load)
-        check_shape(args, meta, args.load)
-        for path in sorted(glob.glob(os.path.join(folder, f"mp_rank_{rt.tp_rank:02d}_*", "model_optim_rng.pt"))):
-            shard = verified_load(path, folder, args.load, mmap=True)
-            weights.update(shard["model"])
-            optim.update(shard["optimizer"])
-    except CheckpointError as e:
-        failure = e
-    bad = torch.tensor([failure is not None], dtype=torch.int32, device=rt.device)
-    rt.all_reduce(bad)  # every rank stops if any rank found a bad file
-    if failure is not None:
-        raise failure
-    if bad.item():
-        raise CheckpointError(args.load, f"another rank found a corrupted file in {folder}")
-    with torch.no_grad():
-        for chunk in trainer.models:
-            for param in chunk.parameters():
-                if param.global_name not in weights:
-                    raise CheckpointError(args.load, f"{folder} has no {param.global_name}")
-                param.copy_(weights[param.global_name])
-                if optim.get(param.global_name):
-                    # AdamW keeps its step count on the CPU; moments live with the parameter
-                    trainer.optimizer.state[param] = {
-                        k: (v.clone().to(param.device if v.dim() else "cpu") if torch.is_tensor(v) else v)
-                        for k, v in optim[param.global_name].items()}
-    trainer.scheduler.load_state_dict(meta["scheduler"])
-    rng_file = os.path.join(folder, "rng", f"rank_{rt.rank:05d}.pt")
-    same_layout = meta["layout"]["world"] == rt.world and meta["layout"]["pp"] == rt.pp
-    if same_layout and os.path.isfile(rng_file):
-        _restore_rng(verified_load(rng_file, folder, args.load))
-    return meta["iteration"], meta["consumed_samples"]
+        with safe_globals():
+            loaded = dist_checkpointing.load(request, folder)
+    except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
+        raise CheckpointError(args.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
+    _restore_models(trainer, loaded, args.load)
+    if _loads_optimizer(args):
+        sharded_state.restore_optimizer(trainer, loaded["optimizer"], common["optimizer"]["step"])
+    if rng:
+        sharded_state.restore_rng(loaded["rng_state"])
+    return common
 
 
-def _restore_rng(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+def _tensors_only(tree: dict) -> dict:
+    """A model's sharded state without its ShardedObjects (``_extra_state``: empty on the local spec,
+    fp8 scales on Transformer Engine's, which we do not run), so loading unpickles nothing."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    return {k: v for k, v in tree.items() if not isinstance(v, ShardedObject)}
+
+
+def _restore_models(trainer, loaded: dict, root: str) -> None:
+    for i, chunk in enumerate(trainer.models):
+        state = {k: v for k, v in loaded[f"model{i}"].items() if torch.is_tensor(v)}
+        missing, _ = chunk.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(root, f"the checkpoint has no {missing[0]}")

@@ -15,6 +15,12 @@ from chimera_schedules import Op
 from .tokenizer import build_tokenizer
 
 
+def dataset_sizes(args) -> tuple[int, int]:
+    """Samples the run asks of its train and validation parts (their shuffles depend on it)."""
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
+    return args.train_iters * args.global_batch_size, evals * args.global_batch_size
+
+
 def build_datasets(args, train_samples: int, valid_samples: int):
     """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

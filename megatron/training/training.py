@@ -25,7 +25,7 @@ from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 from .arguments import lr_increment, lr_schedule
 from .fault_injection import FaultInjection
 from .flops import iteration_flops
-from .data import MicrobatchSource, build_datasets, chunk_orders, iterators
+from .data import MicrobatchSource, build_datasets, chunk_orders, dataset_sizes, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
@@ -113,8 +113,7 @@ class Trainer:
             self.num_microbatches, scale = args.num_microbatches, 1.0
         self.micro_batch_size = int(args.micro_batch_size * scale)
         self.orders = chunk_orders(schedule, rt.worker, rt.held, self.num_microbatches)
-        evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
-        train, valid = build_datasets(args, args.train_iters * args.global_batch_size, evals * args.global_batch_size)
+        train, valid = build_datasets(args, *dataset_sizes(args))
         self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
         self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
 

@@ -1,0 +1,137 @@
+"""What a rank contributes to a torch_dist checkpoint: megatron-core's sharded state dicts of its model
+chunks, placed in the whole model, plus the optimizer moments and RNG states sharded the same way.
+
+A chunk is a GPTModel of L/S layers built as if unpipelined, so megatron-core numbers its layers from
+0 and sizes the layer axis L/S. Shifting that axis to the chunk's place in the whole model gives the
+keys and offsets megatron-core's own GPTModel writes (``decoder.layers.*`` stacked over all L layers,
+Transformer Engine's names via the local spec's key map). The copies of a stage that Chimera's second
+pipeline holds are replicas: their replica id gains the pipeline index, so only pipeline 0's copy is
+written, and every copy reads it back.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import torch
+
+LAYERS = "decoder.layers."
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, saved as Megatron-LM names it
+
+
+def _sharded_classes():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    return ShardedTensor, ShardedObject, ShardedTensorFactory
+
+
+def _placed(item, offset: int, total: int, pipeline: int | None):
+    """One sharded item moved from the chunk's layer numbering to the whole model's, its replica id
+    extended by the pipeline index (None: already extended, as the items a factory builds are)."""
+    ShardedTensor, _, ShardedTensorFactory = _sharded_classes()
+    changes = {}
+    if pipeline is not None:
+        rid = item.replica_id if isinstance(item.replica_id, tuple) else (item.replica_id,)
+        changes["replica_id"] = (*rid, pipeline)
+    if isinstance(item, ShardedTensorFactory):
+        build = item.build_fn
+        return replace(item, **changes,
+                       build_fn=lambda *a: _map(build(*a), lambda x: _placed(x, offset, total, None)))
+    if LAYERS in item.key:  # also the optimizer moments of layer parameters
+        changes["global_shape"] = (total, *item.global_shape[1:])
+        changes["global_offset"] = (item.global_offset[0] + offset, *item.global_offset[1:])
+        if isinstance(item, ShardedTensor):
+            changes["axis_fragmentations"] = (total, *item.axis_fragmentations[1:])
+    return replace(item, **changes)
+
+
+def _map(tree, fn):
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map(v, fn) for v in tree]
+    return fn(tree)
+
+
+def model_state(trainer) -> dict:
+    """``{"model0": ..., "model1": ...}``, one entry per chunk this rank holds, as Megatron-LM names
+    the chunks of an interleaved model."""
+    args = trainer.args
+    per_stage = args.num_layers // args.model_stages
+    out = {}
+    for i, (pipeline, stage) in enumerate(trainer.rt.held):
+        chunk = trainer.chunks[(pipeline, stage)]
+        out[f"model{i}"] = _map(chunk.sharded_state_dict(),
+                                lambda x: _placed(x, stage * per_stage, args.num_layers, pipeline))
+    return out
+
+
+def _by_parameter(models: dict) -> dict:
+    """id(parameter) -> its sharded item (tensor or factory) in the model state."""
+    ShardedTensor, _, ShardedTensorFactory = _sharded_classes()
+    found = {}
+    _map(models, lambda x: found.setdefault(id(x.data), x) if isinstance(x, (ShardedTensor, ShardedTensorFactory))
+         else None)
+    return found
+
+
+def optimizer_state(trainer, models: dict, loading: bool) -> dict:
+    """AdamW's moments under Megatron-LM's keys (``optimizer.state.exp_avg.<parameter key>``), sharded
+    like their parameters; zeros to be filled when loading. The step count is one number for all
+    parameters and goes to the common state."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    sharded = _by_parameter(models)
+    state = {name: {} for name in MOMENTS}
+    for i, chunk in enumerate(trainer.models):
+        for pname, param in chunk.named_parameters():
+            kept = trainer.optimizer.state.get(param, {})
+            for name in MOMENTS:
+                value = torch.zeros_like(param) if loading or name not in kept else kept[name]
+                state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
+                                                                            f"optimizer.state.{name}")
+    return {"state": state, "step": optimizer_step(trainer.optimizer)}
+
+
+def optimizer_step(optimizer) -> int:
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def restore_optimizer(trainer, loaded: dict, step: int) -> None:
+    for i, chunk in enumerate(trainer.models):
+        for pname, param in chunk.named_parameters():
+            trainer.optimizer.state[param] = {
+                "step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
+                **{name: loaded["state"][name][f"{i}.{pname}"].to(param.device) for name in MOMENTS}}
+
+
+def _rng_tensors() -> dict:
+    """This rank's RNG states as tensors, so loading them unpickles nothing."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    version, words, gauss = random.getstate()
+    out = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
+           "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)}
+    out.update({f"tracker.{name}": s for name, s in get_cuda_rng_tracker().get_states().items()})
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def rng_state(rank: int, world: int) -> dict:
+    ShardedTensor = _sharded_classes()[0]
+    return {name: ShardedTensor.from_rank_offsets(f"rng_state.{name}", t.unsqueeze(0), (0, rank, world), replica_id=0)
+            for name, t in _rng_tensors().items()}
+
+
+def restore_rng(loaded: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states = {name: t[0] for name, t in loaded.items()}
+    torch.set_rng_state(states.pop("torch"))
+    gauss = states.pop("python_gauss").item()
+    random.setstate((3, tuple(int(w) for w in states.pop("python")), None if gauss != gauss else gauss))
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states.pop("cuda"))
+    get_cuda_rng_tracker().set_states({name[len("tracker."):]: s for name, s in states.items()})

@@ -1,0 +1,104 @@
+"""megatron-core's side of the checkpoint tests: a plain GPTModel (no pipeline, one process) that
+saves, loads and evaluates through megatron-core's API only, as a Megatron-LM user's tools do.
+
+    python tests/mcore_checkpoint_probe.py save DIR -- FLAGS   # DIR/torch_dist: dist_checkpointing.save of a
+                                                              # GPTModel; DIR/torch: Megatron-LM's legacy files
+    python tests/mcore_checkpoint_probe.py load DIR -- FLAGS   # dist_checkpointing.load into a GPTModel
+
+Each prints ``loss BATCH VALUE``: the LM loss of training batch BATCH (``--probe-batch``, default 0)
+as pretrain_gpt.py's data gives it, with the saved or loaded weights. FLAGS are pretrain_gpt.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training import parse_args  # noqa: E402
+from megatron.training.data import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
+from megatron.training.model import transformer_config  # noqa: E402
+from megatron.training.parallel import init_distributed  # noqa: E402
+
+
+def gpt_model(args):
+    """A GPTModel as megatron-core builds and initialises it (not our chunk builder)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(777)
+    model_parallel_cuda_manual_seed(777)
+    return GPTModel(transformer_config(args, args.num_layers),
+                    get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type)
+
+
+@torch.no_grad()
+def batch_loss(model, args, index: int) -> float:
+    train, _ = build_datasets(args, *dataset_sizes(args))
+    source = MicrobatchSource(train, args, dp_rank=0, scale=1.0)
+    total = count = 0.0
+    model.eval()
+    for mb in range(args.num_microbatches):
+        b = source.batch(index, mb, torch.device("cpu"))
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        total += float((losses.double() * b["loss_mask"]).sum())
+        count += float(b["loss_mask"].sum())
+    return total / count
+
+
+def write_legacy(model, args, folder: str) -> None:
+    """Megatron-LM's legacy layout for PP=2 (``torch.save`` per rank, as Megatron-LM wrote it): per
+    stage, its layers numbered from 0."""
+    half = args.num_layers // 2
+    state = model.state_dict()
+    for stage in range(2):
+        own = {}
+        for name, tensor in state.items():
+            parts = name.split(".")
+            if name.startswith("decoder.layers."):
+                layer = int(parts[2])
+                if layer // half == stage:
+                    own[".".join(parts[:2] + [str(layer - stage * half)] + parts[3:])] = tensor
+            elif name.startswith("embedding.") == (stage == 0) or name.startswith("output_layer.") and stage == 1:
+                own[name] = tensor
+        path = os.path.join(folder, "release", f"mp_rank_00_{stage:03d}")
+        os.makedirs(path)
+        torch.save({"args": argparse.Namespace(num_layers=args.num_layers, hidden_size=args.hidden_size),
+                    "checkpoint_version": 3.0, "iteration": 0, "model": own},
+                   os.path.join(path, "model_optim_rng.pt"))
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+
+
+def main() -> None:
+    mode, folder = sys.argv[1], sys.argv[2]
+    flags = sys.argv[sys.argv.index("--") + 1:]
+    index = int(flags.pop(flags.index("--probe-batch") + 1)) if "--probe-batch" in flags else 0
+    if "--probe-batch" in flags:
+        flags.remove("--probe-batch")
+    args = parse_args(flags, world_size=1)
+    init_distributed("gloo", 5)
+    from megatron.core import dist_checkpointing
+
+    model = gpt_model(args)
+    if mode == "save":
+        os.makedirs(os.path.join(folder, "torch_dist"))
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(folder, "torch_dist"))
+        write_legacy(model, args, os.path.join(folder, "torch"))
+    else:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+        model.load_state_dict(state["model"])
+    print(f"loss {index} {batch_loss(model, args, index):.6E}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
