@@ -23,7 +23,9 @@ setup(
         "tensorboard",  # --tensorboard-dir
     ],
     extras_require={
-        "test": ["pytest"],
+        # GPT2BPETokenizer and HuggingFaceTokenizer, as in Megatron-LM; the tests cover both
+        "hf": ["transformers"],
+        "test": ["pytest", "transformers"],
         "gpu": ["transformer-engine", "apex"],
     },
 )

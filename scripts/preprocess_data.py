@@ -47,15 +47,21 @@ def main(argv=None):
     p.add_argument("--input", required=True, help="JSON lines, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"), required=True)
-    p.add_argument("--tokenizer-model")
-    p.add_argument("--vocab-size", type=int)
+    from megatron.training.tokenizer import add_arguments, check_arguments
+
+    add_arguments(p)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000)
     args = p.parse_args(argv)
     if not os.path.isfile(args.input):
         p.exit(2, f"preprocess_data.py: error: --input={args.input}: no such file\n")
+
+    def require(ok: bool, flag: str, value, rule: str) -> None:
+        if not ok:
+            p.exit(2, f"preprocess_data.py: error: {flag}={value}: {rule}\n")
+
+    check_arguments(args, require)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

@@ -16,7 +16,9 @@ from chimera_schedules.errors import require
 from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
 
 from .model_flags import add_architecture_flags, add_compatibility_flags
+from .tokenizer import add_arguments as add_tokenizer_arguments
 from .tokenizer import build_tokenizer, padded_vocab_size
+from .tokenizer import check_arguments as check_tokenizer_arguments
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 
@@ -60,7 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     m.add_argument("--recompute-method", choices=("uniform", "block"))
     m.add_argument("--recompute-num-layers", type=int, default=1)
-    m.add_argument("--vocab-size", type=int, help="vocabulary of the NullTokenizer")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, required=True)
@@ -116,8 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--data-path", nargs="+", help="PREFIX, or a blend: WEIGHT PREFIX WEIGHT PREFIX ...")
     d.add_argument("--split", default="969,30,1", help="train,valid,test proportions of each dataset")
     d.add_argument("--data-cache-path", help="where megatron-core caches the dataset indices")
-    d.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"), default="NullTokenizer")
-    d.add_argument("--tokenizer-model", help="SentencePiece model file")
+    add_tokenizer_arguments(d)
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -411,12 +411,7 @@ def _validate_data(args) -> None:
         require(len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
         for prefix in prefixes:
             _require_documents(args, prefix)
-    if args.tokenizer_type == "SentencePieceTokenizer":
-        require(bool(args.tokenizer_model) and os.path.isfile(args.tokenizer_model or ""), "--tokenizer-model",
-                args.tokenizer_model, "must name an existing SentencePiece model file")
-    else:
-        require(args.vocab_size is not None and args.vocab_size > 0, "--vocab-size", args.vocab_size,
-                "must be positive with the NullTokenizer")
+    check_tokenizer_arguments(args, require)
 
 
 def _dest(flag: str) -> str:

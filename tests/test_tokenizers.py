@@ -1,0 +1,79 @@
+"""Megatron-LM's tokenizer types: the vocabulary size (so the padded embedding matches Megatron-LM's),
+the end-of-document id, and preprocess_data.py writing what the tokenizer says."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.training.arguments import parse_args
+from megatron.training.tokenizer import build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """A small GPT-2 byte-level BPE (vocab.json, merges.txt) and the same tokenizer saved as a local
+    HuggingFace directory."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("gpt2")
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2 shows these bytes as chr(256 + k)
+    symbols = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
+    vocab = {s: i for i, s in enumerate(symbols + ["".join(m) for m in merges] + ["<|endoftext|>"])}
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    bpe = ByteLevelBPETokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(out / "hf")
+    return out
+
+
+def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):
+    model = corpus[corpus.index("--tokenizer-model") + 1]  # 512 pieces, EOS but no BOS or PAD
+    sizes = {}
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        args = parse_args(MODEL + ["--tokenizer-type", kind, "--tokenizer-model", model], world_size=1)
+        sizes[kind] = (build_tokenizer(args).vocab_size, args.padded_vocab_size)
+    # <CLS> <SEP> <EOD> <MASK> <PAD> <BOS> appended: 518, padded to 640 as Megatron-LM does
+    assert sizes == {"SentencePieceTokenizer": (518, 640), "GPTSentencePieceTokenizer": (512, 512),
+                     "Llama2Tokenizer": (512, 512)}
+    tp2 = parse_args(MODEL + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
+                              "--tensor-model-parallel-size", "2"], world_size=2)
+    assert tp2.padded_vocab_size == 768  # a multiple of 128 x TP
+    eod = build_tokenizer(parse_args(MODEL + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                                              model], world_size=1)).eod
+    assert eod == 514  # <EOD>, not the model's EOS
+
+
+def test_null_tokenizer_adds_one_id_for_eod():
+    args = parse_args(MODEL + ["--vocab-size", "128"], world_size=1)
+    assert build_tokenizer(args).vocab_size == 129 and args.padded_vocab_size == 256
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_gpt2_bpe_and_huggingface_tokenizers_preprocess_and_size(gpt2_files, tmp_path, kind):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    files = (["--vocab-file", str(gpt2_files / "vocab.json"), "--merge-file", str(gpt2_files / "merges.txt")]
+             if kind == "GPT2BPETokenizer" else ["--tokenizer-model", str(gpt2_files / "hf")])
+    args = parse_args(MODEL + ["--tokenizer-type", kind, *files], world_size=1)
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, args.padded_vocab_size) == (262, 384)
+    assert tokenizer.eod == 261 and tokenizer.tokenize("hello world")[0] == 258  # "hell" merged
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hello world", "hell"]))
+    proc = subprocess.run([sys.executable, "scripts/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"),
+                           "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", kind, *files,
+                           "--append-eod"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [list(data[i]) for i in range(len(data))] == [tokenizer.tokenize(t) + [261] for t in ["hello world", "hell"]]
+    assert np.asarray(data[0]).dtype == np.uint16
