@@ -147,7 +147,7 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
         if num_microbatches != lowered.microbatches:
             raise ValueError(f"schedule has {lowered.microbatches} micro-batches, called with {num_microbatches}")
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
-                   (seq_length, micro_batch_size, chunks[0].config.hidden_size), num_microbatches, forward_only)
+                   _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only)
         with torch.no_grad() if forward_only else torch.enable_grad():
             for a in plans[forward_only]:
                 run.step(a, grad_sync, tracer)
@@ -157,6 +157,14 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
         return run.reports
 
     return forward_backward
+
+
+def _activation_shape(config, seq_length: int, micro_batch_size: int) -> tuple:
+    """[sequence, batch, hidden] between stages; with sequence parallelism each tensor-parallel rank
+    holds its 1/TP of the sequence, as in megatron-core's schedules."""
+    if config.sequence_parallel:
+        seq_length //= config.tensor_model_parallel_size
+    return (seq_length, micro_batch_size, config.hidden_size)
 
 
 class _Run:

@@ -79,6 +79,8 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera rope D=4": ("rope", chimera4),
         "chimera llama D=4": ("llama", chimera4),
         "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--tensor-model-parallel-size", "2",
+                                                                          "--sequence-parallel"]),
         "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                                                           "--pipeline-schedule", "megatron-interleaved",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),

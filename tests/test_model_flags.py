@@ -55,13 +55,20 @@ def test_megatron_lm_defaults_for_derived_settings():
     (["--apply-layernorm-1p"], "--apply-layernorm-1p=True: needs apex or Transformer Engine"),
     (["--exit-signal", "SIGTERM"], "unrecognized arguments"),  # no abbreviation of --exit-signal-handler
     (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
-    (["--sequence-parallel"], "--sequence-parallel=True: is not supported yet"),
 ])
 def test_unsupported_model_flags_fail_in_one_line(capsys, extra, needle):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(BASE + extra)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_sequence_parallel_needs_a_sequence_tp_can_split_and_is_off_at_tp1(capsys):
+    assert not parse_args(BASE + ["--sequence-parallel"]).sequence_parallel  # Megatron-LM's rule
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "63"],
+                   world_size=2)
+    assert "--sequence-parallel=True: needs --seq-length divisible by TP (2)" in capsys.readouterr().err
 
 
 def test_flags_without_effect_are_accepted_and_say_why():

@@ -126,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="model chunks per pipeline rank (Megatron-LM's other spelling of the one above)")
     par.add_argument("--context-parallel-size", type=int, default=1,
                      help="1 only: context parallelism is not supported yet")
-    par.add_argument("--sequence-parallel", action="store_true", help="not supported yet")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="split the sequence over tensor-parallel ranks outside the tensor-parallel regions "
+                          "(off with TP=1, as in Megatron-LM)")
     par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     par.add_argument("--emulate-nccl", action="store_true",
@@ -252,8 +254,10 @@ def _megatron_spellings(args) -> None:
         args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
     require(args.context_parallel_size == 1, "--context-parallel-size", args.context_parallel_size,
             "context parallelism is not supported yet (1 only)")
-    require(not args.sequence_parallel, "--sequence-parallel", True, "is not supported yet: the pipeline "
-            "executor sends whole-sequence activations between stages")
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron-LM's rule: nothing to split
+    require(not args.sequence_parallel or args.seq_length % args.tensor_model_parallel_size == 0,
+            "--sequence-parallel", True, f"needs --seq-length divisible by TP ({args.tensor_model_parallel_size})")
 
 
 def _validate_architecture(args) -> None:

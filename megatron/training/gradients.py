@@ -52,6 +52,7 @@ class ReplicaGradSync:
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
         self.pending.clear()
+        self._sum_sequence_parallel()
         if self.shared:
             total = torch.stack(_grads(self.shared)).sum(0)
             self.rt.all_reduce(total, group=self.rt.embedding_group)
@@ -59,6 +60,20 @@ class ReplicaGradSync:
                 total /= self.rt.dp
             for p in self.shared:
                 p.grad.copy_(total)
+
+    def _sum_sequence_parallel(self) -> None:
+        """Norms (and row-parallel biases) under sequence parallelism saw only this rank's part of the
+        sequence: sum their gradients over the tensor-parallel group, as megatron-core's
+        finalize_model_grads does."""
+        from megatron.core import parallel_state
+
+        grads = [p.grad for c in self.chunks.values() for p in c.parameters()
+                 if getattr(p, "sequence_parallel", False) and p.grad is not None]
+        if grads and self.rt.tp > 1:
+            flat = _flatten_dense_tensors(grads)
+            self.rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
 
     def reduce_all(self) -> None:
         """For schedules that do not post R actions themselves (megatron-core's): reduce everything."""

@@ -39,7 +39,43 @@ def _layer_spec(args, device: torch.device):
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
         except ImportError:
             pass
-    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return _with_sequence_parallel_norms(spec, args) if args.sequence_parallel else spec
+
+
+def _with_sequence_parallel_norms(spec, args):
+    """The local spec without apex uses torch's norms, which megatron-core refuses under sequence
+    parallelism only because nothing marks their parameters for the tensor-parallel gradient sum.
+    These are marked (gradients.py sums them); the final norm goes in through the block spec."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if spec.submodules.input_layernorm is not WrappedTorchNorm:
+        return spec  # apex's FusedLayerNorm supports it itself
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = _SequenceParallelNorm
+    attention = layer.self_attention.submodules
+    if attention.q_layernorm is WrappedTorchNorm:  # per head inside attention: the whole sequence
+        attention.q_layernorm = attention.k_layernorm = _TorchNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * (args.num_layers // args.model_stages),
+                                      layer_norm=_SequenceParallelNorm)
+
+
+class _TorchNorm:
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        import dataclasses
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        return WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=False), hidden_size, eps)
+
+
+class _SequenceParallelNorm(_TorchNorm):
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = _TorchNorm(config, hidden_size, eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
 
 
 def transformer_config(args, num_layers: int):
@@ -55,6 +91,7 @@ def transformer_config(args, num_layers: int):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
