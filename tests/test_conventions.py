@@ -30,9 +30,16 @@ def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_li
     assert "exiting on --exit-duration-in-mins 1e-06 at iteration 3 after saving it" in second.stdout
     third = run(1, *chained)
     assert f"loaded checkpoint from {ckpt} at iteration 3" in third.stdout and sorted(losses(third)) == [4]
-    whole = run(1, *MODEL, "--log-throughput")
+    whole = run(1, *MODEL, "--log-throughput", "--timing-log-level", "1")
     assert losses(whole) == {**losses(first), **losses(second), **losses(third)}
     assert len(re.findall(r"\| throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|", whole.stdout)) == 4
+    # Megatron-LM's timer blocks: setup once (level 0), then per log line (level 1)
+    setup = re.search(r"done with setup \.\.\.\n\(min, max\) time across ranks \(ms\):\n"
+                      r"    model-and-optimizer-setup \.+: \(\d+\.\d\d, \d+\.\d\d\)\n"
+                      r"    train/valid/test-data-iterators-setup \.+: ", whole.stdout)
+    assert setup and "done with setup" not in first.stdout.split("training ...")[1]
+    assert len(re.findall(r"\n    forward-backward \.+: \(\d+\.\d\d, \d+\.\d\d\)\n", whole.stdout)) == 4
+    assert "forward-backward" not in first.stdout  # level 0 by default
 
 
 def test_load_elsewhere_without_a_checkpoint_is_still_an_error(tmp_path):

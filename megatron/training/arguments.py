@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--fp16", action="store_true", help="not supported yet: needs loss scaling; use --bf16")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
+    t.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="0: setup times; 1: also forward-backward and optimizer per log interval (2: as 1 here)")
+    t.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax")
+    t.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", action="store_false",
+                   help="level-1 timers start without a barrier (less exact, no synchronisation)")
     t.add_argument("--log-throughput", action="store_true",
                    help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' (per rank) to the iteration line")
     t.add_argument("--eval-interval", type=int, default=1000)

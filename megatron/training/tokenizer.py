@@ -56,7 +56,8 @@ class Tokenizer:
 
     def __init__(self, kind: str, encode, decode, vocab_size: int, eod: int, pad: int | None = None):
         self.kind, self._encode, self._decode = kind, encode, decode
-        self.vocab_size, self.eod, self.pad = vocab_size, eod, pad if pad is not None else eod
+        # -1: no padding token (megatron-core's datasets then mask nothing as padding)
+        self.vocab_size, self.eod, self.pad = vocab_size, eod, -1 if pad is None else pad
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._encode(text))
@@ -91,7 +92,7 @@ def _sentencepiece(kind: str, model: str) -> Tokenizer:
         sp = MegatronTokenizer.from_pretrained(model, metadata_path=metadata)._tokenizer
         bos = [sp.tokenizer.bos_id()] if kind == "Llama2Tokenizer" and sp.tokenizer.bos_id() >= 0 else []
         return Tokenizer(kind, lambda text: bos + sp.text_to_ids(text), sp.ids_to_text, sp.vocab_size,
-                         sp.tokenizer.eos_id(), sp.tokenizer.pad_id() if sp.tokenizer.pad_id() >= 0 else None)
+                         sp.tokenizer.eos_id(), sp.tokenizer.pad_id())
     plain = MegatronTokenizer.from_pretrained(model, metadata_path=metadata)._tokenizer.tokenizer
 
     def piece(index: int, fallback: str) -> str:

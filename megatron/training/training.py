@@ -30,6 +30,7 @@ from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
 from .startup import print_banner, print_building, print_parameter_counts
+from .timing import ITERATION, SETUP, make_timers, print_datetime, print_times
 
 
 def print_rank_last(message: str) -> None:
@@ -86,6 +87,8 @@ class Trainer:
         self.rt = rt = setup_parallel(args, backend, device)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
+        self.timers = make_timers(args)
+        self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         print_building()
         self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
@@ -113,9 +116,14 @@ class Trainer:
             self.num_microbatches, scale = args.num_microbatches, 1.0
         self.micro_batch_size = int(args.micro_batch_size * scale)
         self.orders = chunk_orders(schedule, rt.worker, rt.held, self.num_microbatches)
+        self.timers("model-and-optimizer-setup").stop()
+        print_datetime("after model, optimizer, and learning rate scheduler are built")
+        self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
         train, valid = build_datasets(args, *dataset_sizes(args))
         self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
         self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
+        self.timers("train/valid/test-data-iterators-setup").stop()
+        print_datetime("after dataloaders are built")
 
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
@@ -152,26 +160,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for m in self.models:
             m.train()
+        timers = self.timers
         try:
+            timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
             loss = self._run(self.train_data, iteration, forward_only=False)
             if self.args.schedule is None:
                 self.sync.reduce_all()
+            timers("forward-backward").stop()
             self.faults.after_backward(self.rt.rank, iteration + 1, self.models)
             tied = not self.args.untie_embeddings_and_output_weights
+            timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
+            timers("optimizer-clip-main-grad", log_level=1).start()
             norm = global_grad_norm(self.chunks, self.rt, tied)
         except PipelineFault as e:
             raise PipelineFault(f"{e} (iteration {iteration + 1})") from None
         except RuntimeError as e:  # a collective failed: a peer died or timed out
             raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
                                 f"{str(e).splitlines()[0][:200]}") from None
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"lm loss": loss, "grad norm": norm, "nan": True}
-        if self.args.clip_grad > 0:
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite and self.args.clip_grad > 0:
             clip_(self.chunks, self.args.clip_grad, norm)
-        self.optimizer.step()
-        self.scheduler.step(increment=lr_increment(self.args))
-        return {"lm loss": loss, "grad norm": norm, "nan": False}
+        timers("optimizer-clip-main-grad").stop()
+        timers("optimizer-inner-step", log_level=1).start()
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step(increment=lr_increment(self.args))
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        timers("optimizer-inner-step").stop()
+        timers("optimizer").stop()
+        return {"lm loss": loss, "grad norm": norm, "nan": not finite}
 
     def evaluate(self, eval_round: int) -> float:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
@@ -249,8 +267,11 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
     trainer = Trainer(args, forward_step_func, faults=faults)
     first = _resume(trainer)
+    print_rank_last("done with setup ...")
+    print_times(trainer.timers, SETUP)
+    print_rank_last("training ...")
     board = _Board(args.tensorboard_dir)
-    progress = _Progress(args, first, board)
+    progress = _Progress(args, first, board, trainer.timers)
     for iteration in range(first, args.train_iters):
         faults.before_iteration(trainer.rt.rank, iteration + 1)
         lr = trainer.optimizer.param_groups[0]["lr"]
@@ -301,8 +322,8 @@ class _Progress:
     iterations themselves (not of logging, evaluation or saving). Stops the run after too many NaN
     iterations in a row."""
 
-    def __init__(self, args, first: int, board: _Board):
-        self.args, self.board = args, board
+    def __init__(self, args, first: int, board: _Board, timers):
+        self.args, self.board, self.timers = args, board, timers
         self.history, self.nan_total, self.nan_run = [], 0, 0
         self.last_saved = args.load and first
         self.first, self.logged, self.start = first, first, time.time()
@@ -312,7 +333,10 @@ class _Progress:
         self.nan_total += stats["nan"]
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
         if done % self.args.log_interval == 0 or done == self.args.train_iters or self.nan_run:
+            iterations = done - self.logged
             self._log(done, lr)
+            if self.args.timing_log_level >= 1:
+                print_times(self.timers, ITERATION, normalizer=iterations)
         if self.nan_run >= self.args.max_consecutive_nan_iterations:
             raise TrainingStopped(self._nan_message(done))
 

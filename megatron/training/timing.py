@@ -1,0 +1,35 @@
+"""Megatron-LM's timers: megatron-core's ``Timers`` at --timing-log-level, printed as Megatron-LM
+prints them ("(min, max) time across ranks (ms):" and one padded line per timer), by the last rank.
+
+Level 0: setup (model and optimizer, data iterators), printed once before training.
+Level 1: per iteration, forward-backward (the whole schedule, communication included), the gradient
+norm and clipping, and the optimizer step; averaged over the log interval and printed under each
+iteration line.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+
+import torch.distributed as dist
+
+SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
+ITERATION = ("forward-backward", "optimizer-clip-main-grad", "optimizer-inner-step", "optimizer")
+
+
+def make_timers(args):
+    from megatron.core.timers import Timers
+
+    return Timers(args.timing_log_level, args.timing_log_option)
+
+
+def print_times(timers, names, normalizer: float = 1.0) -> None:
+    """Collective (the times are gathered from every rank)."""
+    text = timers.get_all_timers_string(list(names), normalizer=normalizer, reset=True, barrier=False)
+    if text and dist.get_rank() == dist.get_world_size() - 1:
+        print(text, flush=True)
+
+
+def print_datetime(what: str) -> None:
+    """Megatron-LM's progress marks, e.g. "[after dataloaders are built] datetime: ...", from rank 0."""
+    if dist.get_rank() == 0:
+        print(f"[{what}] datetime: {datetime.now():%Y-%m-%d %H:%M:%S} ", flush=True)
