@@ -113,8 +113,9 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
     """megatron-core's loss_func conventions: (loss, num_tokens, report) or (loss, report)."""
     if len(outputs) == 3:
         loss, num_tokens, report = outputs
-        if not per_token:
-            loss = loss / num_tokens
+        if per_token:  # summed over tokens; the trainer divides by the global batch's token count
+            return loss, report
+        loss = loss / num_tokens
     else:
         loss, report = outputs
     return loss / num_microbatches, report

@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import subprocess
@@ -47,3 +48,23 @@ def corpus(tmp_path_factory):
     assert "Processed 27 documents" in proc.stdout
     return ["--data-path", str(out / "corpus_text_document"), "--split", "90,10,0",
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "tok.model")]
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(tmp_path_factory):
+    """A small GPT-2 byte-level BPE (vocab.json, merges.txt) and the same tokenizer saved as a local
+    HuggingFace directory."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("gpt2")
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2 shows these bytes as chr(256 + k)
+    symbols = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
+    vocab = {s: i for i, s in enumerate(symbols + ["".join(m) for m in merges] + ["<|endoftext|>"])}
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    bpe = ByteLevelBPETokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(out / "hf")
+    return out

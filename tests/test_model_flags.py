@@ -52,7 +52,6 @@ def test_megatron_lm_defaults_for_derived_settings():
 @pytest.mark.parametrize("extra, needle", [
     (["--num-experts", "8"], "--num-experts: mixture-of-experts models are not supported yet"),
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups=3: must divide --num-attention-heads"),
-    (["--apply-layernorm-1p"], "--apply-layernorm-1p=True: needs apex or Transformer Engine"),
     (["--exit-signal", "SIGTERM"], "unrecognized arguments"),  # no abbreviation of --exit-signal-handler
     (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
 ])

@@ -17,26 +17,6 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
 
 
-@pytest.fixture(scope="module")
-def gpt2_files(tmp_path_factory):
-    """A small GPT-2 byte-level BPE (vocab.json, merges.txt) and the same tokenizer saved as a local
-    HuggingFace directory."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    out = tmp_path_factory.mktemp("gpt2")
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]  # GPT-2 shows these bytes as chr(256 + k)
-    symbols = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
-    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
-    vocab = {s: i for i, s in enumerate(symbols + ["".join(m) for m in merges] + ["<|endoftext|>"])}
-    (out / "vocab.json").write_text(json.dumps(vocab))
-    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-    bpe = ByteLevelBPETokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(out / "hf")
-    return out
-
-
 def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):
     model = corpus[corpus.index("--tokenizer-model") + 1]  # 512 pieces, EOS but no BOS or PAD
     sizes = {}

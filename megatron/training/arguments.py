@@ -144,8 +144,32 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--pipeline-schedule", choices=SCHEDULES + MEGATRON_SCHEDULES,
                      help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
     add_arguments(par, "trainer")
+    _add_runtime_flags(p)
     add_compatibility_flags(p)
     return p
+
+
+def _add_runtime_flags(p) -> None:
+    """Megatron-LM's optimizer, memory, data-reading and profiling options its recipes pass."""
+    r = p.add_argument_group("Megatron-LM run-time options")
+    r.add_argument("--decoupled-lr", type=float, help="LR of the input embedding and output layer")
+    r.add_argument("--decoupled-min-lr", type=float, help="their minimum LR (default: --min-lr)")
+    r.add_argument("--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="not supported yet: every batch size needs its own pipeline schedule")
+    r.add_argument("--manual-gc", action="store_true", help="Python's GC only at fixed points, in step on all ranks")
+    r.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
+    r.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection around evaluation")
+    r.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="release the CUDA cache after each iteration (1) and evaluation (2); nothing on the CPU")
+    r.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read .bin files without memory-mapping them")
+    r.add_argument("--profile", action="store_true", help="profile iterations --profile-step-start..end")
+    r.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler traces into --tensorboard-dir (otherwise an nsys range, CUDA)")
+    r.add_argument("--profile-step-start", type=int, default=10)
+    r.add_argument("--profile-step-end", type=int, default=12)
+    r.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
@@ -257,6 +281,8 @@ def _megatron_spellings(args) -> None:
                 "--virtual-pipeline-model-parallel-size", v, f"PP x it must divide --num-layers ({args.num_layers}), "
                 "without --num-layers-per-virtual-pipeline-stage")
         args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
+    require(args.rampup_batch_size is None, "--rampup-batch-size", args.rampup_batch_size and " ".join(args.rampup_batch_size),
+            "is not supported yet: every batch size needs its own pipeline schedule")
     require(args.context_parallel_size == 1, "--context-parallel-size", args.context_parallel_size,
             "context parallelism is not supported yet (1 only)")
     if args.tensor_model_parallel_size == 1:
@@ -282,15 +308,6 @@ def _validate_architecture(args) -> None:
                 groups, f"must divide --num-attention-heads ({args.num_attention_heads})")
         require(groups % tp == 0, "--num-query-groups", groups,
                 f"must be a multiple of --tensor-model-parallel-size ({tp})")
-    if args.layernorm_zero_centered_gamma:
-        require(_has("apex") or torch.cuda.is_available() and _has("transformer_engine"), "--apply-layernorm-1p", True,
-                "needs apex or Transformer Engine: megatron-core's torch norms have no zero-centred gamma")
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def _require_documents(args, prefix: str) -> None:

@@ -31,7 +31,7 @@ def build_datasets(args, train_samples: int, valid_samples: int):
                               blend=get_blend_from_list(args.data_path), split=args.split,
                               tokenizer=build_tokenizer(args), reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
-                              path_to_cache=args.data_cache_path)
+                              path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files)
     sizes = [train_samples, valid_samples, 0]
     # A part asked for no samples is not built: a part with no documents would make megatron-core loop
     # until the process-group timeout. The other parts keep Megatron-LM's document ranges.

@@ -40,42 +40,52 @@ def _layer_spec(args, device: torch.device):
         except ImportError:
             pass
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return _with_sequence_parallel_norms(spec, args) if args.sequence_parallel else spec
+    return _with_local_norms(spec, args)
 
 
-def _with_sequence_parallel_norms(spec, args):
-    """The local spec without apex uses torch's norms, which megatron-core refuses under sequence
-    parallelism only because nothing marks their parameters for the tensor-parallel gradient sum.
-    These are marked (gradients.py sums them); the final norm goes in through the block spec."""
+def _with_local_norms(spec, args):
+    """Without apex the local spec uses torch's norms, which megatron-core refuses with zero-centred
+    gamma (--apply-layernorm-1p) and with sequence parallelism. LocalNorm does both; the final norm
+    goes in through the block spec."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if spec.submodules.input_layernorm is not WrappedTorchNorm:
-        return spec  # apex's FusedLayerNorm supports it itself
+        return spec  # apex's FusedLayerNorm has both
     layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = _SequenceParallelNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = LocalNorm
     attention = layer.self_attention.submodules
-    if attention.q_layernorm is WrappedTorchNorm:  # per head inside attention: the whole sequence
-        attention.q_layernorm = attention.k_layernorm = _TorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * (args.num_layers // args.model_stages),
-                                      layer_norm=_SequenceParallelNorm)
+    if attention.q_layernorm is WrappedTorchNorm:
+        attention.q_layernorm = attention.k_layernorm = HeadNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * (args.num_layers // args.model_stages), layer_norm=LocalNorm)
 
 
-class _TorchNorm:
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
-        import dataclasses
+class LocalNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm over the hidden size, with megatron-core's parameter names. Zero-centred
+    gamma stores gamma - 1. Under sequence parallelism the parameters are marked, so their gradients
+    are summed over the tensor-parallel group (each rank saw part of the sequence)."""
 
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    spans_sequence_split = True
 
-        return WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=False), hidden_size, eps)
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.eps, self.zero_centered = eps, config.layernorm_zero_centered_gamma
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.bias = None if config.normalization == "RMSNorm" else torch.nn.Parameter(torch.zeros(hidden_size))
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel and self.spans_sequence_split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        if self.bias is None:
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
 
 
-class _SequenceParallelNorm(_TorchNorm):
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
-        norm = _TorchNorm(config, hidden_size, eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
+class HeadNorm(LocalNorm):
+    """Query and key norms: per head, inside attention, where every rank has the whole sequence."""
+
+    spans_sequence_split = False
 
 
 def transformer_config(args, num_layers: int):

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import typing
 
 # The TransformerConfig fields a GPT recipe sets, with Megatron-LM's flag where it is not the field's.
 ARCHITECTURE = ("ffn_hidden_size", "num_query_groups", "kv_channels", "normalization", "layernorm_epsilon",
                 "layernorm_zero_centered_gamma", "qk_layernorm", "add_qkv_bias", "hidden_dropout",
                 "attention_dropout", "init_method_std", "apply_residual_connection_post_layernorm",
-                "rotary_interleaved", "softmax_scale")
+                "rotary_interleaved", "softmax_scale", "attention_backend", "cross_entropy_loss_fusion",
+                "cross_entropy_fusion_impl", "calculate_per_token_loss")
 RENAMED = {"layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 
 # Megatron-LM flags that do nothing here, and why (accepted so recipes run unchanged).
@@ -31,6 +33,14 @@ NO_EFFECT = {
     "--no-rope-fusion": "RoPE fusion is off here",
     "--use-flash-attn": "attention is megatron-core's (Transformer Engine picks its kernels on a GPU)",
     "--overlap-grad-reduce": "stage gradients are always reduced as soon as each copy is done",
+    "--grad-reduce-in-bf16": "applies to bf16 parameters (Megatron's --bf16, not on this path yet); fp32 "
+                             "gradients reduce in fp32, as in Megatron-LM",
+    "--no-create-attention-mask-in-dataloader": "no attention mask is ever built: attention is causal",
+}
+# The same for flags that take a value.
+NO_EFFECT_VALUED = {
+    "--tiktoken-pattern": "applies to the TikTokenizer, not offered here",
+    "--num-workers": "samples are read in the training process (no DataLoader workers)",
 }
 MOE = ("--num-experts", "--expert-model-parallel-size", "--moe-router-topk", "--moe-grouped-gemm",
        "--moe-aux-loss-coeff", "--moe-router-load-balancing-type", "--moe-token-dispatcher-type",
@@ -57,7 +67,9 @@ def add_architecture_flags(group) -> None:
 
 
 def _kind(annotation) -> tuple[type, tuple | None]:
-    """bool, int, float or str (with choices for a Literal), through Optional."""
+    """bool, int, float, str (with choices for a Literal) or an Enum (by member name), through Optional."""
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return (lambda name: annotation[name]), tuple(annotation)
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         return str, args
@@ -70,6 +82,8 @@ def add_compatibility_flags(parser) -> None:
     group = parser.add_argument_group("Megatron-LM flags that change nothing here (accepted for recipes)")
     for name, why in NO_EFFECT.items():
         group.add_argument(name, action="store_true", help=f"no effect: {why}")
+    for name, why in NO_EFFECT_VALUED.items():
+        group.add_argument(name, metavar="VALUE", help=f"no effect: {why}")
     moe = parser.add_argument_group("mixture of experts (not supported yet)")
     for name in MOE:
         moe.add_argument(name, action=_Unsupported, nargs="?", help=argparse.SUPPRESS)

@@ -22,7 +22,9 @@ NEEDS_TRANSFORMERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 
 def add_arguments(group) -> None:
     """Megatron-LM's tokenizer flags, shared by pretrain_gpt.py and scripts/preprocess_data.py."""
-    group.add_argument("--tokenizer-type", choices=TYPES, default="NullTokenizer")
+    group.add_argument("--tokenizer-type", choices=TYPES,
+                       help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM's GPT-3 "
+                            "example relies on), NullTokenizer otherwise")
     group.add_argument("--tokenizer-model", help="SentencePiece model file, or a local HuggingFace tokenizer directory")
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
@@ -34,6 +36,8 @@ def check_arguments(args, require) -> None:
     import importlib.util
     import os
 
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     kind = args.tokenizer_type
     if kind in SENTENCEPIECE_TYPES:
         require(bool(args.tokenizer_model) and os.path.isfile(args.tokenizer_model or ""), "--tokenizer-model",

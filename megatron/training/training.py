@@ -27,6 +27,7 @@ from .fault_injection import FaultInjection
 from .flops import iteration_flops
 from .data import MicrobatchSource, build_datasets, chunk_orders, dataset_sizes, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
+from .housekeeping import Housekeeping
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
 from .startup import print_banner, print_building, print_parameter_counts
@@ -38,10 +39,22 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def _param_groups(params):
-    """Megatron's rule: no weight decay on biases and norms (the 1-D parameters)."""
-    return [{"params": [p for p in params if p.dim() > 1], "wd_mult": 1.0},
-            {"params": [p for p in params if p.dim() <= 1], "wd_mult": 0.0}]
+def _param_groups(params, args):
+    """Megatron's rules: no weight decay on biases and norms (the 1-D parameters); with --decoupled-lr,
+    the input embedding and output layer follow their own LR schedule."""
+    decoupled = args.decoupled_lr is not None
+    groups = {}
+    for p in params:
+        own_lr = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
+        groups.setdefault((p.dim() > 1, own_lr), []).append(p)
+    out = []
+    for (decays, own_lr), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
+        group = {"params": members, "wd_mult": 1.0 if decays else 0.0}
+        if own_lr:
+            group.update(max_lr=args.decoupled_lr,
+                         min_lr=args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr)
+        out.append(group)
+    return out
 
 
 def _scheduler(args, optimizer):
@@ -95,7 +108,7 @@ class Trainer:
         self.models = [self.chunks[key] for key in rt.held]
         self.sync = ReplicaGradSync(self.chunks, rt)
         params = [p for m in self.models for p in m.parameters()]
-        self.optimizer = torch.optim.AdamW(_param_groups(params), lr=args.lr, weight_decay=args.weight_decay,
+        self.optimizer = torch.optim.AdamW(_param_groups(params, args), lr=args.lr, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.scheduler = _scheduler(args, self.optimizer)
         schedule, self.transport = args.schedule, None
@@ -133,7 +146,8 @@ class Trainer:
         self.forward_backward = None
         release_groups(self.rt)
 
-    def _run(self, source, iteration: int, forward_only: bool) -> float:
+    def _run(self, source, iteration: int, forward_only: bool) -> tuple[float, float]:
+        """(global-batch loss, its token count)."""
         reports = self.forward_backward(
             forward_step_func=self.forward_step_func,
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
@@ -145,14 +159,14 @@ class Trainer:
         )
         return self._merged_loss(reports)
 
-    def _merged_loss(self, reports) -> float:
+    def _merged_loss(self, reports) -> tuple[float, float]:
         """The global-batch loss from every rank that ran a last stage (both ends of every pipeline,
         every data-parallel replica): sum of token losses over number of tokens."""
         total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         for r in reports:
             total += r["lm loss"].double()
         self.rt.all_reduce(total)
-        return (total[0] / total[1]).item()
+        return (total[0] / total[1]).item(), total[1].item()
 
     def train_step(self, iteration: int) -> dict:
         """One iteration. A NaN/Inf loss or gradient norm (the same on every rank: both are all-reduced)
@@ -160,24 +174,42 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for m in self.models:
             m.train()
-        timers = self.timers
         try:
-            timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-            loss = self._run(self.train_data, iteration, forward_only=False)
-            if self.args.schedule is None:
-                self.sync.reduce_all()
-            timers("forward-backward").stop()
-            self.faults.after_backward(self.rt.rank, iteration + 1, self.models)
-            tied = not self.args.untie_embeddings_and_output_weights
-            timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-            timers("optimizer-clip-main-grad", log_level=1).start()
-            norm = global_grad_norm(self.chunks, self.rt, tied)
+            loss, norm = self._gradients(iteration)
         except PipelineFault as e:
             raise PipelineFault(f"{e} (iteration {iteration + 1})") from None
         except RuntimeError as e:  # a collective failed: a peer died or timed out
             raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
                                 f"{str(e).splitlines()[0][:200]}") from None
         finite = math.isfinite(loss) and math.isfinite(norm)
+        self._step(norm, finite)
+        return {"lm loss": loss, "grad norm": norm, "nan": not finite}
+
+    def _gradients(self, iteration: int) -> tuple[float, float]:
+        """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
+        timers = self.timers
+        timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
+        loss, tokens = self._run(self.train_data, iteration, forward_only=False)
+        if self.args.schedule is None:
+            self.sync.reduce_all()
+        if self.args.calculate_per_token_loss:
+            self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
+        timers("forward-backward").stop()
+        self.faults.after_backward(self.rt.rank, iteration + 1, self.models)
+        timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
+        timers("optimizer-clip-main-grad", log_level=1).start()
+        norm = global_grad_norm(self.chunks, self.rt, not self.args.untie_embeddings_and_output_weights)
+        return loss, norm
+
+    def _divide_gradients(self, divisor: float) -> None:
+        for m in self.models:
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divisor)
+
+    def _step(self, norm: float, finite: bool) -> None:
+        """Clip and step, or skip a non-finite iteration."""
+        timers = self.timers
         if finite and self.args.clip_grad > 0:
             clip_(self.chunks, self.args.clip_grad, norm)
         timers("optimizer-clip-main-grad").stop()
@@ -189,13 +221,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         timers("optimizer-inner-step").stop()
         timers("optimizer").stop()
-        return {"lm loss": loss, "grad norm": norm, "nan": not finite}
 
     def evaluate(self, eval_round: int) -> float:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
             m.eval()
-        losses = [self._run(self.valid_data, eval_round * self.args.eval_iters + i, forward_only=True)
+        losses = [self._run(self.valid_data, eval_round * self.args.eval_iters + i, forward_only=True)[0]
                   for i in range(self.args.eval_iters)]
         return sum(losses) / len(losses)
 
@@ -272,13 +303,25 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     print_rank_last("training ...")
     board = _Board(args.tensorboard_dir)
     progress = _Progress(args, first, board, trainer.timers)
+    housekeeping = Housekeeping(args, trainer.rt.rank)
+    try:
+        return _train(trainer, first, progress, housekeeping, board, exit_policy)
+    finally:
+        housekeeping.stop()
+
+
+def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:
+    args, faults = trainer.args, trainer.faults
     for iteration in range(first, args.train_iters):
         faults.before_iteration(trainer.rt.rank, iteration + 1)
+        housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
         done = iteration + 1
+        housekeeping.after_iteration(done)
         progress.record(stats, done, lr)
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
+            housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
         stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
         _maybe_save(trainer, progress, stats, done, stop, faults)
