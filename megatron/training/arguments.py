@@ -16,6 +16,7 @@ from chimera_schedules.errors import require
 from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
 
 from .model_flags import add_architecture_flags, add_compatibility_flags
+from .plan import run_plan
 from .tokenizer import add_arguments as add_tokenizer_arguments
 from .tokenizer import build_tokenizer, padded_vocab_size
 from .tokenizer import check_arguments as check_tokenizer_arguments
@@ -261,6 +262,7 @@ def _validate(args) -> None:
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
     args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in SCHEDULES else None
+    args.plan = run_plan(args)
     args.fresh_start = None
     if args.load and _first_launch(args):
         args.fresh_start, args.load = args.load, None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from chimera_schedules import Op
 
 from .tokenizer import build_tokenizer
 
@@ -55,14 +54,6 @@ class MicrobatchSource:
         start = iteration * self.G + (step * self.W + self.dp_rank) * self.mbs + part * self.size
         samples = [self.dataset[i] for i in range(start, start + self.size)]
         return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
-
-
-def chunk_orders(schedule, worker: int, held, num_microbatches: int, forward_only: bool = False):
-    """Per held chunk, the micro-batches in forward order (ascending for megatron-core's schedules)."""
-    if schedule is None:
-        return [list(range(num_microbatches)) for _ in held]
-    return [[a.mb for a in schedule.workers[worker] if a.op is Op.FORWARD and (a.pipeline, a.stage) == key]
-            for key in held]
 
 
 def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):

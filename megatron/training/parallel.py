@@ -20,7 +20,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chimera_schedules import Schedule
 from chimera_schedules.lowering import act_group, grad_group
 
 
@@ -115,8 +114,7 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
 
-    schedule: Schedule | None = args.schedule
-    placement = schedule.placement if schedule else (tuple(s % pp for s in range(args.model_stages)),)
+    placement = args.plan.placement
     held = [(p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker]
     rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, placement, held,
                  worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-_HIDDEN = ("schedule",)  # derived objects, not settings
+_HIDDEN = ("schedule", "plan")  # derived objects, not settings
 
 
 def print_banner(args) -> None:

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from chimera_schedules import ScheduleConfigError
-from chimera_schedules.executor import PipelineFault, Transport, make_forward_backward
-from chimera_schedules.lowering import lower, stage_group
+from chimera_schedules.executor import PipelineFault, Transport
+from chimera_schedules.lowering import stage_group
 from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
 from .arguments import lr_increment, lr_schedule
 from .fault_injection import FaultInjection
 from .flops import iteration_flops
-from .data import MicrobatchSource, build_datasets, chunk_orders, dataset_sizes, iterators
+from .data import MicrobatchSource, build_datasets, dataset_sizes, iterators
 from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .housekeeping import Housekeeping
 from .model import build_chunk
@@ -111,30 +111,23 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(_param_groups(params, args), lr=args.lr, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.scheduler = _scheduler(args, self.optimizer)
-        schedule, self.transport = args.schedule, None
-        if schedule is not None:
-            groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
-            self.transport = Transport(rt.worker, rt.worker_ranks, groups, device, torch.float32,
-                                       _p2p(args, backend), rt.comm_device)
-            self.forward_backward = make_forward_backward(lower(schedule), self.transport, self.sync, tracer)
-            self.num_microbatches = schedule.microbatches
-            scale = schedule.microbatch_scale
-        else:
-            from megatron.core.pipeline_parallel import get_forward_backward_func
+        plan = args.plan
 
-            if args.pipeline_schedule == "megatron-interleaved":
-                for m in self.models:  # how megatron-core's schedule tells the last virtual stage
-                    m.config.virtual_pipeline_model_parallel_size = len(self.models)
-            self.forward_backward = get_forward_backward_func()
-            self.num_microbatches, scale = args.num_microbatches, 1.0
-        self.micro_batch_size = int(args.micro_batch_size * scale)
-        self.orders = chunk_orders(schedule, rt.worker, rt.held, self.num_microbatches)
+        def make_transport():
+            groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
+            return Transport(rt.worker, rt.worker_ranks, groups, device, torch.float32, _p2p(args, backend),
+                             rt.comm_device)
+
+        self.forward_backward, self.transport = plan.runner(self.models, make_transport, self.sync, tracer)
+        self.num_microbatches = plan.microbatches
+        self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
+        self.orders = plan.forward_orders(rt.worker, rt.held)
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
         train, valid = build_datasets(args, *dataset_sizes(args))
-        self.train_data = MicrobatchSource(train, args, rt.dp_rank, scale)
-        self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, scale)
+        self.train_data = MicrobatchSource(train, args, rt.dp_rank, args.plan.microbatch_scale)
+        self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, args.plan.microbatch_scale)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
 
@@ -190,8 +183,6 @@ class Trainer:
         timers = self.timers
         timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         loss, tokens = self._run(self.train_data, iteration, forward_only=False)
-        if self.args.schedule is None:
-            self.sync.reduce_all()
         if self.args.calculate_per_token_loss:
             self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
         timers("forward-backward").stop()
