@@ -75,8 +75,17 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(gpt2_files, gpt2_corpus, tmp
     assert [int(i) for i, _ in LOSS.findall(proc.stdout)] == [1, 2, 3, 4]
     assert [int(i) for i, _ in VALID.findall(proc.stdout)] == [2, 4]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
-    refused = run(1, "pretrain_gpt.py", *flags, "--rampup-batch-size", "16", "16", "5859375", check=False)
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+
+
+
+def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path):
+    from megatron.training.arguments import parse_args
+
+    flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), "--mock-data", str(tmp_path))
+    flags = [f for f in flags if f != "--data-path"]
+    with pytest.raises(SystemExit):
+        parse_args(flags + ["--rampup-batch-size", "16", "16", "5859375"], world_size=2)
+    assert capsys.readouterr().err.strip().splitlines() == [
         "pretrain_gpt.py: error: --rampup-batch-size=16 16 5859375: is not supported yet: every batch size needs "
         "its own pipeline schedule"]
 
