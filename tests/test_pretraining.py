@@ -135,3 +135,16 @@ def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(corpus, tmp_path):
     assert list(losses(resharded)) == [3]
     for i in (3,):
         assert abs(float(losses(resharded)[i]) / float(losses(chimera)[i]) - 1) < 1e-5
+
+
+def test_fp16_resume_repeats_losses_and_loss_scale(corpus, tmp_path):
+    """Megatron-LM's --fp16: the fp32 main weights and the dynamic loss scale are checkpointed, so a
+    resumed run logs the uninterrupted run's losses and loss scales."""
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
+    whole = run(2, *train_args(corpus, *fp16, "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0"))
+    scales = re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", whole.stdout)
+    assert [s for _, s in scales] == ["2048.0", "4096.0", "8192.0", "16384.0"]  # doubles after each clean step
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    again = run(2, *train_args(corpus, *fp16, "--load", str(tmp_path), "--eval-iters", "0"))
+    assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
+    assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]

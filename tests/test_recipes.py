@@ -3,8 +3,9 @@ examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag, with the sizes scale
 ``--pipeline-schedule chimera`` added, run under Chimera D=2.
 
 Removed, and only these: the GPU-only fp8 flags; --bf16, --use-distributed-optimizer and
---overlap-param-gather (the memory issue adds them); from the GPT-3 script --fp16 (mixed precision,
-with --bf16) and --rampup-batch-size (refused in one line: each batch size needs its own schedule).
+--overlap-param-gather (the memory issue adds them). The GPT-3 script also passes --rampup-batch-size
+with --train-iters, which Megatron-LM core_v0.16 itself refuses ("expected no batch-size rampup for
+iteration-based training"): we refuse it with the same rule, and run the script without it.
 """
 import os
 import re
@@ -25,7 +26,7 @@ def gpt3(vocab: str, merges: str, data: str, out: str) -> list[str]:
              "--max-position-embeddings", "32", "--attention-backend", "auto"]
     training = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--weight-decay", "0.1",
                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
-                "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+                "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
                 "--lr-decay-iters", "4"]
     parallel = ["--tensor-model-parallel-size", "1", *CHIMERA]
     data_args = ["--data-path", data, "--vocab-file", vocab, "--merge-file", merges, "--split", "949,50,1"]
@@ -73,21 +74,32 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(gpt2_files, gpt2_corpus, tmp
     flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), gpt2_corpus, str(tmp_path / "ckpt"))
     proc = run(2, "pretrain_gpt.py", *flags)
     assert [int(i) for i, _ in LOSS.findall(proc.stdout)] == [1, 2, 3, 4]
+    # --fp16 starts at Megatron-LM's loss scale 2^32: the first steps overflow and halve it (hysteresis 2)
+    assert re.findall(r"loss scale: (\S+) \|", proc.stdout) == ["4294967296.0", "2147483648.0", "1073741824.0",
+                                                                 "536870912.0"]
     assert [int(i) for i, _ in VALID.findall(proc.stdout)] == [2, 4]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 
 
-def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path):
+@pytest.mark.parametrize("length,rule", [
+    ([], "expected no batch-size rampup for iteration-based training (Megatron-LM's rule: use --train-samples)"),
+    (["--train-samples", "32", "--lr-decay-samples", "32"],
+     "is not supported yet: every batch size needs its own pipeline schedule")])
+def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path, length, rule):
     from megatron.training.arguments import parse_args
 
     flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), "--mock-data", str(tmp_path))
     flags = [f for f in flags if f != "--data-path"]
+    if length:  # the GPT-3 script's length in samples, as Megatron-LM demands with a rampup
+        cut = flags.index("--train-iters")
+        flags = flags[:cut] + flags[cut + 2:]
+        cut = flags.index("--lr-decay-iters")
+        flags = flags[:cut] + flags[cut + 2:] + length
     with pytest.raises(SystemExit):
         parse_args(flags + ["--rampup-batch-size", "16", "16", "5859375"], world_size=2)
     assert capsys.readouterr().err.strip().splitlines() == [
-        "pretrain_gpt.py: error: --rampup-batch-size=16 16 5859375: is not supported yet: every batch size needs "
-        "its own pipeline schedule"]
+        f"pretrain_gpt.py: error: --rampup-batch-size=16 16 5859375: {rule}"]
 
 
 def test_megatron_lm_llama3_recipe_runs_under_chimera(tmp_path):

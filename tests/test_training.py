@@ -52,10 +52,11 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_losses_and_weights_equal_the_one_process_reference(results, case):
     r = results[case]
-    assert r["loss_rel"] <= 1e-6, (r["losses"], r["reference"])
-    assert r["weight_rel"] <= 1e-6  # the whole model, every logical tensor once
-    assert r["worst_tensor_rel"] <= 1e-4  # AdamW's eps amplifies rounding; bugs show up at 1e-3 and above
-    assert r["eval_rel"] <= 1e-6
+    losses, model, tensor, evaluation = r["tolerance"]  # fp32: 1e-6 (see TOLERANCE in the harness)
+    assert r["loss_rel"] <= losses, (r["losses"], r["reference"])
+    assert r["weight_rel"] <= model  # the whole model, every logical tensor once
+    assert r["worst_tensor_rel"] <= tensor  # AdamW's eps amplifies rounding; fp32 bugs show up at 1e-3 and above
+    assert r["eval_rel"] <= evaluation
 
 
 @pytest.mark.parametrize("case", CASES)

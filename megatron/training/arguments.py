@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary and exit cleanly")
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast with fp32 master weights (GPU)")
-    t.add_argument("--fp16", action="store_true", help="not supported yet: needs loss scaling; use --bf16")
+    _add_fp16_flags(t)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
     t.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
@@ -148,6 +148,31 @@ def _parser() -> argparse.ArgumentParser:
     _add_runtime_flags(p)
     add_compatibility_flags(p)
     return p
+
+
+def _add_fp16_flags(t) -> None:
+    """Megatron-LM's fp16 mixed precision and its loss-scale options, with its defaults."""
+    t.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations, fp32 main weights and gradients, loss scaling")
+    t.add_argument("--loss-scale", type=float, help="a constant loss scale (default: dynamic)")
+    t.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="the dynamic loss scale's start")
+    t.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic loss scale's floor")
+    t.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="clean iterations before the dynamic loss scale doubles")
+    t.add_argument("--hysteresis", type=int, default=2, help="overflowing iterations before it halves")
+    t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="always so here: gradients accumulate and reduce in fp32 under --fp16")
+
+
+def _validate_precision(args) -> None:
+    require(not (args.fp16 and args.bf16), "--fp16", True, "give one of --fp16 and --bf16")
+    for flag, value in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
+                        ("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis),
+                        ("--loss-scale", args.loss_scale or 1)):
+        require(value > 0, flag, value, "must be positive")
+    require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale", args.min_loss_scale,
+            f"must not exceed --initial-loss-scale ({args.initial_loss_scale:g})")
+    args.params_dtype = torch.float16 if args.fp16 else torch.float32
 
 
 def _add_runtime_flags(p) -> None:
@@ -214,7 +239,7 @@ def _validate(args) -> None:
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
-    require(not args.fp16, "--fp16", True, "is not supported yet (fp16 needs loss scaling); use --bf16 on a GPU")
+    _validate_precision(args)
     require(not args.emulate_nccl or args.distributed_backend != "nccl" and not args.p2p_host_staging
             and not torch.cuda.is_available(), "--emulate-nccl", True,
             "is for the CPU (gloo): on a GPU, run NCCL itself")
@@ -283,7 +308,10 @@ def _megatron_spellings(args) -> None:
                 "--virtual-pipeline-model-parallel-size", v, f"PP x it must divide --num-layers ({args.num_layers}), "
                 "without --num-layers-per-virtual-pipeline-stage")
         args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
-    require(args.rampup_batch_size is None, "--rampup-batch-size", args.rampup_batch_size and " ".join(args.rampup_batch_size),
+    rampup = args.rampup_batch_size and " ".join(args.rampup_batch_size)
+    require(args.rampup_batch_size is None or args.train_samples is not None, "--rampup-batch-size", rampup,
+            "expected no batch-size rampup for iteration-based training (Megatron-LM's rule: use --train-samples)")
+    require(args.rampup_batch_size is None, "--rampup-batch-size", rampup,
             "is not supported yet: every batch size needs its own pipeline schedule")
     require(args.context_parallel_size == 1, "--context-parallel-size", args.context_parallel_size,
             "context parallelism is not supported yet (1 only)")

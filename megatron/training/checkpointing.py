@@ -198,7 +198,8 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
         os.makedirs(tmp)
     dist.barrier()
     models = sharded_state.model_state(trainer)
-    state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False),
+    state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False,
+                                                                  main_weights=bool(trainer.main.pairs)),
              "rng_state": sharded_state.rng_state(rt.rank, rt.world),
              "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
              "args": _saved_args(args, consumed_samples),
@@ -262,6 +263,7 @@ def load_checkpoint(trainer) -> tuple[int, int]:
         from .legacy_checkpoint import load_legacy
 
         common = load_legacy(trainer, folder, args.load)
+        trainer.main.copy_from_model()
     else:
         _verified_by_rank0(folder, args.load)
         common = _load_dist(trainer, folder)
@@ -291,7 +293,8 @@ def _load_dist(trainer, folder: str) -> dict:
     models = sharded_state.model_state(trainer)
     request = {k: _tensors_only(v) for k, v in models.items()}
     if _loads_optimizer(args):  # that the checkpoint has one was checked before start
-        request["optimizer"] = sharded_state.optimizer_state(trainer, models, loading=True)
+        request["optimizer"] = sharded_state.optimizer_state(trainer, models, loading=True,
+                                                             main_weights=common["optimizer"].get("fp32_param", False))
     rng = not (args.finetune or args.no_load_rng) and _same_layout(common, rt)
     if rng:
         request["rng_state"] = sharded_state.rng_state(rt.rank, rt.world)
@@ -301,8 +304,9 @@ def _load_dist(trainer, folder: str) -> dict:
     except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
         raise CheckpointError(args.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
     _restore_models(trainer, loaded, args.load)
+    trainer.main.copy_from_model()  # --fp16's main weights, unless the optimizer state has them
     if _loads_optimizer(args):
-        sharded_state.restore_optimizer(trainer, loaded["optimizer"], common["optimizer"]["step"])
+        sharded_state.restore_optimizer(trainer, loaded["optimizer"], common["optimizer"])
     if rng:
         sharded_state.restore_rng(loaded["rng_state"])
     return common

@@ -33,9 +33,9 @@ class FaultInjection:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
 
-    def after_backward(self, rank: int, iteration: int, models) -> None:
+    def after_backward(self, rank: int, iteration: int, params) -> None:
         if iteration in self.nan_iterations and rank == 0:
-            next(p for m in models for p in m.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
 
     def during_save(self, iteration: int):
         """The checkpoint writer's mid-save hook for this iteration, or None."""

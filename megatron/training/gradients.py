@@ -1,5 +1,8 @@
 """Gradient reduction over stage replicas, and a global gradient norm that counts every parameter once.
 
+Each function takes the main parameters per held chunk, ``{(pipeline, stage): [parameter, ...]}``
+(precision.MainParams): the model's own in fp32, their fp32 copies under --fp16.
+
 After an iteration every copy of a parameter must hold the same gradient: the sum over its copies in
 all pipelines (each saw different micro-batches), averaged over data-parallel replicas. Losses are
 already divided by the micro-batches per replica, so sum-then-divide-by-DP gives the global-batch mean.
@@ -30,9 +33,9 @@ class ReplicaGradSync:
     def __init__(self, chunks: dict, runtime):
         self.chunks, self.rt = chunks, runtime
         tied = runtime.embedding_group is not None
-        self.shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
+        self.shared = [p for c in chunks.values() for p in c if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in self.shared}
-        self.params = {key: [p for p in c.parameters() if id(p) not in shared_ids] for key, c in chunks.items()}
+        self.params = {key: [p for p in c if id(p) not in shared_ids] for key, c in chunks.items()}
         self.pending: list = []
 
     def start(self, pipeline: int, stage: int, group) -> None:
@@ -67,7 +70,7 @@ class ReplicaGradSync:
         finalize_model_grads does."""
         from megatron.core import parallel_state
 
-        grads = [p.grad for c in self.chunks.values() for p in c.parameters()
+        grads = [p.grad for c in self.chunks.values() for p in c
                  if getattr(p, "sequence_parallel", False) and p.grad is not None]
         if grads and self.rt.tp > 1:
             flat = _flatten_dense_tensors(grads)
@@ -87,7 +90,7 @@ def copies(chunks: dict, runtime, tied: bool) -> dict[int, int]:
     pipelines = len(runtime.placement)
     per_param = {}
     for c in chunks.values():
-        for p in c.parameters():
+        for p in c:
             two_ends = tied and p.global_name == TIED_NAME and runtime.model_stages > 1
             per_param[id(p)] = pipelines * (2 if two_ends else 1)
     return per_param
@@ -102,7 +105,7 @@ def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
     weight = copies(chunks, runtime, tied)
     total = torch.zeros((), dtype=torch.float64, device=runtime.device)
     for c in chunks.values():
-        for p in c.parameters():
+        for p in c:
             if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
                 total += p.grad.detach().double().pow(2).sum() / weight[id(p)]
     runtime.all_reduce(total)
@@ -113,6 +116,6 @@ def clip_(chunks: dict, max_norm: float, norm: float) -> None:
     coeff = max_norm / (norm + 1e-6)
     if coeff < 1.0:
         for c in chunks.values():
-            for p in c.parameters():
+            for p in c:
                 if p.grad is not None:
                     p.grad.mul_(coeff)

@@ -102,8 +102,9 @@ def transformer_config(args, num_layers: int):
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        fp16=args.fp16,
+        pipeline_dtype=args.params_dtype,
+        params_dtype=args.params_dtype,
         use_cpu_initialization=True,
         # megatron-core's own init also sets the tensor-parallel attributes (partition_dim, ...) that
         # init_chunk and the gradient norm rely on; init_chunk then redraws every tensor.
@@ -136,7 +137,7 @@ def build_chunk(args, stage: int, device: torch.device):
     )
     model.stage = stage
     init_chunk(model, args, stage * layers)
-    return model.to(device)
+    return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
 
 
 def global_name(name: str, layer_offset: int, tied: bool) -> str:

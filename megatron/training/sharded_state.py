@@ -75,22 +75,28 @@ def _by_parameter(models: dict) -> dict:
     return found
 
 
-def optimizer_state(trainer, models: dict, loading: bool) -> dict:
-    """AdamW's moments under Megatron-LM's keys (``optimizer.state.exp_avg.<parameter key>``), sharded
-    like their parameters; zeros to be filled when loading. The step count is one number for all
-    parameters and goes to the common state."""
+def optimizer_state(trainer, models: dict, loading: bool, main_weights: bool) -> dict:
+    """AdamW's moments (and, ``main_weights``, fp16's fp32 main weights) under Megatron-LM's keys
+    (``optimizer.state.exp_avg.<parameter key>``, ``optimizer.state.fp32_param.<key>``), sharded like
+    their parameters; zeros to be filled when loading. The step count (one number for all
+    parameters), whether main weights are there and the loss scale go to the common state."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     sharded = _by_parameter(models)
-    state = {name: {} for name in MOMENTS}
+    names = MOMENTS + (("fp32_param",) if main_weights else ())
+    state = {name: {} for name in names}
     for i, chunk in enumerate(trainer.models):
         for pname, param in chunk.named_parameters():
-            kept = trainer.optimizer.state.get(param, {})
-            for name in MOMENTS:
-                value = torch.zeros_like(param) if loading or name not in kept else kept[name]
+            main = trainer.main.main_of(param)
+            kept = {**trainer.optimizer.state.get(main, {}), "fp32_param": main.detach()}
+            for name in names:
+                value = torch.zeros_like(main) if loading or name not in kept else kept[name]
                 state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
                                                                             f"optimizer.state.{name}")
-    return {"state": state, "step": optimizer_step(trainer.optimizer)}
+    out = {"state": state, "step": optimizer_step(trainer.optimizer), "fp32_param": main_weights}
+    if trainer.scaler:
+        out["grad_scaler"] = trainer.scaler.state_dict()
+    return out
 
 
 def optimizer_step(optimizer) -> int:
@@ -98,12 +104,22 @@ def optimizer_step(optimizer) -> int:
     return max(steps, default=0)
 
 
-def restore_optimizer(trainer, loaded: dict, step: int) -> None:
+def restore_optimizer(trainer, loaded: dict, common: dict) -> None:
+    """The moments, the fp32 main weights when the checkpoint has them (else they stay the loaded
+    model weights), and the loss scale."""
+    step = common["step"]
     for i, chunk in enumerate(trainer.models):
         for pname, param in chunk.named_parameters():
-            trainer.optimizer.state[param] = {
+            main = trainer.main.main_of(param)
+            saved = {name: loaded["state"][name][f"{i}.{pname}"].to(param.device) for name in loaded["state"]}
+            trainer.optimizer.state[main] = {
                 "step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
-                **{name: loaded["state"][name][f"{i}.{pname}"].to(param.device) for name in MOMENTS}}
+                **{name: saved[name] for name in MOMENTS}}
+            if "fp32_param" in saved and main is not param:
+                with torch.no_grad():
+                    main.copy_(saved["fp32_param"])
+    if trainer.scaler and "grad_scaler" in common:
+        trainer.scaler.load_state_dict(common["grad_scaler"])
 
 
 def _rng_tensors() -> dict:

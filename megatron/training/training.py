@@ -30,6 +30,7 @@ from .gradients import ReplicaGradSync, clip_, global_grad_norm
 from .housekeeping import Housekeeping
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
+from .precision import LossScaler, MainParams, scaled_loss
 from .startup import print_banner, print_building, print_parameter_counts
 from .timing import ITERATION, SETUP, make_timers, print_datetime, print_times
 
@@ -106,16 +107,20 @@ class Trainer:
         self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
-        self.sync = ReplicaGradSync(self.chunks, rt)
-        params = [p for m in self.models for p in m.parameters()]
-        self.optimizer = torch.optim.AdamW(_param_groups(params, args), lr=args.lr, weight_decay=args.weight_decay,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.main = MainParams(self.chunks)
+        self.scaler = LossScaler(args) if args.fp16 else None
+        if self.scaler:
+            self.forward_step_func = scaled_loss(self.forward_step_func, self.scaler)
+        self.sync = ReplicaGradSync(self.main.by_chunk, rt)
+        self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), args), lr=args.lr,
+                                           weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps)
         self.scheduler = _scheduler(args, self.optimizer)
         plan = args.plan
 
         def make_transport():
             groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
-            return Transport(rt.worker, rt.worker_ranks, groups, device, torch.float32, _p2p(args, backend),
+            return Transport(rt.worker, rt.worker_ranks, groups, device, args.params_dtype, _p2p(args, backend),
                              rt.comm_device)
 
         self.forward_backward, self.transport = plan.runner(self.models, make_transport, self.sync, tracer)
@@ -176,7 +181,9 @@ class Trainer:
                                 f"{str(e).splitlines()[0][:200]}") from None
         finite = math.isfinite(loss) and math.isfinite(norm)
         self._step(norm, finite)
-        return {"lm loss": loss, "grad norm": norm, "nan": not finite}
+        # fp16 gradients that overflow skip the step and lower the loss scale: not a NaN iteration
+        nan = not math.isfinite(loss) or (not finite and self.scaler is None)
+        return {"lm loss": loss, "grad norm": norm if finite else None, "skipped": not finite, "nan": nan}
 
     def _gradients(self, iteration: int) -> tuple[float, float]:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
@@ -186,27 +193,31 @@ class Trainer:
         if self.args.calculate_per_token_loss:
             self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
         timers("forward-backward").stop()
-        self.faults.after_backward(self.rt.rank, iteration + 1, self.models)
+        self.faults.after_backward(self.rt.rank, iteration + 1, self.main.all())
         timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         timers("optimizer-clip-main-grad", log_level=1).start()
-        norm = global_grad_norm(self.chunks, self.rt, not self.args.untie_embeddings_and_output_weights)
+        if self.scaler:
+            self.main.unscale(self.scaler.scale)
+        norm = global_grad_norm(self.main.by_chunk, self.rt, not self.args.untie_embeddings_and_output_weights)
         return loss, norm
 
     def _divide_gradients(self, divisor: float) -> None:
-        for m in self.models:
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.grad.div_(divisor)
+        for p in self.main.all():
+            if p.grad is not None:
+                p.grad.div_(divisor)
 
     def _step(self, norm: float, finite: bool) -> None:
         """Clip and step, or skip a non-finite iteration."""
         timers = self.timers
         if finite and self.args.clip_grad > 0:
-            clip_(self.chunks, self.args.clip_grad, norm)
+            clip_(self.main.by_chunk, self.args.clip_grad, norm)
         timers("optimizer-clip-main-grad").stop()
         timers("optimizer-inner-step", log_level=1).start()
+        if self.scaler:
+            self.scaler.update(found_inf=not finite)
         if finite:
             self.optimizer.step()
+            self.main.copy_to_model()
             self.scheduler.step(increment=lr_increment(self.args))
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -310,7 +321,7 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
         stats = trainer.train_step(iteration)
         done = iteration + 1
         housekeeping.after_iteration(done)
-        progress.record(stats, done, lr)
+        progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
         if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
@@ -358,17 +369,18 @@ class _Progress:
 
     def __init__(self, args, first: int, board: _Board, timers):
         self.args, self.board, self.timers = args, board, timers
-        self.history, self.nan_total, self.nan_run = [], 0, 0
+        self.history, self.nan_total, self.nan_run, self.skipped_total = [], 0, 0, 0
         self.last_saved = args.load and first
         self.first, self.logged, self.start = first, first, time.time()
 
-    def record(self, stats: dict, done: int, lr: float) -> None:
+    def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
         self.nan_total += stats["nan"]
+        self.skipped_total += stats["skipped"]
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
         if done % self.args.log_interval == 0 or done == self.args.train_iters or self.nan_run:
             iterations = done - self.logged
-            self._log(done, lr)
+            self._log(done, lr, loss_scale)
             if self.args.timing_log_level >= 1:
                 print_times(self.timers, ITERATION, normalizer=iterations)
         if self.nan_run >= self.args.max_consecutive_nan_iterations:
@@ -378,23 +390,30 @@ class _Progress:
         if done == self.logged:
             self.start = time.time()
 
-    def _log(self, done: int, lr: float) -> None:
+    def _log(self, done: int, lr: float, loss_scale: float | None) -> None:
+        """Megatron-LM's iteration line: 'loss scale' with --fp16; no 'grad norm' after a skipped step."""
         args = self.args
         recent = self.history[self.logged - self.first:]
         elapsed = (time.time() - self.start) / len(recent)
         good = [s["lm loss"] for s in recent if not s["nan"]]
         loss = sum(good) / len(good) if good else float("nan")
         throughput = args.global_batch_size * args.seq_length / elapsed
+        norm = recent[-1]["grad norm"]
         print_rank_last(
             f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
             f" consumed samples: {done * args.global_batch_size:12d} |"
             f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
             f" throughput (tokens/s): {throughput:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-            f" lm loss: {loss:.6E} | grad norm: {recent[-1]['grad norm']:.3f} |"
-            f" number of skipped iterations: {self.nan_total:3d} | number of nan iterations: {self.nan_total:3d} |")
-        self.board.add({"lm loss": loss, "learning-rate": lr, "grad-norm": recent[-1]["grad norm"],
-                        "throughput": throughput}, done)
+            f" lm loss: {loss:.6E} |" + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
+            + ("" if norm is None else f" grad norm: {norm:.3f} |") +
+            f" number of skipped iterations: {self.skipped_total:3d} | number of nan iterations: {self.nan_total:3d} |")
+        scalars = {"lm loss": loss, "learning-rate": lr, "throughput": throughput}
+        if norm is not None:
+            scalars["grad-norm"] = norm
+        if loss_scale is not None:
+            scalars["loss-scale"] = loss_scale
+        self.board.add(scalars, done)
         self.logged = done
 
     def _nan_message(self, done: int) -> str:

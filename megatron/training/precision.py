@@ -1,0 +1,121 @@
+"""Megatron-LM's --fp16: fp16 parameters and activations, fp32 main weights that the optimizer steps,
+and a loss scale that keeps fp16 gradients from underflowing.
+
+Every backward adds its fp16 gradient into the fp32 main parameter's gradient at once (a hook), so
+gradients accumulate over micro-batches and reduce over stage copies in fp32: Megatron-LM's
+--accumulate-allreduce-grads-in-fp32. That keeps layouts apart only by fp32 rounding; fp16 sums in
+each layout's own order would differ by far more. In fp32 the main parameters are the model's own.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class MainParams:
+    """The parameters the optimizer steps and the gradient code reads, per held chunk."""
+
+    def __init__(self, chunks: dict):
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.by_chunk = {key: [self._main(p) for p in chunk.parameters()] for key, chunk in chunks.items()}
+        self.of = {id(model): main for model, main in self.pairs}
+
+    def _main(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        if param.dtype == torch.float32:
+            return param
+        main = torch.nn.Parameter(param.detach().float())
+        main.__dict__.update(param.__dict__)  # global_name, tensor-parallel and sequence-parallel marks
+        param.main_param = main
+        param.register_post_accumulate_grad_hook(_accumulate_into_main)
+        self.pairs.append((param, main))
+        return main
+
+    def main_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        return self.of.get(id(param), param)
+
+    def all(self) -> list[torch.nn.Parameter]:
+        return [p for params in self.by_chunk.values() for p in params]
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """After a step: the model runs on the updated main weights, rounded."""
+        for model, main in self.pairs:
+            model.copy_(main)
+
+    @torch.no_grad()
+    def copy_from_model(self) -> None:
+        """After loading weights without their fp32 main copies."""
+        for model, main in self.pairs:
+            main.copy_(model)
+
+    @torch.no_grad()
+    def unscale(self, scale: float) -> None:
+        for p in self.all():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / scale)
+
+
+def _accumulate_into_main(param: torch.nn.Parameter) -> None:
+    main = param.main_param
+    if main.grad is None:
+        main.grad = param.grad.float()
+    else:
+        main.grad.add_(param.grad)
+    param.grad = None
+
+
+class LossScaler:
+    """Megatron-LM's loss scale: constant with --loss-scale; otherwise dynamic, halved (down to
+    --min-loss-scale) once --hysteresis iterations have overflowed, doubled after --loss-scale-window
+    clean ones. Same rules and state keys as megatron-core's DynamicGradScaler, whose tensors live on
+    CUDA."""
+
+    def __init__(self, args):
+        self.constant = args.loss_scale is not None
+        self.scale = args.loss_scale if self.constant else args.initial_loss_scale
+        self.min_scale, self.window, self.hysteresis = args.min_loss_scale, args.loss_scale_window, args.hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, args.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if self.constant:
+            return
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.window:
+            self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": torch.tensor([self.scale]), "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.constant:
+            self.scale = float(state["scale"].reshape(-1)[0])
+        self.growth_tracker, self.hysteresis_tracker = state["growth_tracker"], state["hysteresis_tracker"]
+
+
+def scaled_loss(forward_step_func, scaler: LossScaler):
+    """The loss each micro-batch's backward starts from, times the current loss scale; the logged
+    report stays unscaled. Works the same under our executor and megatron-core's schedules."""
+
+    def forward_step(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def loss_times_scale(output_tensor):
+            loss, *rest = loss_func(output_tensor)
+            return (loss * scaler.scale, *rest)
+
+        return output, loss_times_scale
+
+    return forward_step
+
+
+def overflowed(norm: float) -> bool:
+    return not math.isfinite(norm)
