@@ -40,6 +40,7 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
             "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--group-query-attention",
                       "--num-query-groups", "2", "--use-rotary-position-embeddings", "--no-position-embedding",
                       "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-5"],
+            "qk-layernorm": ["--qk-layernorm", "--normalization", "RMSNorm"],  # LayerNorm's key bias has zero gradient
             # Megatron-LM's --fp16, its loss scale low enough that no iteration overflows
             "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
 
@@ -90,6 +91,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera rope D=4": ("rope", chimera4),
         "chimera llama D=4": ("llama", chimera4),
         "chimera fp16 D=2 TP=2": ("fp16", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera qk-layernorm D=2 TP=2": ("qk-layernorm", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--tensor-model-parallel-size", "2",
                                                                           "--sequence-parallel"]),

@@ -66,12 +66,12 @@ class ReplicaGradSync:
 
     def _sum_sequence_parallel(self) -> None:
         """Norms (and row-parallel biases) under sequence parallelism saw only this rank's part of the
-        sequence: sum their gradients over the tensor-parallel group, as megatron-core's
-        finalize_model_grads does."""
+        sequence, query and key norms only its heads: sum their gradients over the tensor-parallel
+        group, as megatron-core's finalize_model_grads does."""
         from megatron.core import parallel_state
 
-        grads = [p.grad for c in self.chunks.values() for p in c
-                 if getattr(p, "sequence_parallel", False) and p.grad is not None]
+        grads = [p.grad for c in self.chunks.values() for p in c if p.grad is not None
+                 and (getattr(p, "sequence_parallel", False) or getattr(p, "sums_over_tensor_parallel", False))]
         if grads and self.rt.tp > 1:
             flat = _flatten_dense_tensors(grads)
             self.rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())

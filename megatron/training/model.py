@@ -74,6 +74,7 @@ class LocalNorm(torch.nn.Module):
         self.bias = None if config.normalization == "RMSNorm" else torch.nn.Parameter(torch.zeros(hidden_size))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel and self.spans_sequence_split
+            param.sums_over_tensor_parallel = param.sequence_parallel or not self.spans_sequence_split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered else self.weight
@@ -83,7 +84,9 @@ class LocalNorm(torch.nn.Module):
 
 
 class HeadNorm(LocalNorm):
-    """Query and key norms: per head, inside attention, where every rank has the whole sequence."""
+    """Query and key norms: per head, inside attention, where every rank has the whole sequence but
+    only its tensor-parallel share of the heads, so their gradients are summed over the group (as
+    megatron-core's finalize_model_grads does for q_layernorm and k_layernorm)."""
 
     spans_sequence_split = False
 
