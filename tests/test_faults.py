@@ -186,7 +186,7 @@ def test_nan_iterations_are_skipped_counted_and_stop_the_run(tmp_path):
     out0, err0 = p0.communicate(timeout=60)
     assert p0.returncode != 0 and p1.returncode != 0
     counts = {int(i): int(n) for i, n in re.findall(r"iteration\s+(\d+)/.*number of nan iterations:\s+(\d+)", out1)}
-    assert counts[1] == 0 and counts[2] == 1 and counts[3] == 1 and counts[6] == 4 and 7 not in counts
+    assert counts == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}  # per log line, as Megatron-LM counts them
     assert "3 iterations in a row (4-6) had a NaN or Inf loss or gradient norm" in err1
     assert "the last good checkpoint is iteration 3" in err1
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"

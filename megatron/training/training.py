@@ -369,14 +369,12 @@ class _Progress:
 
     def __init__(self, args, first: int, board: _Board, timers):
         self.args, self.board, self.timers = args, board, timers
-        self.history, self.nan_total, self.nan_run, self.skipped_total = [], 0, 0, 0
+        self.history, self.nan_run = [], 0
         self.last_saved = args.load and first
         self.first, self.logged, self.start = first, first, time.time()
 
     def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
-        self.nan_total += stats["nan"]
-        self.skipped_total += stats["skipped"]
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
         if done % self.args.log_interval == 0 or done == self.args.train_iters or self.nan_run:
             iterations = done - self.logged
@@ -391,24 +389,30 @@ class _Progress:
             self.start = time.time()
 
     def _log(self, done: int, lr: float, loss_scale: float | None) -> None:
-        """Megatron-LM's iteration line: 'loss scale' with --fp16; no 'grad norm' after a skipped step."""
+        """Megatron-LM's iteration line: the loss averaged over the iterations since the last line that
+        stepped (none stepped: no loss field), 'loss scale' with --fp16, no 'grad norm' after a skipped
+        step, and the skipped and NaN iterations since the last line."""
         args = self.args
         recent = self.history[self.logged - self.first:]
         elapsed = (time.time() - self.start) / len(recent)
-        good = [s["lm loss"] for s in recent if not s["nan"]]
-        loss = sum(good) / len(good) if good else float("nan")
+        stepped = [s["lm loss"] for s in recent if not s["skipped"]]
+        loss = sum(stepped) / len(stepped) if stepped else None
         throughput = args.global_batch_size * args.seq_length / elapsed
         norm = recent[-1]["grad norm"]
+        skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
         print_rank_last(
             f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
             f" consumed samples: {done * args.global_batch_size:12d} |"
             f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
             f" throughput (tokens/s): {throughput:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-            f" lm loss: {loss:.6E} |" + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
+            + ("" if loss is None else f" lm loss: {loss:.6E} |")
+            + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
             + ("" if norm is None else f" grad norm: {norm:.3f} |") +
-            f" number of skipped iterations: {self.skipped_total:3d} | number of nan iterations: {self.nan_total:3d} |")
-        scalars = {"lm loss": loss, "learning-rate": lr, "throughput": throughput}
+            f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |")
+        scalars = {"learning-rate": lr, "throughput": throughput}
+        if loss is not None:
+            scalars["lm loss"] = loss
         if norm is not None:
             scalars["grad-norm"] = norm
         if loss_scale is not None:
