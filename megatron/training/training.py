@@ -307,9 +307,21 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     progress = _Progress(args, first, board, trainer.timers)
     housekeeping = Housekeeping(args, trainer.rt.rank)
     try:
-        return _train(trainer, first, progress, housekeeping, board, exit_policy)
+        history = _train(trainer, first, progress, housekeeping, board, exit_policy)
     finally:
         housekeeping.stop()
+    _shut_down(trainer)
+    return history
+
+
+def _shut_down(trainer) -> None:
+    """Destroy every process group before the interpreter finalizes: a gloo group left alive keeps
+    worker threads whose clean-up during finalization can abort the process (SIGABRT, 'terminate called
+    without an active exception') after a run that succeeded. The barrier keeps a rank from tearing
+    down while a peer still talks to it."""
+    dist.barrier()
+    trainer.close()
+    dist.destroy_process_group()
 
 
 def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:
