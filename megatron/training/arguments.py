@@ -363,17 +363,23 @@ def _training_length(args) -> None:
     require(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1 and not args.lr_warmup_iters
             and not args.lr_warmup_samples, "--lr-warmup-fraction", args.lr_warmup_fraction,
             "must be in [0, 1], without --lr-warmup-iters or --lr-warmup-samples")
+    unit = "samples" if args.train_samples else "iters"
     if args.train_samples is None:
         for flag, value in (("--lr-warmup-samples", args.lr_warmup_samples),
                             ("--lr-decay-samples", args.lr_decay_samples)):
             require(not value, flag, value, "goes with --train-samples; with --train-iters use the -iters flag")
-        return
-    g = args.global_batch_size
-    require(args.train_samples > 0 and args.train_samples % g == 0, "--train-samples", args.train_samples,
-            f"must be a positive multiple of --global-batch-size ({g})")
-    for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
-        require(not value, flag, value, "goes with --train-iters; with --train-samples use the -samples flag")
-    args.train_iters = args.train_samples // g
+    else:
+        g = args.global_batch_size
+        require(args.train_samples > 0 and args.train_samples % g == 0, "--train-samples", args.train_samples,
+                f"must be a positive multiple of --global-batch-size ({g})")
+        for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
+            require(not value, flag, value, "goes with --train-iters; with --train-samples use the -samples flag")
+        args.train_iters = args.train_samples // g
+    schedule = lr_schedule(args)  # megatron-core's scheduler asserts this without naming a flag
+    require(schedule["lr_warmup_steps"] < schedule["lr_decay_steps"],
+            "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
+            schedule["lr_warmup_steps"], f"must be below the decay length, {schedule['lr_decay_steps']}"
+            f" (--lr-decay-{unit}, or else --train-{unit})")
 
 
 def lr_schedule(args) -> dict:
