@@ -1,6 +1,7 @@
 """Megatron-LM's conventions that scripts, log parsers and Slurm requeues rely on: the startup banner,
 --save X --load X on a first launch, --exit-interval and --exit-duration-in-mins saving and exiting
-like SIGTERM, an error printed once per job (not once per rank), and no hang on an empty split."""
+like SIGTERM, a launch after the run's end changing nothing, an error printed once per job (not once
+per rank), and no hang on an empty split."""
 import os
 import re
 import sys
@@ -30,6 +31,11 @@ def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_li
     assert "exiting on --exit-duration-in-mins 1e-06 at iteration 3 after saving it" in second.stdout
     third = run(1, *chained)
     assert f"loaded checkpoint from {ckpt} at iteration 3" in third.stdout and sorted(losses(third)) == [4]
+    saved = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
+    fourth = run(1, *chained)  # a requeued job after the end: nothing trained, evaluated or written
+    assert "training already complete at iteration 4 (--train-iters 4): nothing to do" in fourth.stdout
+    assert "training ..." not in fourth.stdout and not losses(fourth)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == saved
     whole = run(1, *MODEL, "--log-throughput", "--timing-log-level", "1")
     assert losses(whole) == {**losses(first), **losses(second), **losses(third)}
     assert len(re.findall(r"\| throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|", whole.stdout)) == 4

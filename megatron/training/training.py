@@ -300,6 +300,11 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
     trainer = Trainer(args, forward_step_func, faults=faults)
     first = _resume(trainer)
+    if first >= args.train_iters:  # a requeued or chained job after the run's end: change nothing
+        print_rank_last(f" training already complete at iteration {first} (--train-iters {args.train_iters}):"
+                        " nothing to do")
+        _shut_down(trainer)
+        return []
     print_rank_last("done with setup ...")
     print_times(trainer.timers, SETUP)
     print_rank_last("training ...")
@@ -343,8 +348,6 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
             print_rank_last(f" exiting on {stop} at iteration {done}" + (" after saving it" if args.save else ""))
             return progress.history
         progress.restart_clock(done)
-    if args.eval_iters and first >= args.train_iters:  # nothing left to train: evaluate what was loaded
-        _evaluate_and_print(trainer, board, first)
     return progress.history
 
 
