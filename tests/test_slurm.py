@@ -1,6 +1,7 @@
 """A real single-node Slurm cluster on this machine (Debian's slurm-wlm and munge, installed by
-scripts/install_slurm.sh, which .ci/run calls): submit the single-node batch script for a short
-Chimera run on the CPU and check the job's output."""
+scripts/install_slurm.sh, which .ci/run calls): the single-node batch script trains Chimera on the
+CPU, and a run outlives its jobs: a preempted job is requeued and resumes exactly, a job saves before
+its time limit, a chain of jobs finishes the run and its last job finds nothing left to do."""
 import os
 import re
 import shutil
@@ -103,23 +104,117 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
                 subprocess.run(["kill", pidfile.read_text().strip()], capture_output=True)
 
 
-def test_single_node_batch_script_trains_chimera(cluster, corpus, tmp_path):
-    env, d = cluster
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
+ITERS = 100
+
+
+def job_settings(corpus, save, **more) -> str:
+    """The batch script's --export: a 4-layer Chimera D=2 on the shipped corpus, 2 ranks on the CPU."""
     data, tokenizer = corpus[corpus.index("--data-path") + 1], corpus[corpus.index("--tokenizer-model") + 1]
-    settings = {"NPROC_PER_NODE": "2", "PP": "2", "SCHEDULE": "chimera", "NUM_LAYERS": "4", "HIDDEN": "32",
-                "HEADS": "4", "SEQ": "32", "MICRO_BATCH": "1", "GLOBAL_BATCH": "4", "TRAIN_ITERS": "6",
-                "LR": "3e-3", "DATA_PATH": data, "TOKENIZER_MODEL": tokenizer, "SAVE": str(tmp_path / "ckpt"),
-                "MASTER_PORT": str(free_port())}
+    settings = {"PP": "2", "SCHEDULE": "chimera", "NUM_LAYERS": "4", "HIDDEN": "32", "HEADS": "4", "SEQ": "32",
+                "MICRO_BATCH": "1", "GLOBAL_BATCH": "4", "TRAIN_ITERS": str(ITERS), "LR": "3e-3",
+                "DATA_PATH": data, "TOKENIZER_MODEL": tokenizer, "SAVE": str(save), "MASTER_PORT": str(free_port()),
+                **more}
+    return "--export=ALL," + ",".join(f"{k}={v}" for k, v in settings.items())
+
+
+def submit(env, *options: str, script="scripts/slurm/pretrain_gpt_single_node.sbatch") -> str:
+    proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--ntasks-per-node=2", *options, script],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait_until_gone(env, job: str, timeout: float = 300, release: bool = False) -> str:
+    """Wait for the job to leave the queue and return its final state. release: start a requeued job
+    at once instead of after Slurm's two-minute hold (its pending reason is BeginTime)."""
+    deadline = time.monotonic() + timeout
+    while (queued := slurm(["squeue", "-h", "-j", job, "-o", "%T %r"], env).strip()):
+        assert time.monotonic() < deadline, f"job {job} still queued: {queued}"
+        if release and queued == "PENDING BeginTime":
+            slurm(["scontrol", "update", f"jobid={job}", "starttime=now"], env)
+        time.sleep(0.5)
+    return re.search(r"JobState=(\S+)", slurm(["scontrol", "show", "job", job], env)).group(1)
+
+
+def losses(log: str) -> dict:
+    return dict(LOSS.findall(log))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, corpus, tmp_path_factory):
+    """One job that trains the whole run: the reference the interrupted runs must repeat."""
+    env, _ = cluster
+    d = tmp_path_factory.mktemp("uninterrupted")
+    job = submit(env, f"--output={d}/job.out", job_settings(corpus, d / "ckpt", EVAL_ITERS="2"))
+    assert wait_until_gone(env, job) == "COMPLETED", (d / "job.out").read_text()[-5000:]
+    return (d / "job.out").read_text(), d / "ckpt"
+
+
+def test_single_node_batch_script_trains_chimera(uninterrupted):
+    log, save = uninterrupted
+    assert f"(restart 0): resuming from iteration 0 of {ITERS}" in log
+    assert "(--load = --save): starting from scratch" in log
+    got = [float(x) for x in losses(log).values()]
+    assert len(got) == ITERS and got[-1] < got[0]
+    assert f"validation loss at iteration {ITERS}" in log
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
+
+
+def test_a_preempted_job_is_requeued_and_resumes_exactly(cluster, corpus, uninterrupted, tmp_path):
+    """scontrol requeue is what preemption in REQUEUE mode does: SIGTERM, then requeue. The ranks save
+    at the next iteration; the job starts again in the same output file and resumes from that save."""
+    env, _ = cluster
     out = tmp_path / "job.out"
+    job = submit(env, f"--output={out}", job_settings(corpus, tmp_path / "ckpt", EVAL_ITERS="2"))
+    deadline = time.monotonic() + 120
+    while not re.search(r"iteration\s+3/", out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline and slurm(["squeue", "-h", "-j", job], env), "the job never trained"
+        time.sleep(0.2)
+    slurm(["scontrol", "requeue", job], env)
+    assert wait_until_gone(env, job, release=True) == "COMPLETED"
+    log = out.read_text()
+    first, second = re.split(rf"job {job} \(restart 1\): resuming from iteration \d+ of {ITERS} in \S+\n", log)
+    stopped = int(re.search(r"exiting on SIGTERM at iteration (\d+) after saving it", first).group(1))
+    assert 3 <= stopped < ITERS and f"(restart 1): resuming from iteration {stopped} of" in log
+    assert f"loaded checkpoint from {tmp_path / 'ckpt'} at iteration {stopped}" in second
+    want = losses(uninterrupted[0])
+    assert losses(first) == {k: v for k, v in want.items() if int(k) <= stopped}
+    assert losses(second) == {k: v for k, v in want.items() if int(k) > stopped}
+
+
+def test_a_job_saves_before_its_time_limit(cluster, corpus, tmp_path):
+    """Slurm sends the batch script's warning signal up to a minute before it is due: 70 s before a
+    2-minute limit lands 20-50 s into the job, after the ranks installed their handler."""
+    env, _ = cluster
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    job = submit(env, "--time=2", "--signal=TERM@70", f"--output={out}",
+                 job_settings(corpus, save, TRAIN_ITERS="1000000", LOG_INTERVAL="100", EVAL_ITERS="0"))
+    assert wait_until_gone(env, job, timeout=200) == "COMPLETED", out.read_text()[-3000:]
+    stopped = re.search(r"exiting on SIGTERM at iteration (\d+) after saving it", out.read_text()).group(1)
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == stopped
+
+
+def test_a_chain_of_jobs_finishes_the_run_and_its_last_job_has_nothing_to_do(cluster, corpus, uninterrupted,
+                                                                            tmp_path):
+    """submit_schedules.sh --chain 3: the first job stops halfway (--exit-interval stands in for its
+    time limit), the second resumes there and finishes, the third exits at once."""
+    env, _ = cluster
+    save = tmp_path / "ckpt"
+    half = ITERS // 2
     proc = subprocess.run(
-        ["sbatch", "--wait", "--gpus-per-node=0", f"--output={out}",
-         "--export=ALL," + ",".join(f"{k}={v}" for k, v in settings.items()),
-         "scripts/slurm/pretrain_gpt_single_node.sbatch"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = out.read_text() if out.exists() else ""
-    assert proc.returncode == 0, proc.stdout + proc.stderr + log[-5000:]
-    assert re.search(r"Submitted batch job \d+", proc.stdout)
-    losses = [float(x) for x in re.findall(r"lm loss: (\S+) \|", log)]
-    assert len(losses) == 6 and losses[-1] < losses[0]
-    assert "validation loss at iteration 6" in log
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
+        ["scripts/slurm/submit_schedules.sh", "--chain", "3", "single_node", "--gpus-per-node=0",
+         "--ntasks-per-node=2", f"--output={tmp_path}/%j.out",
+         job_settings(corpus, save, EVAL_ITERS="2", EXTRA_ARGS=f"--exit-interval {half}")],
+        cwd=ROOT, env={**env, "SCHEDULES": "chimera"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    jobs = re.findall(r"gpt-chimera: job (\d+)", proc.stdout)
+    assert len(jobs) == 3
+    assert [wait_until_gone(env, job) for job in jobs] == ["COMPLETED"] * 3
+    logs = [(tmp_path / f"{job}.out").read_text() for job in jobs]
+    assert f"exiting on --exit-interval {half} at iteration {half} after saving it" in logs[0]
+    assert f"resuming from iteration {half} of {ITERS}" in logs[1]
+    want = losses(uninterrupted[0])
+    assert {**losses(logs[0]), **losses(logs[1])} == want and min(map(int, losses(logs[1]))) == half + 1
+    assert logs[2].strip() == (f"job {jobs[2]}: training already complete (iteration {ITERS} of {ITERS} in {save}):"
+                               " nothing to do")
