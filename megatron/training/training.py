@@ -300,15 +300,17 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
     trainer = Trainer(args, forward_step_func, faults=faults)
     first = _resume(trainer)
-    if first >= args.train_iters:  # a requeued or chained job after the run's end: change nothing
+    board = _Board(args.tensorboard_dir)
+    if first >= args.train_iters:  # a requeued or chained job after the run's end: write nothing
         print_rank_last(f" training already complete at iteration {first} (--train-iters {args.train_iters}):"
-                        " nothing to do")
+                        " nothing to train")
+        if args.eval_iters:  # as Megatron-LM, evaluate what was loaded
+            _evaluate_and_print(trainer, board, first)
         _shut_down(trainer)
         return []
     print_rank_last("done with setup ...")
     print_times(trainer.timers, SETUP)
     print_rank_last("training ...")
-    board = _Board(args.tensorboard_dir)
     progress = _Progress(args, first, board, trainer.timers)
     housekeeping = Housekeeping(args, trainer.rt.rank)
     try:
