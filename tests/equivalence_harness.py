@@ -42,15 +42,21 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
                       "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-5"],
             "qk-layernorm": ["--qk-layernorm", "--normalization", "RMSNorm"],  # LayerNorm's key bias has zero gradient
             # Megatron-LM's --fp16, its loss scale low enough that no iteration overflows
-            "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
+            "fp16": ["--fp16", "--initial-loss-scale", "4096"],
+            "bf16": ["--bf16"]}  # Megatron-LM's: bf16 weights, fp32 main weights and gradients, no loss scale
 
 
 # How close a layout must come to the one-process reference: (losses, whole model's weights, worst
 # single tensor, evaluation loss), relative. fp32 layouts differ only in the order of fp32 sums. fp16
 # weights round to 11 bits after every step, so a last-bit difference in a main weight can move a
 # weight by one fp16 ulp (4.9e-4 relative), and tensor parallelism also rounds its partial sums in
-# fp16; AdamW's first steps amplify that in elements whose gradient is near zero.
-TOLERANCE = {"fp32": (1e-6, 1e-6, 1e-4, 1e-6), "fp16": (1e-4, 1e-3, 5e-2, 1e-4)}
+# fp16; AdamW's first steps amplify that in elements whose gradient is near zero. bf16 keeps 8 bits,
+# so one such flip moves a weight by 3.9e-3: measured, Chimera D=2 against one process, losses 1.2e-6,
+# weights 2.2e-4, worst tensor 8.7e-3, evaluation 6.9e-6.
+TOLERANCE = {"fp32": (1e-6, 1e-6, 1e-4, 1e-6), "fp16": (1e-4, 1e-3, 5e-2, 1e-4), "bf16": (1e-5, 2e-3, 5e-2, 5e-5)}
+
+
+DISTOPT = ["--use-distributed-optimizer"]
 
 
 def schedule_cases(d: int) -> dict[str, list[str]]:
@@ -75,6 +81,9 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out = {k: ("tied-learned", v) for k, v in schedule_cases(2).items()}
         out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
         out["chimera fp16 D=2"] = ("fp16", schedule_cases(2)["chimera direct D=2"])
+        out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
+        out["chimera distributed optimizer D=2"] = ("tied-learned", schedule_cases(2)["chimera direct D=2"] + DISTOPT)
+        out["chimera bf16 distributed optimizer D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"] + DISTOPT)
         out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                                                         "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
         return out
@@ -95,6 +104,18 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--tensor-model-parallel-size", "2",
                                                                           "--sequence-parallel"]),
+        "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
+        "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
+        "chimera distributed optimizer D=2 TP=2": ("tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
+        "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
+        "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),
+        "chimera llama distributed optimizer D=2 TP=2 sequence parallel": (
+            "llama", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "1f1b distributed optimizer D=2 DP=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                                                                 "--pipeline-schedule", "1f1b"] + DISTOPT),
+        "megatron-1f1b distributed optimizer D=2 DP=2": (
+            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                             "--pipeline-schedule", "megatron-1f1b"] + DISTOPT),
         "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                                                           "--pipeline-schedule", "megatron-interleaved",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -109,7 +130,8 @@ def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
 
 def copies_identical(trainer) -> bool:
     """Every copy of every parameter (same global name and TP shard), on every rank, bitwise equal."""
-    digests = {k: hashlib.sha1(v.numpy().tobytes()).hexdigest() for k, v in local_weights(trainer).items()}
+    digests = {k: hashlib.sha1(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+               for k, v in local_weights(trainer).items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, digests)
     seen: dict = {}
@@ -180,7 +202,7 @@ def main() -> None:
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
-            "tolerance": TOLERANCE["fp16" if variant == "fp16" else "fp32"],
+            "tolerance": TOLERANCE.get(variant, TOLERANCE["fp32"]),
         }
         trainer.close()
         if dist.get_rank() == 0:

@@ -148,3 +148,26 @@ def test_fp16_resume_repeats_losses_and_loss_scale(corpus, tmp_path):
     again = run(2, *train_args(corpus, *fp16, "--load", str(tmp_path), "--eval-iters", "0"))
     assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
     assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]
+
+
+MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
+                         r" optimizer: (\d+) \| total: (\d+)")
+
+
+def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_path):
+    """--bf16 with and without --use-distributed-optimizer compute the same numbers, and both write the
+    whole optimizer state (the sharded one gathers it): each run resumes the other's checkpoint and
+    repeats its losses as printed."""
+    bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2")
+    sharded = run(2, *bf16, "--use-distributed-optimizer", "--save", str(tmp_path / "sharded"), "--log-memory-per-rank")
+    plain = run(2, *bf16, "--load", str(tmp_path / "sharded" / "iter_0000002"), "--save", str(tmp_path / "plain"))
+    one_more = ["--load", str(tmp_path / "plain" / "iter_0000004"), "--train-iters", "5",
+                "--use-checkpoint-opt_param-scheduler"]
+    back = run(2, *bf16, "--use-distributed-optimizer", *one_more)
+    assert losses(plain) == {i: v for i, v in losses(sharded).items() if i > 2}
+    assert losses(back) == losses(run(2, *bf16, *one_more)) and list(losses(back)) == [5]
+    per_rank = re.findall(r"rank (\d) " + MODEL_STATE.pattern, sharded.stdout)
+    assert sorted(r[0] for r in per_rank) == ["0", "1"]
+    for _, *fields, total in per_rank:
+        assert sum(map(int, fields)) == int(total) and int(fields[1]) > 0  # bf16: fp32 main weights exist
+    assert len(MODEL_STATE.findall(plain.stdout)) == 1 and "max model state (bytes) |" in plain.stdout

@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--exit-duration-in-mins", type=float, help="save and exit once this long has passed")
     t.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary and exit cleanly")
-    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast with fp32 master weights (GPU)")
+    t.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations, fp32 main weights and gradients (no loss scale)")
     _add_fp16_flags(t)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--log-interval", type=int, default=100)
@@ -161,23 +162,30 @@ def _add_fp16_flags(t) -> None:
                    help="clean iterations before the dynamic loss scale doubles")
     t.add_argument("--hysteresis", type=int, default=2, help="overflowing iterations before it halves")
     t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="always so here: gradients accumulate and reduce in fp32 under --fp16")
+                   help="always so here: gradients accumulate and reduce in fp32 under --fp16 and --bf16")
 
 
 def _validate_precision(args) -> None:
     require(not (args.fp16 and args.bf16), "--fp16", True, "give one of --fp16 and --bf16")
+    require(not args.overlap_param_gather or args.use_distributed_optimizer, "--overlap-param-gather", True,
+            "needs --use-distributed-optimizer (Megatron-LM's rule)")
     for flag, value in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
                         ("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis),
                         ("--loss-scale", args.loss_scale or 1)):
         require(value > 0, flag, value, "must be positive")
     require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale", args.min_loss_scale,
             f"must not exceed --initial-loss-scale ({args.initial_loss_scale:g})")
-    args.params_dtype = torch.float16 if args.fp16 else torch.float32
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
 
 
 def _add_runtime_flags(p) -> None:
     """Megatron-LM's optimizer, memory, data-reading and profiling options its recipes pass."""
     r = p.add_argument_group("Megatron-LM run-time options")
+    r.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state and fp32 main weights of each stage over its replica group "
+                        "(its copies x data-parallel replicas)")
+    r.add_argument("--log-memory-per-rank", action="store_true",
+                   help="print every rank's model-state bytes after setup, not only the largest")
     r.add_argument("--decoupled-lr", type=float, help="LR of the input embedding and output layer")
     r.add_argument("--decoupled-min-lr", type=float, help="their minimum LR (default: --min-lr)")
     r.add_argument("--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
@@ -245,9 +253,6 @@ def _validate(args) -> None:
             "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
-    on_gpu = torch.cuda.is_available() and (args.distributed_backend != "gloo" or args.p2p_host_staging)
-    require(not args.bf16 or on_gpu, "--bf16", True, "needs a CUDA device: megatron-core's linear layers do not "
-            "support bf16 autocast on the CPU")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,
                 "--recompute-granularity full needs uniform or block")

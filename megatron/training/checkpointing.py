@@ -199,7 +199,7 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
     dist.barrier()
     models = sharded_state.model_state(trainer)
     state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False,
-                                                                  main_weights=bool(trainer.main.pairs)),
+                                                                  main_weights=trainer.main.half),
              "rng_state": sharded_state.rng_state(rt.rank, rt.world),
              "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
              "args": _saved_args(args, consumed_samples),

@@ -106,6 +106,7 @@ def transformer_config(args, num_layers: int):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         fp16=args.fp16,
+        bf16=args.bf16,
         pipeline_dtype=args.params_dtype,
         params_dtype=args.params_dtype,
         use_cpu_initialization=True,

@@ -33,9 +33,9 @@ NO_EFFECT = {
     "--no-rope-fusion": "RoPE fusion is off here",
     "--use-flash-attn": "attention is megatron-core's (Transformer Engine picks its kernels on a GPU)",
     "--overlap-grad-reduce": "stage gradients are always reduced as soon as each copy is done",
-    "--grad-reduce-in-bf16": "applies to bf16 parameters (Megatron's --bf16, not on this path yet); fp32 "
-                             "gradients reduce in fp32, as in Megatron-LM",
+    "--grad-reduce-in-bf16": "gradients accumulate and reduce in fp32 here, under --bf16 too",
     "--no-create-attention-mask-in-dataloader": "no attention mask is ever built: attention is causal",
+    "--overlap-param-gather": "the distributed optimizer gathers the updated weights right after its step",
 }
 # The same for flags that take a value.
 NO_EFFECT_VALUED = {

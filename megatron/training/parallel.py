@@ -54,6 +54,24 @@ class Runtime:
             staged.wait()
         return staged
 
+    def reduce_scatter(self, shard: torch.Tensor, flat: torch.Tensor, group):
+        """In place and asynchronous: ``shard`` is this member's slice of ``flat`` (NCCL's rule for an
+        in-place reduce-scatter); returns a handle with wait()."""
+        if self.comm_device is None:
+            return dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
+        host = flat.to(self.comm_device)
+        start = shard.data_ptr() - flat.data_ptr()
+        host_shard = host[start // flat.element_size():][:shard.numel()]
+        return _Staged(dist.reduce_scatter_single(host_shard, host, group=group, async_op=True), host_shard, shard)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, group) -> None:
+        if self.comm_device is None:
+            dist.all_gather_single(full, shard, group=group)
+            return
+        host = full.to(self.comm_device)
+        dist.all_gather_single(host, shard.to(self.comm_device), group=group)
+        full.copy_(host)
+
     @property
     def model_stages(self) -> int:
         return len(self.placement[0])

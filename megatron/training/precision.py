@@ -1,7 +1,8 @@
-"""Megatron-LM's --fp16: fp16 parameters and activations, fp32 main weights that the optimizer steps,
-and a loss scale that keeps fp16 gradients from underflowing.
+"""Megatron-LM's --fp16 and --bf16: half-precision parameters and activations, fp32 main weights that
+the optimizer steps, and under --fp16 a loss scale that keeps fp16 gradients from underflowing (bf16
+has fp32's range and needs none).
 
-Every backward adds its fp16 gradient into the fp32 main parameter's gradient at once (a hook), so
+Every backward adds its half-precision gradient into the fp32 main parameter's gradient at once (a hook), so
 gradients accumulate over micro-batches and reduce over stage copies in fp32: Megatron-LM's
 --accumulate-allreduce-grads-in-fp32. That keeps layouts apart only by fp32 rounding; fp16 sums in
 each layout's own order would differ by far more. In fp32 the main parameters are the model's own.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .gradients import clip_, global_grad_norm
 
 
 class MainParams:
@@ -54,6 +57,45 @@ class MainParams:
         for p in self.all():
             if p.grad is not None:
                 p.grad.mul_(1.0 / scale)
+
+    @property
+    def half(self) -> bool:
+        return bool(self.pairs)
+
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self, runtime, tied: bool) -> float:
+        return global_grad_norm(self.by_chunk, runtime, tied)
+
+    def clip(self, max_norm: float, norm: float) -> None:
+        clip_(self.by_chunk, max_norm, norm)
+
+    def full_state(self, optimizer, names: tuple[str, ...]) -> dict[int, dict[str, torch.Tensor]]:
+        """Each named state of every model parameter, whole (for checkpoints): id(model param) -> state."""
+        out = {}
+        for model, main in self._model_and_main():
+            kept = {**optimizer.state.get(main, {}), "fp32_param": main.detach()}
+            out[id(model)] = {name: kept[name] for name in names if name in kept}
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, optimizer, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        for model, main in self._model_and_main():
+            saved = states[id(model)]
+            optimizer.state[main] = {"step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
+                                     "exp_avg": saved["exp_avg"], "exp_avg_sq": saved["exp_avg_sq"]}
+            if "fp32_param" in saved and main is not model:
+                main.copy_(saved["fp32_param"])
+
+    def _model_and_main(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        model_of = {id(main): model for model, main in self.pairs}
+        return [(model_of.get(id(main), main), main) for main in self.all()]
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(main parameters, gradients) in bytes: fp32 copies of half-precision weights, and the fp32
+        gradient every main parameter holds during an iteration."""
+        return sum(m.numel() * 4 for _, m in self.pairs), sum(p.numel() * 4 for p in self.all())
 
 
 def _accumulate_into_main(param: torch.nn.Parameter) -> None:

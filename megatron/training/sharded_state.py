@@ -76,48 +76,40 @@ def _by_parameter(models: dict) -> dict:
 
 
 def optimizer_state(trainer, models: dict, loading: bool, main_weights: bool) -> dict:
-    """AdamW's moments (and, ``main_weights``, fp16's fp32 main weights) under Megatron-LM's keys
-    (``optimizer.state.exp_avg.<parameter key>``, ``optimizer.state.fp32_param.<key>``), sharded like
-    their parameters; zeros to be filled when loading. The step count (one number for all
-    parameters), whether main weights are there and the loss scale go to the common state."""
+    """AdamW's moments (and, ``main_weights``, the fp32 main weights of --fp16 and --bf16) under
+    Megatron-LM's keys (``optimizer.state.exp_avg.<parameter key>``, ``optimizer.state.fp32_param.<key>``),
+    sharded like their parameters; zeros to be filled when loading. Whole tensors either way: the
+    distributed optimizer gathers its shards first (Megatron's fully reshardable format), so a
+    checkpoint loads with or without it. The step count (one number for all parameters), whether
+    main weights are there and the loss scale go to the common state. Collective when saving."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     sharded = _by_parameter(models)
     names = MOMENTS + (("fp32_param",) if main_weights else ())
+    full = {} if loading else trainer.main.full_state(trainer.optimizer, names)
     state = {name: {} for name in names}
     for i, chunk in enumerate(trainer.models):
         for pname, param in chunk.named_parameters():
-            main = trainer.main.main_of(param)
-            kept = {**trainer.optimizer.state.get(main, {}), "fp32_param": main.detach()}
+            kept = full.get(id(param), {})
             for name in names:
-                value = torch.zeros_like(main) if loading or name not in kept else kept[name]
+                value = kept[name] if name in kept else torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
                                                                             f"optimizer.state.{name}")
-    out = {"state": state, "step": optimizer_step(trainer.optimizer), "fp32_param": main_weights}
+    out = {"state": state, "step": trainer.optimizer_steps(), "fp32_param": main_weights}
     if trainer.scaler:
         out["grad_scaler"] = trainer.scaler.state_dict()
     return out
 
 
-def optimizer_step(optimizer) -> int:
-    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-    return max(steps, default=0)
-
-
 def restore_optimizer(trainer, loaded: dict, common: dict) -> None:
     """The moments, the fp32 main weights when the checkpoint has them (else they stay the loaded
     model weights), and the loss scale."""
-    step = common["step"]
+    states = {}
     for i, chunk in enumerate(trainer.models):
         for pname, param in chunk.named_parameters():
-            main = trainer.main.main_of(param)
-            saved = {name: loaded["state"][name][f"{i}.{pname}"].to(param.device) for name in loaded["state"]}
-            trainer.optimizer.state[main] = {
-                "step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
-                **{name: saved[name] for name in MOMENTS}}
-            if "fp32_param" in saved and main is not param:
-                with torch.no_grad():
-                    main.copy_(saved["fp32_param"])
+            states[id(param)] = {name: loaded["state"][name][f"{i}.{pname}"].to(param.device)
+                                 for name in loaded["state"]}
+    trainer.main.load_full_state(trainer.optimizer, states, common["step"])
     if trainer.scaler and "grad_scaler" in common:
         trainer.scaler.load_state_dict(common["grad_scaler"])
 

@@ -1,5 +1,6 @@
 """Megatron-LM's startup output, so a user's log parsers find it: the arguments banner, "building GPT
-model ...", and the parameter count of every model chunk (for Chimera, one line per stage copy)."""
+model ...", the parameter count of every model chunk (for Chimera, one line per stage copy), and the
+bytes of model state each rank holds."""
 from __future__ import annotations
 
 import os
@@ -35,3 +36,29 @@ def print_parameter_counts(chunks: dict, rt) -> None:
         copy = f" (pipeline {pipeline}, stage {stage})" if len(rt.placement) > 1 or len(chunks) > 1 else ""
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({rt.tp_rank}, {rt.worker}): "
               f"{count}{copy}", flush=True)
+
+
+FIELDS = ("parameters", "main parameters", "gradients", "optimizer")
+
+
+def model_state_bytes(trainer) -> dict[str, int]:
+    """This rank's model state, counted from its tensors: the model's weights, fp32 main weights that
+    are copies (half precision), the fp32 gradients of an iteration, and AdamW's state."""
+    params = sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters())
+    main, grads = trainer.main.state_bytes()
+    optimizer = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
+                    for t in s.values() if t.dim() > 0)
+    return dict(zip(FIELDS, (params, main, grads, optimizer)))
+
+
+def print_model_state(trainer) -> None:
+    """One line per rank with --log-memory-per-rank; otherwise, printed once, the rank with the most.
+    Collective."""
+    mine = model_state_bytes(trainer)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    fields = lambda b: " | ".join(f"{k}: {v}" for k, v in b.items()) + f" | total: {sum(b.values())}"  # noqa: E731
+    if trainer.args.log_memory_per_rank:
+        print(f"rank {dist.get_rank()} model state (bytes) | {fields(mine)}", flush=True)
+    elif dist.get_rank() == 0:
+        print(f"max model state (bytes) | {fields(max(everyone, key=lambda b: sum(b.values())))}", flush=True)

@@ -26,12 +26,13 @@ from .arguments import lr_increment, lr_schedule
 from .fault_injection import FaultInjection
 from .flops import iteration_flops
 from .data import MicrobatchSource, build_datasets, dataset_sizes, iterators
-from .gradients import ReplicaGradSync, clip_, global_grad_norm
+from .distributed_optimizer import ShardedMainParams
+from .gradients import ReplicaGradSync
 from .housekeeping import Housekeeping
 from .model import build_chunk
 from .parallel import init_distributed, release_groups, setup_parallel
 from .precision import LossScaler, MainParams, scaled_loss
-from .startup import print_banner, print_building, print_parameter_counts
+from .startup import print_banner, print_building, print_model_state, print_parameter_counts
 from .timing import ITERATION, SETUP, make_timers, print_datetime, print_times
 
 
@@ -42,12 +43,14 @@ def print_rank_last(message: str) -> None:
 
 def _param_groups(params, args):
     """Megatron's rules: no weight decay on biases and norms (the 1-D parameters); with --decoupled-lr,
-    the input embedding and output layer follow their own LR schedule."""
+    the input embedding and output layer follow their own LR schedule. A piece of a parameter (the
+    distributed optimizer's) follows the rules of the parameter it is cut from."""
     decoupled = args.decoupled_lr is not None
     groups = {}
     for p in params:
-        own_lr = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
-        groups.setdefault((p.dim() > 1, own_lr), []).append(p)
+        source = getattr(p, "source", p)
+        own_lr = decoupled and getattr(source, "is_embedding_or_output_parameter", False)
+        groups.setdefault((source.dim() > 1, own_lr), []).append(p)
     out = []
     for (decays, own_lr), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
         group = {"params": members, "wd_mult": 1.0 if decays else 0.0}
@@ -58,6 +61,15 @@ def _param_groups(params, args):
     return out
 
 
+def _allocate_state(optimizer) -> None:
+    """AdamW's state as its first step would create it (zero moments, step 0), allocated now so the
+    model-state line counts real tensors."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
 def _scheduler(args, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -66,17 +78,6 @@ def _scheduler(args, optimizer):
         optimizer, init_lr=0.0 if schedule["lr_warmup_steps"] else args.lr, **schedule,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
-
-
-def _with_autocast(forward_step_func, device: torch.device):
-    """--bf16: the model runs under bfloat16 autocast; weights, gradients, optimizer state and the
-    residual stream between stages stay fp32."""
-
-    def forward_step(data_iterator, model):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return forward_step_func(data_iterator, model)
-
-    return forward_step
 
 
 def _p2p(args, backend: str):
@@ -97,7 +98,7 @@ class Trainer:
         self.args, self.faults = args, faults
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
-        self.forward_step_func = _with_autocast(forward_step_func, device) if args.bf16 else forward_step_func
+        self.forward_step_func = forward_step_func
         self.rt = rt = setup_parallel(args, backend, device)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
@@ -107,14 +108,19 @@ class Trainer:
         self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
-        self.main = MainParams(self.chunks)
+        self.tied = not args.untie_embeddings_and_output_weights
+        if args.use_distributed_optimizer:
+            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied)
+        else:
+            self.main = MainParams(self.chunks)
+            self.sync = ReplicaGradSync(self.main.by_chunk, rt)
         self.scaler = LossScaler(args) if args.fp16 else None
         if self.scaler:
             self.forward_step_func = scaled_loss(self.forward_step_func, self.scaler)
-        self.sync = ReplicaGradSync(self.main.by_chunk, rt)
         self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), args), lr=args.lr,
                                            weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps)
+        _allocate_state(self.optimizer)
         self.scheduler = _scheduler(args, self.optimizer)
         plan = args.plan
 
@@ -169,7 +175,7 @@ class Trainer:
     def train_step(self, iteration: int) -> dict:
         """One iteration. A NaN/Inf loss or gradient norm (the same on every rank: both are all-reduced)
         skips the optimizer and scheduler step; the batch counts as consumed, as in Megatron."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.main.zero_grad(self.optimizer)
         for m in self.models:
             m.train()
         try:
@@ -198,8 +204,7 @@ class Trainer:
         timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
             self.main.unscale(self.scaler.scale)
-        norm = global_grad_norm(self.main.by_chunk, self.rt, not self.args.untie_embeddings_and_output_weights)
-        return loss, norm
+        return loss, self.main.grad_norm(self.rt, self.tied)
 
     def _divide_gradients(self, divisor: float) -> None:
         for p in self.main.all():
@@ -210,7 +215,7 @@ class Trainer:
         """Clip and step, or skip a non-finite iteration."""
         timers = self.timers
         if finite and self.args.clip_grad > 0:
-            clip_(self.main.by_chunk, self.args.clip_grad, norm)
+            self.main.clip(self.args.clip_grad, norm)
         timers("optimizer-clip-main-grad").stop()
         timers("optimizer-inner-step", log_level=1).start()
         if self.scaler:
@@ -220,9 +225,13 @@ class Trainer:
             self.main.copy_to_model()
             self.scheduler.step(increment=lr_increment(self.args))
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.main.zero_grad(self.optimizer)
         timers("optimizer-inner-step").stop()
         timers("optimizer").stop()
+
+    def optimizer_steps(self) -> int:
+        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return max(steps, default=0)
 
     def evaluate(self, eval_round: int) -> float:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
@@ -300,6 +309,7 @@ def _pretrain(args, forward_step_func) -> list[dict]:
     faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
     trainer = Trainer(args, forward_step_func, faults=faults)
     first = _resume(trainer)
+    print_model_state(trainer)
     board = _Board(args.tensorboard_dir)
     if first >= args.train_iters:  # a requeued or chained job after the run's end: write nothing
         print_rank_last(f" training already complete at iteration {first} (--train-iters {args.train_iters}):"

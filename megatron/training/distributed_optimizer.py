@@ -1,0 +1,232 @@
+"""--use-distributed-optimizer: Megatron's distributed optimizer, sharded over each stage's replica group.
+
+Every copy of a stage ends an iteration with the same gradient, so its copies (pipelines x data-parallel
+replicas, the ranks of the stage's replica group) need one optimizer state between them, not one each.
+Per rank, a stage's copy accumulates its gradient into one flat fp32 buffer; the rank's 1/G slice of it
+(G the group's size) is its shard. A reduce-scatter, started as soon as the copy's last backward ends,
+leaves the group's sum in each shard; each rank steps only the parameter pieces inside its shard (their
+fp32 main weights and AdamW moments exist only there), and an all-gather gives every copy the updated
+weights. The tied word embedding, held by the first and last stages, is one more bucket over its group.
+
+Why not megatron-core's DistributedOptimizer: it shards over the data-parallel group of one model
+replica, so it cannot see the second copy of a stage, which lives on another pipeline rank. torch's
+ZeroRedundancyOptimizer assigns whole parameters to ranks (uneven shards) and expects all-reduced
+gradients. The two collectives here (reduce_scatter_single in place, all_gather_single) are torch's own
+and run on gloo and NCCL.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .model import TIED_NAME
+
+
+class _Bucket:
+    """Parameters whose copies live on the ranks of ``group`` (None: this rank alone). ``copies`` are
+    this rank's copies, each the same parameters in the same order; they share one gradient buffer."""
+
+    def __init__(self, copies: list[list[torch.nn.Parameter]], group, rt):
+        self.copies, self.group, self.rt = copies, group, rt
+        members = 1 if group is None else dist.get_world_size(group)
+        numel = sum(p.numel() for p in copies[0])
+        self.shard_size = -(-numel // members)
+        self.start = (0 if group is None else dist.get_rank(group)) * self.shard_size
+        self.grad = torch.zeros(self.shard_size * members, dtype=torch.float32, device=rt.device)
+        self.shard_grad = self.grad[self.start:self.start + self.shard_size]
+        self.pieces = list(self._pieces(copies[0]))
+        for copy in copies:
+            self._accumulate_into_buffer(copy)
+        self.work = None
+
+    def _pieces(self, params):
+        """The parts of the parameters inside this rank's shard, as fp32 parameters the optimizer steps
+        (views of the model's own weights in fp32, copies of them in fp16 or bf16)."""
+        offset, end = 0, self.start + self.shard_size
+        for p in params:
+            a, b = max(offset, self.start), min(offset + p.numel(), end)
+            if a < b:
+                flat = p.detach().view(-1)[a - offset:b - offset]
+                piece = torch.nn.Parameter(flat if p.dtype == torch.float32 else flat.float())
+                piece.grad = self.grad[a:b]
+                piece.source, piece.span, piece.at = p, (a - offset, b - offset), a - self.start
+                yield piece
+            offset += p.numel()
+
+    def _accumulate_into_buffer(self, params) -> None:
+        offset = 0
+        for p in params:
+            p.main_grad = self.grad[offset:offset + p.numel()].view_as(p)
+            p.register_post_accumulate_grad_hook(_accumulate)
+            offset += p.numel()
+
+    def reduce(self) -> None:
+        if self.group is not None:
+            self.work = self.rt.reduce_scatter(self.shard_grad, self.grad, self.group)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.rt.dp > 1:
+            self.shard_grad /= self.rt.dp
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
+        """Every copy gets the updated weights: this shard's pieces, rounded to the model's dtype, and
+        the other members' shards."""
+        dtype = self.copies[0][0].dtype
+        shard = torch.zeros(self.shard_size, dtype=dtype, device=self.rt.device)
+        for piece in self.pieces:
+            shard[piece.at:piece.at + piece.numel()].copy_(piece)
+        full = self._gathered(shard)
+        for copy in self.copies:
+            offset = 0
+            for p in copy:
+                p.view(-1).copy_(full[offset:offset + p.numel()])
+                offset += p.numel()
+
+    def _gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return shard
+        full = torch.empty(self.grad.numel(), dtype=shard.dtype, device=shard.device)
+        self.rt.all_gather(full, shard, self.group)
+        return full
+
+    @torch.no_grad()
+    def full_state(self, optimizer, names: tuple[str, ...]) -> dict[int, dict[str, torch.Tensor]]:
+        """Collective over the group: each named state of every parameter, whole (for checkpoints)."""
+        out = {id(p): {} for copy in self.copies for p in copy}
+        for name in names:
+            shard = torch.zeros(self.shard_size, dtype=torch.float32, device=self.rt.device)
+            for piece in self.pieces:
+                value = piece if name == "fp32_param" else optimizer.state[piece][name]
+                shard[piece.at:piece.at + piece.numel()].copy_(value)
+            full, offset = self._gathered(shard), 0
+            for i, p in enumerate(self.copies[0]):
+                whole = full[offset:offset + p.numel()].view_as(p).clone()
+                for copy in self.copies:
+                    out[id(copy[i])][name] = whole
+                offset += p.numel()
+        return out
+
+
+def _accumulate(param: torch.nn.Parameter) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+class ShardedMainParams:
+    """What the trainer steps under --use-distributed-optimizer: the pieces of every bucket in this
+    rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a stage copy's buffer."""
+
+    def __init__(self, chunks: dict, rt, tied: bool):
+        self.rt = rt
+        shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
+        shared_ids = {id(p) for p in shared}
+        self.stages: dict[int, _Bucket] = {}
+        # Blocking collectives (gather, checkpoints) follow one global order, by stage, then the tied
+        # embedding: two ranks that share several groups never wait on each other in opposite orders.
+        for (_, stage), chunk in sorted(chunks.items(), key=lambda kv: kv[0][1]):
+            assert stage not in self.stages, "a rank holds two copies of one stage"
+            params = [p for p in chunk.parameters() if id(p) not in shared_ids]
+            self.stages[stage] = _Bucket([params], rt.stage_groups.get(stage), rt)
+        self.tied = _Bucket([[p] for p in shared], rt.embedding_group, rt) if shared else None
+        self.buckets = [*self.stages.values(), *([self.tied] if self.tied else [])]
+        self.half = any(p.dtype != torch.float32 for c in chunks.values() for p in c.parameters())
+
+    def all(self) -> list[torch.nn.Parameter]:
+        return [piece for b in self.buckets for piece in b.pieces]
+
+    # --- GradSync ---------------------------------------------------------------------------------
+    def start(self, pipeline: int, stage: int, group) -> None:
+        self.stages[stage].reduce()
+
+    def finish(self) -> None:
+        for bucket in self.stages.values():
+            bucket.wait()
+        if self.tied:
+            self.tied.reduce()
+            self.tied.wait()
+        self._sum_over_tensor_parallel()
+
+    def reduce_all(self) -> None:
+        for stage in self.stages:
+            self.start(0, stage, None)
+        self.finish()
+
+    def _sum_over_tensor_parallel(self) -> None:
+        """As ReplicaGradSync: parameters that saw only this rank's sequence part or heads. Every TP rank
+        has the same pieces (same shapes, same shard index)."""
+        from megatron.core import parallel_state
+
+        grads = [p.grad for p in self.all() if getattr(p.source, "sequence_parallel", False)
+                 or getattr(p.source, "sums_over_tensor_parallel", False)]
+        if grads and self.rt.tp > 1:
+            flat = torch.cat(grads)
+            self.rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()])
+                offset += g.numel()
+
+    # --- the step ---------------------------------------------------------------------------------
+    def zero_grad(self, optimizer) -> None:
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+
+    def grad_norm(self, runtime, tied: bool) -> float:
+        """Each element of each logical parameter lives in exactly one shard, so the norm is one sum
+        over all ranks (tensor-parallel duplicates counted on TP rank 0 only)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        for piece in self.all():
+            if param_is_not_tensor_parallel_duplicate(piece.source):
+                total += piece.grad.double().pow(2).sum()
+        self.rt.all_reduce(total)
+        return math.sqrt(total.item())
+
+    def clip(self, max_norm: float, norm: float) -> None:
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for piece in self.all():
+                piece.grad.mul_(coeff)
+
+    def unscale(self, scale: float) -> None:
+        for piece in self.all():
+            piece.grad.mul_(1.0 / scale)
+
+    def copy_to_model(self) -> None:
+        for bucket in self.buckets:
+            bucket.gather_weights()
+
+    @torch.no_grad()
+    def copy_from_model(self) -> None:
+        for piece in self.all():
+            if piece.source.dtype != torch.float32:
+                piece.copy_(piece.source.view(-1)[piece.span[0]:piece.span[1]])
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def full_state(self, optimizer, names: tuple[str, ...]) -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for bucket in self.buckets:
+            out.update(bucket.full_state(optimizer, names))
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, optimizer, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        for piece in self.all():
+            whole = {name: t.reshape(-1)[piece.span[0]:piece.span[1]] for name, t in states[id(piece.source)].items()}
+            optimizer.state[piece] = {"step": torch.tensor(float(step)),
+                                      "exp_avg": whole["exp_avg"].clone(), "exp_avg_sq": whole["exp_avg_sq"].clone()}
+            if "fp32_param" in whole and piece.source.dtype != torch.float32:
+                piece.copy_(whole["fp32_param"])
+
+    # --- memory -----------------------------------------------------------------------------------
+    def state_bytes(self) -> tuple[int, int]:
+        """(main parameters, gradients) in bytes: fp32 pieces that are copies, and the buffers."""
+        main = sum(p.numel() * 4 for p in self.all() if p.source.dtype != torch.float32)
+        return main, sum(b.grad.numel() * 4 for b in self.buckets)
