@@ -19,6 +19,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
     (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size=2: TP x PP = 2 must divide"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "megatron-interleaved",
       "--num-layers-per-virtual-pipeline-stage", "2"], 2, "megatron-core's interleaved schedule needs more than 2"),
+    (["--overlap-param-gather"], 1, "--overlap-param-gather=True: needs --use-distributed-optimizer"),
     (["--lr-warmup-iters", "1"], 1, "--lr-warmup-iters=1: must be below the decay length, 1 (--lr-decay-iters"),
     (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
     (["--fp16", "--bf16"], 1, "--fp16=True: give one of --fp16 and --bf16"),
