@@ -2,8 +2,7 @@
 examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag, with the sizes scaled down and
 ``--pipeline-schedule chimera`` added, run under Chimera D=2.
 
-Removed, and only these: the GPU-only fp8 flags; --bf16, --use-distributed-optimizer and
---overlap-param-gather (the memory issue adds them). The GPT-3 script also passes --rampup-batch-size
+Removed, and only these: the GPU-only fp8 flags. The GPT-3 script also passes --rampup-batch-size
 with --train-iters, which Megatron-LM core_v0.16 itself refuses ("expected no batch-size rampup for
 iteration-based training"): we refuse it with the same rule, and run the script without it.
 """
@@ -47,7 +46,8 @@ def llama3(out: str) -> list[str]:
                 "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
                 "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
                 "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
-                "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235", "--overlap-grad-reduce"]
+                "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235", "--overlap-grad-reduce",
+                "--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
     parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel", *CHIMERA]
     data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--data-cache-path",
             out + "/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
