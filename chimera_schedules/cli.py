@@ -74,6 +74,9 @@ def _options() -> argparse.ArgumentParser:
     planner.add_argument("--profile", required=True, help="hardware profile JSON (see profiles/)")
     planner.add_argument("--memory-gb", type=float, help="override the profile's memory per device")
     planner.add_argument("--depths", type=int, nargs="+", help="only these pipeline depths")
+    planner.add_argument("--bf16", action="store_true", help="bf16 weights with fp32 main weights (as training's)")
+    planner.add_argument("--use-distributed-optimizer", action="store_true",
+                         help="main weights and AdamW state sharded over each stage's replica group")
     planner.add_argument("--top", type=int, default=10)
     planner.add_argument("--json", action="store_true")
     return parser
@@ -125,7 +128,7 @@ def _compare(args) -> list[dict]:
 
 
 def _plan(args) -> int:
-    from .planner import ModelShape, Profile, as_json, explain, plan
+    from .planner import ModelShape, Precision, Profile, as_json, explain, plan
 
     for option in ("workers", "global_batch", "layers", "hidden", "heads", "seq", "vocab"):
         value = getattr(args, option)
@@ -138,7 +141,8 @@ def _plan(args) -> int:
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 2**30)
     shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
-    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths)
+    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths,
+                  precision=Precision(args.bf16, args.use_distributed_optimizer))
     if args.json:
         print(json.dumps(as_json(ranked), indent=1))
         return 0

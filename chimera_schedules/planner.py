@@ -12,9 +12,9 @@ Costs (per worker, per micro-batch):
 - gradient all-reduce per stage: Rabenseifner, 2 log2(r) alpha + 2 (r-1)/r beta L over r = copies x W
   (copies = 2 for Chimera), posted by the schedule's R actions, so the simulator overlaps it exactly
   as far as the schedule allows.
-Memory: weights, gradients and Adam state at ``bytes_per_param`` (16 for mixed-precision Adam) times
-the stage copies a worker holds, plus activations: s B h (34 + 5 a s / h) bytes per layer per
-micro-batch (Korthikanti et al.), times the simulator's peak of live micro-batches.
+Memory: the model state of the stage copies a worker holds (``model_state_bytes``, the formula the
+training program's startup line measures), plus activations: s B h (34 + 5 a s / h) bytes per layer
+per micro-batch (Korthikanti et al.), times the simulator's peak of live micro-batches.
 """
 from __future__ import annotations
 
@@ -62,7 +62,6 @@ class Profile:
     allreduce_latency: float
     allreduce_bandwidth: float
     memory: float
-    bytes_per_param: float = 16.0
     source: str = ""
 
     @classmethod
@@ -70,6 +69,26 @@ class Profile:
         with open(path) as f:
             data = json.load(f)
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The training flags that set the model state: --bf16 (or --fp16) and --use-distributed-optimizer."""
+    half: bool = False
+    distributed_optimizer: bool = False
+
+
+def model_state_bytes(params: float, copies: int, replicas: int, precision: Precision = Precision()) -> dict:
+    """One worker's model state in bytes, as megatron/training/startup.py counts it from the tensors:
+    ``copies`` stage copies of ``params`` parameters each; weights in bf16 (2 bytes) or fp32 (4); fp32
+    main weights only when the weights are bf16; an fp32 gradient per parameter; AdamW's two fp32
+    moments. The distributed optimizer divides main weights and moments over the stage's replica group
+    (``replicas``: pipelines x data-parallel width). fp32 without it: 16 bytes per parameter."""
+    shard = replicas if precision.distributed_optimizer else 1
+    per_copy = {"parameters": 2 if precision.half else 4, "main parameters": (4 if precision.half else 0) / shard,
+                "gradients": 4, "optimizer": 8 / shard}
+    out = {k: copies * params * v for k, v in per_copy.items()}
+    return {**out, "total": sum(out.values())}
 
 
 @dataclass
@@ -104,14 +123,17 @@ def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int) -
                      grad_bytes=grad_bytes, data_parallel=width)
 
 
-def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate) -> Candidate:
+def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate,
+             precision: Precision = Precision()) -> Candidate:
     model = costs(shape, profile, c.depth, c.micro_batch, c.width)
-    result = simulate(build_spec(variant(c.schedule, c.depth, c.microbatches)), model)
+    schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
+    result = simulate(schedule, model)
     per_stage = shape.layers // c.depth
-    weights = max(result.stage_copies) * (per_stage * shape.params_per_layer + shape.embedding_params / c.depth)
+    params = per_stage * shape.params_per_layer + shape.embedding_params / c.depth
+    state = model_state_bytes(params, max(result.stage_copies), schedule.pipelines * c.width, precision)
     act = max(result.peak_activations) * per_stage * shape.layer_activation_bytes(c.micro_batch)
     c.seconds, c.bubble_ratio = result.makespan, result.bubble_ratio
-    c.memory = weights * profile.bytes_per_param + act
+    c.memory = state["total"] + act
     c.fits = c.memory <= profile.memory
     c.tokens_per_s = global_batch * shape.seq / c.seconds
     return c
@@ -133,12 +155,12 @@ def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, 
 
 
 def plan(workers: int, global_batch: int, shape: ModelShape, profile: Profile, depths=None,
-         micro_batches=(1, 2, 4, 8)) -> list[Candidate]:
+         micro_batches=(1, 2, 4, 8), precision: Precision = Precision()) -> list[Candidate]:
     """All layouts, fastest first; those that do not fit in memory last."""
     ranked = []
     for c in candidates(workers, global_batch, shape, depths, micro_batches):
         try:
-            ranked.append(evaluate(shape, profile, global_batch, c))
+            ranked.append(evaluate(shape, profile, global_batch, c, precision))
         except ScheduleConfigError:
             continue  # the schedule's rules exclude this layout
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds))

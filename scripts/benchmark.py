@@ -40,6 +40,7 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
 
 
 BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best")
+DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer
 
 
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
@@ -59,6 +60,8 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
             except ScheduleConfigError:
                 continue
             out.append((name, n, batch + schedule_flags(spec, layers)))
+            if name.startswith("chimera") or name == "1f1b":
+                out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers) + ["--use-distributed-optimizer"]))
         out.append(("megatron-1f1b", n, batch + ["--pipeline-model-parallel-size", str(d),
                                                  "--pipeline-schedule", "megatron-1f1b"]))
         if n >= d:  # data parallelism over the same 2 ranks: the whole model on each
@@ -111,6 +114,7 @@ def _measure_case(flags, cfg):
     from torch.autograd.graph import saved_tensors_hooks
 
     from megatron.training import Trainer
+    from megatron.training.startup import model_state_bytes
     from pretrain_gpt import forward_step
 
     args = _case_args(flags, cfg)
@@ -139,8 +143,16 @@ def _measure_case(flags, cfg):
         return out
 
     trainer.forward_backward = timed_forward_backward
+    inner_step = trainer._step
+
+    def timed_step(*a):  # clipping, AdamW, and the distributed optimizer's weight all-gather
+        t = time.perf_counter()
+        inner_step(*a)
+        state["optimizer"] = time.perf_counter() - t
+
+    trainer._step = timed_step
     rank = dist.get_rank()
-    steps, spans, per_iter_events = [], [], []
+    steps, spans, optimizer, per_iter_events = [], [], [], []
     for i in range(cfg["warmup"] + cfg["iters"]):
         events.clear()
         dist.barrier()
@@ -150,11 +162,13 @@ def _measure_case(flags, cfg):
         if i >= cfg["warmup"]:
             steps.append(step)
             spans.append(state["span"])
+            optimizer.append(state["optimizer"])
             per_iter_events.append(list(events))
     # every rank's numbers to rank 0
-    mine = {"steps": steps, "spans": spans, "events": [[(str(a), s, e) for a, s, e in it] for it in per_iter_events],
+    mine = {"steps": steps, "spans": spans, "optimizer": optimizer, "events": [[(str(a), s, e) for a, s, e in it] for it in per_iter_events],
             "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in saved_bytes.items()},
-            "weights": sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters())}
+            "weights": sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters()),
+            "model_state": sum(model_state_bytes(trainer).values())}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()  # idle gloo groups poll: leaked ones would slow every later case
@@ -167,8 +181,10 @@ def _merge(rounds: list[list[dict]]) -> list[dict]:
     for per_round in zip(*rounds):
         merged.append({"steps": [x for g in per_round for x in g["steps"]],
                        "spans": [x for g in per_round for x in g["spans"]],
+                       "optimizer": [x for g in per_round for x in g["optimizer"]],
                        "events": [x for g in per_round for x in g["events"]],
-                       "saved": per_round[0]["saved"], "weights": per_round[0]["weights"]})
+                       "saved": per_round[0]["saved"], "weights": per_round[0]["weights"],
+                       "model_state": per_round[0]["model_state"]})
     return merged
 
 
@@ -192,7 +208,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
                                                         "max": max(step_times) * 1e3},
            "tokens_per_s": args.global_batch_size * args.seq_length / median,
            "round_medians_ms": round_medians,
-           "weight_bytes": [g["weights"] for g in gathered], "step_overhead_ms": overhead * 1e3}
+           "weight_bytes": [g["weights"] for g in gathered], "model_state_bytes": [g["model_state"] for g in gathered],
+           "step_overhead_ms": overhead * 1e3,
+           "optimizer_ms": statistics.median(max(g["optimizer"][i] for g in gathered) for i in range(iters)) * 1e3}
     schedule = args.schedule
     if schedule is not None:
         from chimera_schedules import Action
@@ -302,6 +320,24 @@ def ratios(rows: list[dict]) -> dict:
             out[f"best chimera/best 1f1b N={n} pair"] = f"{best['schedule']} / {base['schedule']}"
             out[f"best chimera/best 1f1b N={n} per round"] = [
                 b / c for b, c in zip(base["round_medians_ms"], best["round_medians_ms"])]
+        out.update(_distopt_ratios(by, n))
+    return out
+
+
+def _distopt_ratios(by: dict, n: int) -> dict:
+    """Each Chimera row with --use-distributed-optimizer against itself without it (throughput, model
+    state per rank), and the optimizer step of Chimera against 1F1B's, both with and both without it."""
+    out = {}
+    for label in [s for s, k in by if k == n and s.startswith("chimera") and not s.endswith(DISTOPT)]:
+        plain, sharded = by[(label, n)], by.get((label + DISTOPT, n))
+        if sharded:
+            out[f"{label}{DISTOPT}/{label} N={n}"] = sharded["tokens_per_s"] / plain["tokens_per_s"]
+            out[f"{label}{DISTOPT}/{label} model state N={n}"] = (max(sharded["model_state_bytes"])
+                                                                    / max(plain["model_state_bytes"]))
+    for suffix in ("", DISTOPT):
+        c, b = by.get(("chimera direct" + suffix, n)), by.get(("1f1b" + suffix, n))
+        if c and b:
+            out[f"optimizer step chimera direct/1f1b{suffix} N={n}"] = c["optimizer_ms"] / b["optimizer_ms"]
     return out
 
 
@@ -362,25 +398,25 @@ def write_profile(rows, comm, cfg, out) -> None:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = {"name": f"cpu-{socket.gethostname()} (measured {date.today()})",
                "source": f"Measured by scripts/benchmark.py --quick on {date.today()}: {os.cpu_count()} cores, one "
-                         f"thread per rank, gloo over loopback. fp32: 16 bytes per parameter (weights, gradients, "
-                         f"Adam moments).",
+                         f"thread per rank, gloo over loopback.",
                "flops": flops, "p2p_latency": 0.0, "p2p_bandwidth": act_bytes / (comm["p2p_ms"] / 1e3),
                "allreduce_latency": 0.0, "allreduce_bandwidth": grad_bytes / (comm["allreduce_ms"] / 1e3),
-               "memory": mem, "bytes_per_param": 16}
+               "memory": mem}
     os.makedirs(os.path.join(ROOT, "profiles"), exist_ok=True)
     with open(os.path.join(ROOT, "profiles", "cpu-this-machine.json"), "w") as f:
         json.dump(profile, f, indent=1)
 
 
 def table(doc: dict) -> str:
-    lines = [f"{'schedule':<17}{'N':>3}{'ms/iter':>9}{'(min-max)':>15}{'pred ms':>9}{'tokens/s':>10}"
-             f"{'bubble':>8}{'pred':>7}"]
+    lines = [f"{'schedule':<26}{'N':>3}{'ms/iter':>9}{'(min-max)':>15}{'pred ms':>9}{'tokens/s':>10}"
+             f"{'bubble':>8}{'pred':>7}{'opt ms':>8}"]
     for r in doc["results"]:
         it = r["iteration_ms"]
         bub = f"{r['bubble_measured']:8.1%}" if "bubble_measured" in r else f"{'-':>8}"
         spread = "({:.0f}-{:.0f})".format(it["min"], it["max"])
-        lines.append(f"{r['schedule']:<17}{r['N']:>3}{it['median']:9.1f}{spread:>15}"
-                     f"{r['predicted_ms']:9.1f}{r['tokens_per_s']:10.0f}{bub}{r['bubble_predicted']:7.1%}")
+        lines.append(f"{r['schedule']:<26}{r['N']:>3}{it['median']:9.1f}{spread:>15}"
+                     f"{r['predicted_ms']:9.1f}{r['tokens_per_s']:10.0f}{bub}{r['bubble_predicted']:7.1%}"
+                     f"{r['optimizer_ms']:8.1f}")
     lines += [f"{k}: {v:.2f}x" for k, v in doc["ratios"].items() if isinstance(v, float)]
     return "\n".join(lines)
 
@@ -388,13 +424,14 @@ def table(doc: dict) -> str:
 def markdown(doc: dict) -> str:
     """The README's results tables, from the JSON."""
     ns = sorted({r["N"] for r in doc["results"]})
-    out = ["| N | schedule | ms/iter (min-max) | predicted ms | tokens/s | bubbles measured | predicted |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| N | schedule | ms/iter (min-max) | predicted ms | tokens/s | bubbles measured | predicted "
+           "| optimizer step ms | model state per rank (bytes) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         it = r["iteration_ms"]
         measured = f"{r['bubble_measured']:.1%}" if "bubble_measured" in r else "-"
         out.append(f"| {r['N']} | {r['schedule']} | {it['median']:.0f} ({it['min']:.0f}-{it['max']:.0f}) | "
-                   f"{r['predicted_ms']:.0f} | {r['tokens_per_s']:.0f} | {measured} | {r['bubble_predicted']:.1%} |")
+                   f"{r['predicted_ms']:.0f} | {r['tokens_per_s']:.0f} | {measured} | {r['bubble_predicted']:.1%} | "
+                   f"{r['optimizer_ms']:.1f} | {max(r['model_state_bytes'])} |")
     out += ["", "| N | chimera direct over our 1f1b | over megatron-core's 1F1B | over GPipe | over data parallelism "
             "| best Chimera over the faster 1F1B (per round) |", "|---|---|---|---|---|---|"]
     for n in ns:
@@ -404,6 +441,19 @@ def markdown(doc: dict) -> str:
         pair = doc["ratios"].get(f"best chimera/best 1f1b N={n} pair", "")
         best_cell = f"{best:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}; {pair})" if best else "-"
         out.append(f"| {n} | " + " | ".join(f"{x:.2f}x" if x else "-" for x in ratio) + f" | {best_cell} |")
+    out += ["", "| N | Chimera variant | with --use-distributed-optimizer: throughput | model state per rank |",
+            "|---|---|---|---|"]
+    for n in ns:
+        for key, value in doc["ratios"].items():
+            if key.endswith(f" N={n}") and DISTOPT + "/" in key and "model state" not in key:
+                label = key.split(DISTOPT)[0]
+                state = doc["ratios"][f"{label}{DISTOPT}/{label} model state N={n}"]
+                out.append(f"| {n} | {label} | {value:.2f}x | {state:.2f}x |")
+    out += ["", "| N | optimizer step, Chimera direct over 1F1B | both with --use-distributed-optimizer |",
+            "|---|---|---|"]
+    for n in ns:
+        plain, sharded = (doc["ratios"].get(f"optimizer step chimera direct/1f1b{s} N={n}") for s in ("", DISTOPT))
+        out.append(f"| {n} | {plain:.2f}x | {sharded:.2f}x |")
     return "\n".join(out) + "\n"
 
 

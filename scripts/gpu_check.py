@@ -72,7 +72,7 @@ def layer_times(repeats: int = 20) -> dict:
                "flops": shape.layer_forward_flops(1) / forward,
                "p2p_latency": network["p2p_latency"], "p2p_bandwidth": network["p2p_bandwidth"],
                "allreduce_latency": network["allreduce_latency"], "allreduce_bandwidth": network["allreduce_bandwidth"],
-               "memory": torch.cuda.get_device_properties(0).total_memory, "bytes_per_param": 16}
+               "memory": torch.cuda.get_device_properties(0).total_memory}
     path = os.path.join(ROOT, "profiles", f"gpu-{name}-{date.today()}.json")
     with open(path, "w") as f:
         json.dump(profile, f, indent=1)

@@ -171,3 +171,21 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_
     for _, *fields, total in per_rank:
         assert sum(map(int, fields)) == int(total) and int(fields[1]) > 0  # bf16: fp32 main weights exist
     assert len(MODEL_STATE.findall(plain.stdout)) == 1 and "max model state (bytes) |" in plain.stdout
+
+
+def test_model_state_line_matches_the_planners_formula(corpus):
+    """Each rank's counted bytes are what the planner's model_state_bytes predicts for the stage copies
+    it holds (untied embeddings: no stage shares a tensor with another), with and without
+    --use-distributed-optimizer, where Chimera's two copies of a stage split its optimizer state."""
+    from chimera_schedules.planner import Precision, model_state_bytes
+
+    for flags, precision in ((["--bf16", "--use-distributed-optimizer"], Precision(True, True)), ([], Precision())):
+        proc = run(2, *train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
+                                  "--log-memory-per-rank", *flags))
+        held = {}
+        for worker, count in re.findall(r"model parallel rank \(0, (\d)\): (\d+) \(pipeline", proc.stdout):
+            held.setdefault(int(worker), []).append(int(count))
+        for rank, *fields in re.findall(r"rank (\d) " + MODEL_STATE.pattern, proc.stdout):
+            want = [sum(model_state_bytes(p, 1, 2, precision)[k] for p in held[int(rank)])
+                    for k in ("parameters", "main parameters", "gradients", "optimizer", "total")]
+            assert [int(x) for x in fields] == pytest.approx(want, rel=1e-3), (rank, fields, want)
