@@ -40,7 +40,7 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
 
 
 BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best")
-DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer
+DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-param-gather
 
 
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
@@ -61,7 +61,8 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
                 continue
             out.append((name, n, batch + schedule_flags(spec, layers)))
             if name.startswith("chimera") or name == "1f1b":
-                out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers) + ["--use-distributed-optimizer"]))
+                out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers)
+                            + ["--use-distributed-optimizer", "--overlap-param-gather"]))
         out.append(("megatron-1f1b", n, batch + ["--pipeline-model-parallel-size", str(d),
                                                  "--pipeline-schedule", "megatron-1f1b"]))
         if n >= d:  # data parallelism over the same 2 ranks: the whole model on each

@@ -106,6 +106,8 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
                                                                           "--sequence-parallel"]),
         "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
+        "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
+                                                                 + ["--overlap-param-gather"]),
         "chimera distributed optimizer D=2 TP=2": ("tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
         "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
         "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),
@@ -124,6 +126,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
 
 
 def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
+    trainer.main.flush()  # --overlap-param-gather leaves the last gather to the next forward
     return {(p.global_name, trainer.rt.tp_rank): p.detach().clone()
             for m in trainer.models for p in m.parameters()}
 

@@ -71,7 +71,7 @@ def test_sequence_parallel_needs_a_sequence_tp_can_split_and_is_off_at_tp1(capsy
 
 
 def test_flags_without_effect_are_accepted_and_say_why():
-    args = parse_args(BASE + list(NO_EFFECT) + ["--use-distributed-optimizer"])  # --overlap-param-gather needs it
+    args = parse_args(BASE + list(NO_EFFECT))
     assert all(getattr(args, name[2:].replace("-", "_")) for name in NO_EFFECT)
     help_text = _parser().format_help()
     assert all(name in help_text for name in NO_EFFECT) and "no effect:" in help_text

@@ -184,6 +184,9 @@ def _add_runtime_flags(p) -> None:
     r.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state and fp32 main weights of each stage over its replica group "
                         "(its copies x data-parallel replicas)")
+    r.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: finish each chunk's weight all-gather at its next "
+                        "forward, overlapping the next iteration's first forwards")
     r.add_argument("--log-memory-per-rank", action="store_true",
                    help="print every rank's model-state bytes after setup, not only the largest")
     r.add_argument("--decoupled-lr", type=float, help="LR of the input embedding and output layer")

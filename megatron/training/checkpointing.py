@@ -197,6 +197,7 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    trainer.main.flush()  # --overlap-param-gather: the last step's weights
     models = sharded_state.model_state(trainer)
     state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False,
                                                                   main_weights=trainer.main.half),

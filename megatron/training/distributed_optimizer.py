@@ -39,7 +39,7 @@ class _Bucket:
         self.pieces = list(self._pieces(copies[0]))
         for copy in copies:
             self._accumulate_into_buffer(copy)
-        self.work = None
+        self.work = self.gathering = None
 
     def _pieces(self, params):
         """The parts of the parameters inside this rank's shard, as fp32 parameters the optimizer steps
@@ -74,14 +74,27 @@ class _Bucket:
             self.shard_grad /= self.rt.dp
 
     @torch.no_grad()
-    def gather_weights(self) -> None:
-        """Every copy gets the updated weights: this shard's pieces, rounded to the model's dtype, and
-        the other members' shards."""
+    def start_gather(self) -> None:
+        """Start giving every copy the updated weights: this shard's pieces, rounded to the model's
+        dtype, and the other members' shards; ``finish_gather`` writes them into the copies."""
         dtype = self.copies[0][0].dtype
         shard = torch.zeros(self.shard_size, dtype=dtype, device=self.rt.device)
         for piece in self.pieces:
             shard[piece.at:piece.at + piece.numel()].copy_(piece)
-        full = self._gathered(shard)
+        if self.group is None:
+            self.gathering = (None, shard)
+            return
+        full = torch.empty(self.grad.numel(), dtype=dtype, device=shard.device)
+        self.gathering = (self.rt.all_gather(full, shard, self.group, async_op=True), full)
+
+    @torch.no_grad()
+    def finish_gather(self) -> None:
+        if self.gathering is None:
+            return
+        work, full = self.gathering
+        self.gathering = None
+        if work is not None:
+            work.wait()
         for copy in self.copies:
             offset = 0
             for p in copy:
@@ -113,6 +126,15 @@ class _Bucket:
         return out
 
 
+def _holds(chunk, ids: set) -> bool:
+    return any(id(p) in ids for p in chunk.parameters())
+
+
+def _finish(buckets) -> None:
+    for bucket in buckets:
+        bucket.finish_gather()
+
+
 def _accumulate(param: torch.nn.Parameter) -> None:
     param.main_grad.add_(param.grad)
     param.grad = None
@@ -122,8 +144,8 @@ class ShardedMainParams:
     """What the trainer steps under --use-distributed-optimizer: the pieces of every bucket in this
     rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a stage copy's buffer."""
 
-    def __init__(self, chunks: dict, rt, tied: bool):
-        self.rt = rt
+    def __init__(self, chunks: dict, rt, tied: bool, overlap_gather: bool = False):
+        self.rt, self.overlap_gather = rt, overlap_gather
         shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in shared}
         self.stages: dict[int, _Bucket] = {}
@@ -136,6 +158,10 @@ class ShardedMainParams:
         self.tied = _Bucket([[p] for p in shared], rt.embedding_group, rt) if shared else None
         self.buckets = [*self.stages.values(), *([self.tied] if self.tied else [])]
         self.half = any(p.dtype != torch.float32 for c in chunks.values() for p in c.parameters())
+        if overlap_gather:
+            for (_, stage), chunk in chunks.items():
+                users = [self.stages[stage], *([self.tied] if self.tied and _holds(chunk, shared_ids) else [])]
+                chunk.register_forward_pre_hook(lambda module, inputs, users=users: _finish(users))
 
     def all(self) -> list[torch.nn.Parameter]:
         return [piece for b in self.buckets for piece in b.pieces]
@@ -200,8 +226,17 @@ class ShardedMainParams:
             piece.grad.mul_(1.0 / scale)
 
     def copy_to_model(self) -> None:
+        """All buckets' gathers start in one global order; with --overlap-param-gather each finishes
+        at its chunk's next forward (Megatron's forward pre-hook), overlapping the next iteration's
+        first forwards, otherwise here."""
         for bucket in self.buckets:
-            bucket.gather_weights()
+            bucket.start_gather()
+        if not self.overlap_gather:
+            self.flush()
+
+    def flush(self) -> None:
+        """Finish pending weight gathers: before anything reads the weights but a forward."""
+        _finish(self.buckets)
 
     @torch.no_grad()
     def copy_from_model(self) -> None:

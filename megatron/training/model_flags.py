@@ -35,7 +35,6 @@ NO_EFFECT = {
     "--overlap-grad-reduce": "stage gradients are always reduced as soon as each copy is done",
     "--grad-reduce-in-bf16": "gradients accumulate and reduce in fp32 here, under --bf16 too",
     "--no-create-attention-mask-in-dataloader": "no attention mask is ever built: attention is causal",
-    "--overlap-param-gather": "the distributed optimizer gathers the updated weights right after its step",
 }
 # The same for flags that take a value.
 NO_EFFECT_VALUED = {

@@ -64,13 +64,15 @@ class Runtime:
         host_shard = host[start // flat.element_size():][:shard.numel()]
         return _Staged(dist.reduce_scatter_single(host_shard, host, group=group, async_op=True), host_shard, shard)
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, group) -> None:
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
         if self.comm_device is None:
-            dist.all_gather_single(full, shard, group=group)
-            return
+            return dist.all_gather_single(full, shard, group=group, async_op=async_op)
         host = full.to(self.comm_device)
-        dist.all_gather_single(host, shard.to(self.comm_device), group=group)
-        full.copy_(host)
+        staged = _Staged(dist.all_gather_single(host, shard.to(self.comm_device), group=group, async_op=async_op),
+                         host, full)
+        if not async_op:
+            staged.wait()
+        return staged
 
     @property
     def model_stages(self) -> int:

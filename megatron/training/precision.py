@@ -62,6 +62,9 @@ class MainParams:
     def half(self) -> bool:
         return bool(self.pairs)
 
+    def flush(self) -> None:
+        """Nothing is ever pending: the optimizer steps the weights in place or copies them at once."""
+
     def zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 

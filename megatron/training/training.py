@@ -110,7 +110,7 @@ class Trainer:
         self.models = [self.chunks[key] for key in rt.held]
         self.tied = not args.untie_embeddings_and_output_weights
         if args.use_distributed_optimizer:
-            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied)
+            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, args.overlap_param_gather)
         else:
             self.main = MainParams(self.chunks)
             self.sync = ReplicaGradSync(self.main.by_chunk, rt)
@@ -144,6 +144,7 @@ class Trainer:
 
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
+        self.main.flush()
         if self.transport is not None:
             self.transport.p2p.close()
             self.transport = None
