@@ -36,6 +36,7 @@ class _Bucket:
         self.start = (0 if group is None else dist.get_rank(group)) * self.shard_size
         self.grad = torch.zeros(self.shard_size * members, dtype=torch.float32, device=rt.device)
         self.shard_grad = self.grad[self.start:self.start + self.shard_size]
+        self.weights = _flat_weights(copies[0], self.shard_size * members)
         self.pieces = list(self._pieces(copies[0]))
         for copy in copies:
             self._accumulate_into_buffer(copy)
@@ -75,30 +76,29 @@ class _Bucket:
 
     @torch.no_grad()
     def start_gather(self) -> None:
-        """Start giving every copy the updated weights: this shard's pieces, rounded to the model's
-        dtype, and the other members' shards; ``finish_gather`` writes them into the copies."""
-        dtype = self.copies[0][0].dtype
-        shard = torch.zeros(self.shard_size, dtype=dtype, device=self.rt.device)
+        """Start giving every copy the updated weights: the first copy's weights live in one flat
+        buffer, whose shard holds this rank's pieces (fp32: they are views of it; bf16, fp16: rounded
+        into it here), gathered in place from the other members; ``finish_gather`` waits, then copies
+        them into this rank's other copies (the tied embedding's second end)."""
+        shard = self.weights[self.start:self.start + self.shard_size]
         for piece in self.pieces:
-            shard[piece.at:piece.at + piece.numel()].copy_(piece)
-        if self.group is None:
-            self.gathering = (None, shard)
-            return
-        full = torch.empty(self.grad.numel(), dtype=dtype, device=shard.device)
-        self.gathering = (self.rt.all_gather(full, shard, self.group, async_op=True), full)
+            if piece.source.dtype != torch.float32:
+                shard[piece.at:piece.at + piece.numel()].copy_(piece)
+        work = None if self.group is None else self.rt.all_gather(self.weights, shard, self.group, async_op=True)
+        self.gathering = (work,)
 
     @torch.no_grad()
     def finish_gather(self) -> None:
         if self.gathering is None:
             return
-        work, full = self.gathering
+        work, = self.gathering
         self.gathering = None
         if work is not None:
             work.wait()
-        for copy in self.copies:
+        for copy in self.copies[1:]:
             offset = 0
             for p in copy:
-                p.view(-1).copy_(full[offset:offset + p.numel()])
+                p.view(-1).copy_(self.weights[offset:offset + p.numel()])
                 offset += p.numel()
 
     def _gathered(self, shard: torch.Tensor) -> torch.Tensor:
@@ -124,6 +124,19 @@ class _Bucket:
                     out[id(copy[i])][name] = whole
                 offset += p.numel()
         return out
+
+
+@torch.no_grad()
+def _flat_weights(params, size: int) -> torch.Tensor:
+    """One buffer for the parameters' weights, each parameter a view of it (as megatron-core's
+    parameter buffers), so the weight all-gather writes them in place."""
+    flat = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        flat[offset:offset + p.numel()].copy_(p.view(-1))
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
 
 
 def _holds(chunk, ids: set) -> bool:
