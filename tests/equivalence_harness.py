@@ -82,8 +82,6 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
         out["chimera fp16 D=2"] = ("fp16", schedule_cases(2)["chimera direct D=2"])
         out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
-        out["chimera distributed optimizer D=2"] = ("tied-learned", schedule_cases(2)["chimera direct D=2"] + DISTOPT)
-        out["chimera bf16 distributed optimizer D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"] + DISTOPT)
         out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                                                         "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
         return out
@@ -115,9 +113,6 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
             "llama", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "1f1b distributed optimizer D=2 DP=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
                                                                  "--pipeline-schedule", "1f1b"] + DISTOPT),
-        "megatron-1f1b distributed optimizer D=2 DP=2": (
-            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-                             "--pipeline-schedule", "megatron-1f1b"] + DISTOPT),
         "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                                                           "--pipeline-schedule", "megatron-interleaved",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
