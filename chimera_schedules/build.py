@@ -10,12 +10,16 @@ import dataclasses
 from .baselines import check_interleaved, gpipe, interleaved, one_f_one_b
 from .chimera import check as check_chimera
 from .chimera import chimera
+from .dualpipe import check as check_dualpipe
+from .dualpipe import dualpipe
 from .errors import require
 from .ir import Schedule
 from .search import best_order
 from .simulator import CostModel
 from .spec import OPTION, ScheduleSpec
+from .simulator import peak_activations
 from .validator import validate
+from .zero_bubble import split_backward
 
 
 def check_options(schedule: str, given: dict) -> None:
@@ -44,26 +48,36 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
         require(spec.order == "paper" or spec.concat == "direct", "concat", spec.concat,
                 "$order best builds its own order for N = K x D; use $concat direct")
         check_chimera(spec.stages, spec.microbatches, spec.pipelines, spec.concat)
+    if spec.schedule == "dualpipe":
+        check_dualpipe(spec.stages, spec.microbatches)
     return spec
 
 
 def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     """The schedule the spec describes, validated. ``costs`` guide the orders that depend on them
     (``--order best``, more than two Chimera pipelines)."""
-    spec = check(spec)
-    d, n = spec.stages, spec.microbatches
-    if spec.schedule == "gpipe":
-        result = gpipe(d, n)
-    elif spec.schedule == "1f1b":
-        result = one_f_one_b(d, n)
-    elif spec.schedule == "interleaved":
-        result = interleaved(d, n, spec.chunks)
-    elif spec.order == "best":
-        result = best_order(d, n, costs, spec.pipelines)
-    else:
-        result = chimera(d, n, spec.pipelines, spec.concat, costs)
+    spec, costs = check(spec), costs or CostModel()
+    result = _generate(spec, costs)
+    if spec.split_backward and spec.order != "best":
+        # never more live micro-batches than the unsplit schedule's most loaded worker holds
+        result = split_backward(result, costs, [max(peak_activations(result))] * spec.stages)
     validate(result)
     return result
+
+
+def _generate(spec: ScheduleSpec, costs: CostModel) -> Schedule:
+    d, n = spec.stages, spec.microbatches
+    if spec.schedule == "gpipe":
+        return gpipe(d, n)
+    if spec.schedule == "1f1b":
+        return one_f_one_b(d, n)
+    if spec.schedule == "interleaved":
+        return interleaved(d, n, spec.chunks)
+    if spec.schedule == "dualpipe":
+        return dualpipe(d, n)
+    if spec.order == "best":
+        return best_order(d, n, costs, spec.pipelines, split=bool(spec.split_backward))
+    return chimera(d, n, spec.pipelines, spec.concat, costs)
 
 
 def build(schedule: str, stages: int, microbatches: int, *, costs: CostModel | None = None,

@@ -43,6 +43,9 @@ def _options() -> argparse.ArgumentParser:
     c = common.add_argument_group("costs (time units are arbitrary; bytes and bytes per unit)")
     c.add_argument("--forward-time", type=float, default=1.0, help="forward of one stage (default 1)")
     c.add_argument("--backward-time", type=float, default=2.0, help="backward of one stage (default 2)")
+    c.add_argument("--weight-time", type=float,
+                   help="the weight-gradient part (W) of --backward-time in a split backward; I is the rest "
+                        "(default half of it)")
     c.add_argument("--p2p-latency", type=float, default=0.0)
     c.add_argument("--p2p-bandwidth", type=float, default=float("inf"))
     c.add_argument("--activation-bytes", type=float, default=0.0, help="bytes sent between stages per micro-batch")
@@ -85,9 +88,12 @@ def _options() -> argparse.ArgumentParser:
 def _costs(args) -> CostModel:
     for option, value in (("--forward-time", args.forward_time), ("--backward-time", args.backward_time)):
         require(value > 0, option, value, "must be positive")
+    if args.weight_time is not None:
+        require(0 < args.weight_time < args.backward_time, "--weight-time", args.weight_time,
+                f"must be positive and less than --backward-time ({args.backward_time:g}), which includes it")
     return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
-                     args.grad_bytes, args.data_parallel)
+                     args.grad_bytes, args.data_parallel, weight=args.weight_time)
 
 
 def _load(path: str, option: str) -> Schedule:
@@ -107,7 +113,8 @@ def _schedule(args) -> Schedule:
         validate(schedule)
         return schedule
     spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, chunks=args.chunks,
-                        pipelines=args.pipelines, concat=args.concat, order=args.order)
+                        pipelines=args.pipelines, concat=args.concat, order=args.order,
+                        split_backward=args.split_backward)
     return build_spec(spec, _costs(args))
 
 

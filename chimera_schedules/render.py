@@ -12,9 +12,13 @@ from .errors import ScheduleConfigError
 from .ir import Op
 from .simulator import Event, SimResult
 
-# Pipeline colours: forward saturated, backward light, as in the paper (down blue, up orange-ish).
-_COLOURS = [("#2f6db5", "#a9c8ec"), ("#e07b39", "#f6c9a9"), ("#3a9a5b", "#b3e0c2"), ("#8a4fb0", "#d9c2ea"),
-            ("#b5473a", "#eab6ae"), ("#3a8f9a", "#b0dde3"), ("#9a8a3a", "#e3dcae"), ("#5a5a5a", "#cfcfcf")]
+# Pipeline colours: forward saturated, backward (B or I) light, as in the paper (down blue, up
+# orange-ish); a split backward's W pass in a colour of its own per pipeline.
+_COLOURS = [("#2f6db5", "#a9c8ec", "#f2d16b"), ("#e07b39", "#f6c9a9", "#9ccc65"),
+            ("#3a9a5b", "#b3e0c2", "#e6a0c4"), ("#8a4fb0", "#d9c2ea", "#c9c26b"),
+            ("#b5473a", "#eab6ae", "#7fc4d6"), ("#3a8f9a", "#b0dde3", "#d6a77f"),
+            ("#9a8a3a", "#e3dcae", "#a3a3e0"), ("#5a5a5a", "#cfcfcf", "#e0c0a3")]
+_FILL = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.BACKWARD_INPUT: 1, Op.BACKWARD_WEIGHT: 2}
 
 
 def direction_mark(pipelines: int, pipeline: int) -> str:
@@ -40,7 +44,7 @@ def _title(result: SimResult) -> str:
 
 def ascii_timeline(result: SimResult) -> str:
     """One row per worker; each time quantum is a fixed-width cell. Forwards are drawn as their label,
-    backwards as their label followed by '=', bubbles as '.'."""
+    backwards (B, I) as their label followed by '=', W passes followed by '~', bubbles as '.'."""
     durations = [e.end - e.start for e in result.events if e.end > e.start]
     quantum = min(durations) if durations else 1.0
     for _ in range(4):  # a grid on which every start falls (transfer delays shift starts off it)
@@ -56,7 +60,7 @@ def ascii_timeline(result: SimResult) -> str:
         for e in (e for e in result.events if e.worker == w):
             first = int(round(e.start / quantum))
             span = max(1, int(round((e.end - e.start) / quantum)))
-            fill = "=" if e.action.op is not Op.FORWARD else " "
+            fill = " =~"[_FILL[e.action.op]]
             text = labels[id(e)].ljust(span * cell - 1, fill) + "|"
             for k in range(span):
                 line[first + k] = text[k * cell:(k + 1) * cell]
@@ -64,7 +68,7 @@ def ascii_timeline(result: SimResult) -> str:
     ruler = "    |" + "".join(f"{k * quantum:<{cell}g}" if k % 5 == 0 else " " * cell for k in range(width))
     stats = result.stats()
     footer = (f"peak activations {stats['peak_activations']}  stage copies {stats['stage_copies']}  "
-              f"(label = op, micro-batch, direction; '=' continues a backward; '.' is a bubble)")
+              f"(label = op, micro-batch, direction; '=' continues a backward, '~' a W; '.' is a bubble)")
     return "\n".join([_title(result), ruler, *rows, footer, *_posting_order(result)])
 
 
@@ -96,8 +100,7 @@ def _boxes(result: SimResult) -> tuple[list[_Box], float, float]:
     as thin bars. Returns boxes, total width, total height."""
     boxes = []
     for e in result.events:
-        fwd, bwd = _COLOURS[e.action.pipeline % len(_COLOURS)]
-        fill = fwd if e.action.op is Op.FORWARD else bwd
+        fill = _COLOURS[e.action.pipeline % len(_COLOURS)][_FILL[e.action.op]]
         boxes.append(_Box(e.start, e.worker, e.end - e.start, 0.74, fill, str(e.action.mb)))
     for e in result.transfers:
         if e.action.op is Op.RECV and e.end > e.start:
@@ -130,16 +133,22 @@ def svg_timeline(result: SimResult, px_per_unit: float | None = None) -> str:
         if b.text:
             out.append(f'<text x="{x + b.w * px / 2:.1f}" y="{y + b.h * row_h * 0.65:.1f}" '
                        f'text-anchor="middle">{escape(b.text)}</text>')
-    for i, (name, (fwd, bwd)) in enumerate(_legend(result)):
-        x = left + i * 190
-        out.append(f'<rect x="{x}" y="{legend_y}" width="14" height="12" fill="{fwd}" stroke="#333"/>')
-        out.append(f'<rect x="{x + 16}" y="{legend_y}" width="14" height="12" fill="{bwd}" stroke="#333"/>')
-        out.append(f'<text x="{x + 36}" y="{legend_y + 10}">{escape(name)} forward / backward</text>')
+    split = _has_weight_passes(result)
+    for i, (name, colours) in enumerate(_legend(result)):
+        x = left + i * (250 if split else 190)
+        for k, colour in enumerate(colours[:3 if split else 2]):
+            out.append(f'<rect x="{x + 16 * k}" y="{legend_y}" width="14" height="12" fill="{colour}" stroke="#333"/>')
+        kinds = "forward / I / W" if split else "forward / backward"
+        out.append(f'<text x="{x + (52 if split else 36)}" y="{legend_y + 10}">{escape(name)} {kinds}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
 
-def _legend(result: SimResult) -> list[tuple[str, tuple[str, str]]]:
+def _has_weight_passes(result: SimResult) -> bool:
+    return any(e.action.op is Op.BACKWARD_WEIGHT for e in result.events)
+
+
+def _legend(result: SimResult) -> list[tuple[str, tuple[str, str, str]]]:
     p = result.schedule.pipelines
     names = ["down", "up"] if p == 2 else [f"pipeline {i}" for i in range(p)]
     return [(names[i], _COLOURS[i % len(_COLOURS)]) for i in range(p)]
@@ -163,8 +172,9 @@ def png_timeline(result: SimResult, path: str) -> None:
     ax.set_yticks([w + 0.4 for w in range(rows)], [f"P{w}" for w in range(rows)])
     ax.set_xlabel("time")
     ax.set_title(_title(result), fontsize=10)
+    kinds = ("forward", "I", "W") if _has_weight_passes(result) else ("forward", "backward")
     handles = [Patch(facecolor=c, edgecolor="#333333", label=f"{name} {kind}")
-               for name, (fwd, bwd) in _legend(result) for kind, c in (("forward", fwd), ("backward", bwd))]
+               for name, colours in _legend(result) for kind, c in zip(kinds, colours)]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

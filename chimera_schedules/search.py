@@ -15,19 +15,24 @@ makespan under the given costs:
 
 With F = 1, B = 2 and no communication cost this reaches the proven optima 28 (D=4, N=8) and 52
 (D=4, N=16), and 60 (D=8, N=16).
+
+With ``split`` the backwards are I and W passes (zero_bubble.py): the candidate is the paper order
+split, and the model gains a W interval per action after its I; a micro-batch is alive from its F to
+the end of its W.
 """
 from __future__ import annotations
 
 import math
 
 from .chimera import check, chimera, mb_pipelines, placement
-from .ir import Action, B, F, Schedule, with_grad_sync
+from .ir import Action, Op, Schedule, with_grad_sync
 from .listsched import Shape, list_schedule
 from .simulator import CostModel, peak_activations, simulate
+from .zero_bubble import split_backward
 
 
 def best_order(stages: int, microbatches: int, costs: CostModel | None = None, pipelines: int = 2,
-               effort: float = 5.0) -> Schedule:
+               effort: float = 5.0, split: bool = False) -> Schedule:
     """At most D live micro-batches per worker. ``effort`` is the solver's deterministic time budget
     (roughly three wall seconds per unit on a 2-core machine)."""
     check(stages, microbatches, pipelines, "direct")
@@ -36,92 +41,112 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
     paper = chimera(stages, microbatches, pipelines, "direct", costs)
     shape = Shape(stages, microbatches, placement(stages, pipelines), mb_pipelines(microbatches, pipelines))
     candidates = [paper]
-    listed = list_schedule(shape, costs, cap=cap)
+    listed = None if split else list_schedule(shape, costs, cap=cap)
     if listed is not None:
         candidates.append(_as_schedule(shape, listed))
+    if split:
+        candidates = [split_backward(paper, costs, [cap] * stages)]
     candidates = [c for c in candidates if max(peak_activations(c)) <= cap + 1e-9]
     seed = min(candidates, key=lambda c: simulate(c, costs).makespan)
-    solved = _solve(shape, costs, cap, seed, effort)
+    solved = _solve(shape, costs, cap, seed, effort, split)
     if solved is not None:
         candidates.append(solved)
     best = min(candidates, key=lambda c: simulate(c, costs).makespan)  # min keeps the first of equals
-    return Schedule("chimera-best", stages, microbatches, best.placement, best.workers,
-                    meta={"concat": "direct", "order": "best", "cap": cap})
+    name = "chimera-split-best" if split else "chimera-best"
+    return Schedule(name, stages, microbatches, best.placement, best.workers,
+                    meta={"concat": "direct", "order": "best", "cap": cap, "split_backward": split})
 
 
-def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:
+def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:  # noqa: D103
     return with_grad_sync(Schedule("chimera-best", shape.stages, shape.microbatches, shape.placement,
                                    tuple(map(tuple, orders))))
 
 
-def _solve(shape: Shape, costs: CostModel, cap: float, seed: Schedule, effort: float) -> Schedule | None:
+def _solve(shape: Shape, costs: CostModel, cap: float, seed: Schedule, effort: float,
+           split: bool) -> Schedule | None:
     from ortools.sat.python import cp_model
 
-    probe = shape.empty("probe")
-    durations = {}
-    for p, row in enumerate(shape.placement):
-        for s in range(len(row)):
-            for make in (F, B):
-                a = make(0, p, s)
-                durations[(a.op.value, s)] = costs.compute_time(probe, a)
-    transfer = costs.transfer_time(probe)
-    positive = [d for d in list(durations.values()) + [transfer] if d > 0]
-    quantum = min(positive) / 8 if positive else 1.0
-
-    def ticks(t: float) -> int:
-        return int(round(t / quantum))
-
-    m = cp_model.CpModel()
-    horizon = ticks(simulate(seed, costs).makespan) + 1
-    start, per_worker, alive = {}, [[] for _ in range(shape.stages)], [[] for _ in range(shape.stages)]
-    makespan = m.NewIntVar(0, horizon, "makespan")
-    for mb, p in enumerate(shape.mb_pipeline):
-        for s, w in enumerate(shape.placement[p]):
-            for op in "FB":
-                d = max(1, ticks(durations[(op, s)]))
-                x = m.NewIntVar(0, horizon, f"{op}{mb}s{s}")
-                start[(op, mb, s)] = (x, d)
-                per_worker[w].append(m.NewIntervalVar(x, d, x + d, ""))
-            (f, fd), (b, bd) = start[("F", mb, s)], start[("B", mb, s)]
-            alive[w].append(m.NewIntervalVar(f, m.NewIntVar(1, horizon, ""), b + bd, ""))
-            m.Add(makespan >= b + bd)
-    last = shape.stages - 1
-    hop = ticks(transfer)
-    for mb, p in enumerate(shape.mb_pipeline):
-        row = shape.placement[p]
-        for s in range(shape.stages):
-            f, fd = start[("F", mb, s)]
-            b, bd = start[("B", mb, s)]
-            if s > 0:
-                prev, pd = start[("F", mb, s - 1)]
-                m.Add(f >= prev + pd + (hop if row[s - 1] != row[s] else 0))
-            if s < last:
-                nxt, nd = start[("B", mb, s + 1)]
-                m.Add(b >= nxt + nd + (hop if row[s + 1] != row[s] else 0))
-            else:
-                m.Add(b >= f + fd)
-    for p in set(shape.mb_pipeline):
-        mbs = [mb for mb, q in enumerate(shape.mb_pipeline) if q == p]
-        for x, y in zip(mbs, mbs[1:]):
-            for s in range(shape.stages):
-                for op in "FB":
-                    m.Add(start[(op, x, s)][0] < start[(op, y, s)][0])
+    ops = "FIW" if split else "FB"
+    model = _Model(cp_model.CpModel(), shape, costs, ops, simulate(seed, costs).makespan)
+    model.precedences()
+    model.fifo()
     for w in range(shape.stages):
-        m.AddNoOverlap(per_worker[w])
-        m.AddCumulative(alive[w], [1] * len(alive[w]), int(math.floor(cap + 1e-9)))
-    m.Minimize(makespan)
+        model.m.AddNoOverlap(model.per_worker[w])
+        model.m.AddCumulative(model.alive[w], [1] * len(model.alive[w]), int(math.floor(cap + 1e-9)))
+    model.m.Minimize(model.makespan)
     for e in simulate(seed, costs).events:
         a = e.action
-        m.AddHint(start[(a.op.value, a.mb, a.stage)][0], ticks(e.start))
+        model.m.AddHint(model.start[(a.op.value, a.mb, a.stage)][0], model.ticks(e.start))
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = effort
-    if solver.Solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if solver.Solve(model.m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     orders = [[] for _ in range(shape.stages)]
-    for (op, mb, s), (x, _) in start.items():
+    for (op, mb, s), (x, _) in model.start.items():
         p = shape.mb_pipeline[mb]
-        orders[shape.placement[p][s]].append((solver.Value(x), (F if op == "F" else B)(mb, p, s)))
+        orders[shape.placement[p][s]].append((solver.Value(x), Action(Op(op), mb, p, s)))
     return _as_schedule(shape, [[a for _, a in sorted(o)] for o in orders])
+
+
+class _Model:
+    """One interval per action (op in ``ops``: F and B, or F, I and W), on a time grid fine enough for
+    every cost; a micro-batch is alive from its forward to its last backward pass."""
+
+    def __init__(self, m, shape: Shape, costs: CostModel, ops: str, seed_makespan: float):
+        self.m, self.shape, self.ops = m, shape, ops
+        probe = shape.empty("probe")
+        durations = {(op, s): costs.compute_time(probe, Action(Op(op), 0, p, s))
+                     for p, row in enumerate(shape.placement) for s in range(len(row)) for op in ops}
+        transfer = costs.transfer_time(probe)
+        positive = [d for d in list(durations.values()) + [transfer] if d > 0]
+        self.quantum = min(positive) / 8 if positive else 1.0
+        self.hop = self.ticks(transfer)
+        horizon = self.ticks(seed_makespan) + 1
+        self.start, self.per_worker = {}, [[] for _ in range(shape.stages)]
+        self.alive = [[] for _ in range(shape.stages)]
+        self.makespan = m.NewIntVar(0, horizon, "makespan")
+        for mb, p in enumerate(shape.mb_pipeline):
+            for s, w in enumerate(shape.placement[p]):
+                for op in ops:
+                    d = max(1, self.ticks(durations[(op, s)]))
+                    x = m.NewIntVar(0, horizon, f"{op}{mb}s{s}")
+                    self.start[(op, mb, s)] = (x, d)
+                    self.per_worker[w].append(m.NewIntervalVar(x, d, x + d, ""))
+                (f, _), (last, ld) = self.start[("F", mb, s)], self.start[(ops[-1], mb, s)]
+                self.alive[w].append(m.NewIntervalVar(f, m.NewIntVar(1, horizon, ""), last + ld, ""))
+                m.Add(self.makespan >= last + ld)
+
+    def ticks(self, t: float) -> int:
+        return int(round(t / self.quantum))
+
+    def precedences(self) -> None:
+        """Forwards down the pipeline, the input gradient (B or I) back up, W after its I."""
+        back, last = self.ops[1], self.shape.stages - 1
+        for mb, p in enumerate(self.shape.mb_pipeline):
+            row = self.shape.placement[p]
+            for s in range(self.shape.stages):
+                f, fd = self.start[("F", mb, s)]
+                b = self.start[(back, mb, s)][0]
+                if s > 0:
+                    prev, pd = self.start[("F", mb, s - 1)]
+                    self.m.Add(f >= prev + pd + (self.hop if row[s - 1] != row[s] else 0))
+                if s < last:
+                    nxt, nd = self.start[(back, mb, s + 1)]
+                    self.m.Add(b >= nxt + nd + (self.hop if row[s + 1] != row[s] else 0))
+                else:
+                    self.m.Add(b >= f + fd)
+                if "W" in self.ops:
+                    i, i_d = self.start[("I", mb, s)]
+                    self.m.Add(self.start[("W", mb, s)][0] >= i + i_d)
+
+    def fifo(self) -> None:
+        """Each pipeline's micro-batches in order at every stage, for every op (a symmetry break)."""
+        for p in set(self.shape.mb_pipeline):
+            mbs = [mb for mb, q in enumerate(self.shape.mb_pipeline) if q == p]
+            for x, y in zip(mbs, mbs[1:]):
+                for s in range(self.shape.stages):
+                    for op in self.ops:
+                        self.m.Add(self.start[(op, x, s)][0] < self.start[(op, y, s)][0])

@@ -21,7 +21,9 @@ from .ir import Action, Op, Schedule
 class CostModel:
     """Costs in arbitrary time units. ``forward``/``backward`` are the times of one full micro-batch
     through 1/D of the model (one 1F1B stage), or one value per model stage. An interleaved chunk
-    costs a 1/v share of that; a half-size micro-batch half of it.
+    costs a 1/v share of that; a half-size micro-batch half of it. A split backward runs the same
+    ``backward`` as two passes: W (``weight``, the weight gradients; default half the backward) and I
+    (the rest, the input gradient).
 
     All-reduce: Rabenseifner, 2 log2(r) alpha + 2 (r-1)/r beta L, over r = copies x data_parallel,
     with L = ``grad_bytes`` of one 1F1B stage and beta = 1 / ``allreduce_bandwidth``.
@@ -39,16 +41,30 @@ class CostModel:
     grad_bytes: float = 0.0
     data_parallel: int = 1
     collectives_use_compute: bool = False
+    weight: float | Sequence[float] | None = None
 
     def compute_time(self, schedule: Schedule, action: Action) -> float:
-        per_stage = self.forward if action.op is Op.FORWARD else self.backward
-        if isinstance(per_stage, (int, float)):
-            t = per_stage / schedule.chunks
+        if action.op is Op.FORWARD:
+            t = self._per_stage(self.forward, schedule, action)
+        elif action.op is Op.BACKWARD:
+            t = self._per_stage(self.backward, schedule, action)
         else:
-            t = per_stage[action.stage]
-        if action.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
-            t /= 2  # I and W: half a backward each
+            t = self.weight_time(schedule, action)
+            if action.op is Op.BACKWARD_INPUT:
+                t = self._per_stage(self.backward, schedule, action) - t
         return t * schedule.microbatch_scale
+
+    def weight_time(self, schedule: Schedule, action: Action) -> float:
+        """The W part of one full-size backward of the action's stage."""
+        if self.weight is None:
+            return self._per_stage(self.backward, schedule, action) / 2
+        return self._per_stage(self.weight, schedule, action)
+
+    @staticmethod
+    def _per_stage(value, schedule: Schedule, action: Action) -> float:
+        if isinstance(value, (int, float)):
+            return value / schedule.chunks
+        return value[action.stage]
 
     def transfer_time(self, schedule: Schedule) -> float:
         return self.p2p_latency + self.activation_bytes * schedule.microbatch_scale / self.p2p_bandwidth

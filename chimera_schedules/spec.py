@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "dualpipe")
 CONCATS = ("direct", "doubling", "halving")
 ORDERS = ("paper", "best")
 
@@ -27,6 +27,7 @@ class ScheduleSpec:
     pipelines: int | None = None
     concat: str | None = None
     order: str | None = None
+    split_backward: bool | None = None
 
     def with_defaults(self) -> ScheduleSpec:
         """Every option this schedule takes and was not given, set to its default."""
@@ -44,7 +45,7 @@ class Option:
     cli: str
     trainer: str
     help: str
-    type: type = int
+    type: type = int  # bool: a switch
     choices: tuple[str, ...] | None = None
     default: int | str | None = None
     schedules: tuple[str, ...] = SCHEDULES  # the schedules that take it; the others reject it
@@ -76,9 +77,12 @@ OPTIONS = (
     Option("concat", "--concat", "--chimera-concat", "how basic units join for N > D", str, CONCATS, "direct",
            ("chimera",)),
     Option("order", "--order", "--chimera-order", "order of the actions", str, ORDERS, "paper", ("chimera",)),
+    Option("split_backward", "--split-backward", "--split-backward",
+           "split each backward into I (input gradient, sent at once) and W (weight gradients, placed into "
+           "the bubbles), zero-bubble style", bool, schedules=("1f1b", "chimera")),
 )
 OPTION = {o.field: o for o in OPTIONS}
-SHARED = ("pipelines", "concat", "order")  # options both front ends take as they are, added from this table
+SHARED = ("pipelines", "concat", "order", "split_backward")  # options both front ends take as they are, added from this table
 
 
 def flags(front_end: str) -> dict[str, str]:
@@ -93,7 +97,10 @@ def add_arguments(group, front_end: str, fields=SHARED) -> None:
     gets the same one-line error as every other rule."""
     for field in fields:
         o = OPTION[field]
-        group.add_argument(getattr(o, front_end), type=o.type, help=o.describe())
+        if o.type is bool:
+            group.add_argument(getattr(o, front_end), action="store_const", const=True, help=o.describe())
+        else:
+            group.add_argument(getattr(o, front_end), type=o.type, help=o.describe())
 
 
 VARIANTS = {  # name -> the spec's fields besides depth and micro-batches
@@ -104,6 +111,10 @@ VARIANTS = {  # name -> the spec's fields besides depth and micro-batches
     "chimera doubling": {"schedule": "chimera", "concat": "doubling"},
     "chimera halving": {"schedule": "chimera", "concat": "halving"},
     "chimera best": {"schedule": "chimera", "order": "best"},
+    "1f1b split": {"schedule": "1f1b", "split_backward": True},
+    "chimera split": {"schedule": "chimera", "split_backward": True},
+    "chimera split best": {"schedule": "chimera", "split_backward": True, "order": "best"},
+    "dualpipe": {"schedule": "dualpipe"},
 }
 
 

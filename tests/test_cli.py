@@ -81,11 +81,14 @@ def test_validate_names_the_offending_action(capsys, tmp_path):
     (["--concat", "doubling", "--microbatches", "4"], "--microbatches=4: forward doubling pairs basic units"),
     (["--concat", "sideways"], "--concat=sideways: must be one of direct, doubling, halving"),
     (["--order", "best", "--concat", "doubling", "-N", "8"], "--concat=doubling: --order best builds its own order"),
-    (["--schedule", "zigzag"], "--schedule=zigzag: must be one of gpipe, 1f1b, interleaved, chimera"),
+    (["--schedule", "zigzag"], "--schedule=zigzag: must be one of gpipe, 1f1b, interleaved, chimera, dualpipe"),
     (["--schedule", "1f1b", "--chunks", "2"], "--chunks=2: applies to --schedule interleaved only"),
     (["--schedule", "gpipe", "--pipelines", "4"], "--pipelines=4: applies to --schedule chimera only"),
     (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches=6: interleaved 1F1B needs a multiple"),
     (["--forward-time", "0"], "--forward-time=0.0: must be positive"),
+    (["--split-backward", "--weight-time", "2"], "--weight-time=2.0: must be positive and less than --backward-time"),
+    (["--schedule", "gpipe", "--split-backward"], "--split-backward=True: applies to --schedule 1f1b or chimera only"),
+    (["--schedule", "dualpipe", "--microbatches", "4"], "--microbatches=4: DualPipe needs an even number of at least"),
     (["--file", "/nonexistent/s.json"], "--file=/nonexistent/s.json: cannot read"),
 ])
 def test_bad_input_is_one_line_with_exit_2(capsys, argv, needle):
@@ -105,4 +108,7 @@ def test_compare_lists_every_schedule(capsys):
     rows = {r["schedule"]: r for r in json.loads(out)}
     assert code == 0
     assert rows["1f1b"]["makespan"] == 21 and rows["chimera direct"]["makespan"] == 16
+    assert rows["1f1b split"]["makespan"] == 15 and rows["chimera split"]["makespan"] == 13
+    assert rows["chimera split best"]["makespan"] == 13
+    assert "skipped" in rows["dualpipe"]  # needs N >= 2 D
     assert "skipped" in rows["chimera doubling"]

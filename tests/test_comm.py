@@ -123,6 +123,9 @@ def grid():
                 out.append(("chimera", d, n, {"pipelines": 4}))
             if n <= 2 * d:
                 out.append(("chimera", d, n, {"order": "best"}))
+            out += [("1f1b", d, n, {"split_backward": True}), ("chimera", d, n, {"split_backward": True})]
+            if n >= 2 * d:
+                out.append(("dualpipe", d, n, {}))
     return out
 
 

@@ -104,3 +104,70 @@ def test_interleaved_matches_megatrons_bubble_fraction(d, n, v):
     for busy, idle in zip(result.busy, result.idle):
         assert idle / busy == pytest.approx((d - 1) / (v * n))
     assert result.weight_units == [1] * d
+
+
+# Split backward: optima with F = I = W = 1, no communication cost, at most D live micro-batches per
+# worker (CP-SAT, proven optimal), as the zero-bubble issue states them.
+SPLIT_OPTIMA = {"chimera": {(4, 4): 13, (8, 8): 27, (4, 8): 25, (4, 16): 49, (8, 16): 51},
+                "1f1b": {(4, 4): 15, (8, 8): 31, (4, 8): 27}}
+
+
+@pytest.mark.parametrize("name,d,n", [(name, d, n) for name, table in SPLIT_OPTIMA.items() for d, n in table])
+def test_split_backward_reaches_the_optima_within_d_live_microbatches(name, d, n):
+    result = simulate(build(name, d, n, split_backward=True), PAPER)  # B = 2: I = W = 1
+    assert result.makespan == SPLIT_OPTIMA[name][(d, n)]
+    assert max(result.peak_activations) <= d
+
+
+def test_1f1b_split_is_zb_h1():
+    """Idle per worker (D-1)(F + B - 2W), and 1F1B's peak activation memory."""
+    for d, n in ((4, 4), (8, 8), (4, 8), (6, 12)):
+        plain, split = build("1f1b", d, n), build("1f1b", d, n, split_backward=True)
+        result = simulate(split, PAPER)
+        assert max(result.idle) == pytest.approx((d - 1) * (1 + 2 - 2 * 1))
+        assert max(result.peak_activations) == max(simulate(plain, PAPER).peak_activations)
+
+
+def test_best_split_order_is_proven_at_four_stages_and_never_worse_than_the_default():
+    assert simulate(best_order(4, 4, PAPER, split=True), PAPER).makespan == 13
+    # uneven costs: W a third of the backward; the solver's order is at least as good as the fill
+    costs = CostModel(forward=1, backward=3, weight=1)
+    default = simulate(build("chimera", 4, 8, split_backward=True, costs=costs), costs).makespan
+    best = best_order(4, 8, costs, split=True, effort=2.0)
+    assert simulate(best, costs).makespan <= default and max(simulate(best, costs).peak_activations) <= 4
+
+
+def test_weight_time_splits_the_backward():
+    s = build("chimera", 2, 2, split_backward=True)
+    i, w = (next(a for a in s.compute(0) if a.op.value == op) for op in "IW")
+    costs = CostModel(forward=1, backward=3, weight=1)
+    assert (costs.compute_time(s, i), costs.compute_time(s, w)) == (2, 1)
+    assert (PAPER.compute_time(s, i), PAPER.compute_time(s, w)) == (1, 1)  # default: half each
+
+
+@pytest.mark.parametrize("d,n", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_dualpipe_published_order(d, n):
+    s = build("dualpipe", d, n)
+    result = simulate(s, PAPER)
+    assert max(result.peak_activations) == d + 1  # DualPipe's PP + 1 activations
+    assert s.placement == chimera(d, d).placement  # Chimera's two pipelines
+    assert result.makespan == SPLIT_OPTIMA["chimera"].get((d, n), result.makespan)
+
+
+def test_dualpipe_worker_orders_at_four_stages():
+    """DualPipe's eight steps at 4 ranks and 8 micro-batches (down: 0-3, up: 4-7), an edge rank and a
+    middle one."""
+    s = build("dualpipe", 4, 8)
+    tokens = lambda w: " ".join(map(str, s.compute(w)))  # noqa: E731
+    assert tokens(0) == ("F0p0s0 F1p0s0 F2p0s0 F4p1s3 I4p1s3 W4p1s3 F5p1s3 F3p0s0 B5p1s3 F6p1s3 B0p0s0 "
+                         "B6p1s3 F7p1s3 B1p0s0 B7p1s3 I2p0s0 W2p0s0 I3p0s0 W3p0s0")
+    assert tokens(1) == ("F0p0s1 F4p1s2 F1p0s1 F5p1s2 F2p0s1 B4p1s2 F6p1s2 B0p0s1 F3p0s1 B5p1s2 F7p1s2 "
+                         "B1p0s1 B6p1s2 B2p0s1 I7p1s2 I3p0s1 W7p1s2 W3p0s1")
+
+
+def test_dualpipe_rules_name_the_option():
+    from chimera_schedules import ScheduleConfigError
+
+    for d, n, option in ((3, 6, "stages"), (4, 6, "microbatches"), (4, 9, "microbatches")):
+        with pytest.raises(ScheduleConfigError, match=option):
+            build("dualpipe", d, n)

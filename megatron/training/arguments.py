@@ -515,6 +515,9 @@ def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
     if spec.chunks:
         out += [OPTION["chunks"].trainer, str(num_layers // (spec.stages * spec.chunks))]
     for field in SHARED:
-        if getattr(spec, field) is not None:
-            out += [OPTION[field].trainer, str(getattr(spec, field))]
+        value = getattr(spec, field)
+        if value is True:
+            out.append(OPTION[field].trainer)
+        elif value is not None:
+            out += [OPTION[field].trainer, str(value)]
     return out

@@ -1,0 +1,105 @@
+"""Split backward (zero-bubble style, Qi et al. 2024): every B becomes I, the input gradient the
+previous stage waits for, and W, the weight gradients nobody waits for, placed into the bubbles.
+
+``split_backward`` keeps a schedule's order of forwards and input gradients and places the W passes
+by a replay under the given costs: a free worker runs its next F or I as soon as that is ready; while
+it waits, it runs its oldest pending W, unless the next F or I would be ready before that W ends. A
+micro-batch's activations stay alive from its F until its W ends, and a worker never holds more than
+``cap`` of them: a forward that would exceed it waits for W passes to free one. Every W still pending
+when the forwards and input gradients are done runs at the end, oldest first.
+
+- 1F1B split is ZB-H1: 1F1B's order, each worker capped at 1F1B's own peak (D - w micro-batches), so
+  activation memory stays 1F1B's; at F = I = W its idle time is (D-1)(F + B - 2W).
+- Chimera split is the paper's order with W moved into the bubbles, capped at D micro-batches per
+  worker (the most a worker holds in the unsplit basic unit).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .ir import Action, Op, Schedule, with_grad_sync
+from .simulator import CostModel, activation_units, dependencies, peak_activations, products
+
+
+def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Schedule:
+    """``schedule`` (with B passes) with every B split into I and a W placed as described above."""
+    queues = [[Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
+               for a in schedule.compute(w)] for w in range(schedule.num_workers)]
+    orders = _Replay(replace(schedule, workers=tuple(map(tuple, queues))), costs, cap).run()
+    return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders)),
+                                  meta={**schedule.meta, "split_backward": True}))
+
+
+class _Replay:
+    """Event-driven: each worker, when free, decides at the time of the latest event it has seen."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel, cap: list[float]):
+        self.s, self.costs, self.cap = schedule, costs, cap
+        self.last = schedule.stages_per_pipeline - 1
+        self.transfer = costs.transfer_time(schedule)
+        self.done: dict[tuple, tuple[int, float]] = {}
+        workers = schedule.num_workers
+        self.queue = [list(a) for a in schedule.workers]
+        self.pending: list[list[Action]] = [[] for _ in range(workers)]  # W passes, oldest first
+        self.free, self.live = [0.0] * workers, [0.0] * workers
+        self.orders: list[list[Action]] = [[] for _ in range(workers)]
+
+    def ready_at(self, w: int, a: Action) -> float | None:
+        """When the action's inputs are on worker w; None if one is not produced yet."""
+        times = []
+        for key in dependencies(a, self.last):
+            if key not in self.done:
+                return None
+            src, end = self.done[key]
+            times.append(end + (self.transfer if src != w else 0.0))
+        return max(times, default=0.0)
+
+    def run(self) -> list[list[Action]]:
+        while True:
+            active = [w for w in range(self.s.num_workers) if self.queue[w] or self.pending[w]]
+            if not active:
+                return self.orders
+            now = min(self.free[w] for w in active)
+            idle = [w for w in active if self.free[w] <= now + 1e-9]
+            if not any(self._step(w) for w in idle):
+                later = [t for t in [end for _, end in self.done.values()] + self.free if t > now + 1e-9]
+                if not later:
+                    raise AssertionError(f"split replay stuck at time {now} on workers {idle}")
+                for w in idle:
+                    self.free[w] = min(later)
+
+    def _step(self, w: int) -> bool:
+        """Start one action on worker w at its free time, or move its free time to when its next F or
+        I is ready; False if it has to wait for something not yet known."""
+        now, head = self.free[w], self.queue[w][0] if self.queue[w] else None
+        ready = self.ready_at(w, head) if head is not None else None
+        fits = head is None or head.op is not Op.FORWARD or \
+            self.live[w] + activation_units(self.s, head) <= self.cap[w] + 1e-9
+        if ready is not None and ready <= now + 1e-9 and fits:
+            self._start(w, self.queue[w].pop(0), now)
+        elif self.pending[w] and (not fits or ready is None or
+                                  ready - now >= self.costs.compute_time(self.s, self.pending[w][0]) - 1e-9):
+            self._start(w, self.pending[w].pop(0), now)
+        elif ready is not None and fits:
+            self.free[w] = ready
+        else:
+            return False
+        return True
+
+    def _start(self, w: int, a: Action, at: float) -> None:
+        end = at + self.costs.compute_time(self.s, a)
+        self.free[w] = end
+        self.orders[w].append(a)
+        for key in products(a):
+            self.done[key] = (w, end)
+        if a.op is Op.FORWARD:
+            self.live[w] += activation_units(self.s, a)
+        elif a.op is Op.BACKWARD_INPUT:
+            self.pending[w].append(Action(Op.BACKWARD_WEIGHT, a.mb, a.pipeline, a.stage))
+        else:
+            self.live[w] -= activation_units(self.s, a)
+
+
+def unsplit_peaks(schedule: Schedule) -> list[float]:
+    """Each worker's peak live activations in the schedule before splitting."""
+    return peak_activations(schedule)
