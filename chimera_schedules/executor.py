@@ -6,6 +6,8 @@ schedule made it or which channel a message takes:
 - F: take the input (a posted receive, waited for only now, or a local hand-over), run
   ``forward_step_func`` on the chunk, compute the loss on the last stage, keep the output;
 - B: backward from the loss or the received output gradient, keep the input gradient;
+- I and W: the two halves of a B (autograd_split.py): I keeps the input gradient, W later computes
+  the same micro-batch's weight gradients;
 - SEND: post the send of a kept output or input gradient;
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
@@ -21,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from .autograd_split import backward_input
 from .ir import Action, Op, Schedule
 from .lowering import consumed_message, forward_only, produced_message
 
@@ -129,8 +132,6 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
     ``tracer(action, start, end)``, when given, is called after every F and B with perf_counter times
     (the benchmark measures bubbles from these)."""
-    if any(a.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) for w in lowered.workers for a in w):
-        raise NotImplementedError("split backward (I/W actions) is in the IR but not executed yet")
     if any(a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
     held = lowered.held(transport.worker)
@@ -149,9 +150,12 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
             raise ValueError(f"schedule has {lowered.microbatches} micro-batches, called with {num_microbatches}")
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
                    _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only)
-        with torch.no_grad() if forward_only else torch.enable_grad():
-            for a in plans[forward_only]:
-                run.step(a, grad_sync, tracer)
+        try:
+            with torch.no_grad() if forward_only else torch.enable_grad():
+                for a in plans[forward_only]:
+                    run.step(a, grad_sync, tracer)
+        finally:
+            run.close()
         run.messages.drain()
         if not forward_only:
             grad_sync.finish()
@@ -179,7 +183,22 @@ class _Run:
         self.per_token = getattr(next(iter(chunk.values())).config, "calculate_per_token_loss", False)
         self.last = schedule.stages_per_pipeline - 1
         self.saved: dict[tuple, tuple] = {}
+        self.weight_passes: dict[tuple, object] = {}
         self.reports = []
+        self.embedded: dict[tuple, torch.Tensor] = {}  # a first stage's embedding output, the I boundary
+        self.hooks = [self._watch_embedding(key, c) for key, c in chunk.items()
+                      if key[1] == 0 and not forward_only and _splits(schedule)]
+
+    def _watch_embedding(self, key, chunk):
+        embedding = getattr(chunk, "embedding", None)  # megatron-core's GPTModel
+        if embedding is None:
+            return None
+        return embedding.register_forward_hook(lambda _m, _i, out: self.embedded.__setitem__(key, out))
+
+    def close(self) -> None:
+        for h in self.hooks:
+            if h is not None:
+                h.remove()
 
     def step(self, a: Action, grad_sync: GradSync, tracer) -> None:
         if a.op is Op.RECV:
@@ -189,7 +208,8 @@ class _Run:
         elif a.op is Op.ALLREDUCE:
             grad_sync.start(a.pipeline, a.stage, self.t.groups[a.group])
         else:
-            started = self.forward(a) if a.op is Op.FORWARD else self.backward(a)
+            started = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
+                       Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
             if tracer is not None:
                 tracer(a, started, time.perf_counter())
 
@@ -207,11 +227,11 @@ class _Run:
         else:
             self.messages.keep(produced_message(self.s, a), output)
         if not self.forward_only:
-            self.saved[(*key, a.mb)] = (x, output)
+            self.saved[(*key, a.mb)] = (x, output, self.embedded.pop(key, None) if a.stage == 0 else x)
         return started
 
     def backward(self, a: Action) -> float:
-        x, output = self.saved.pop((a.pipeline, a.stage, a.mb))
+        x, output, _ = self.saved.pop((a.pipeline, a.stage, a.mb))
         grad = None
         if a.stage < self.last:
             grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
@@ -220,3 +240,25 @@ class _Run:
         if a.stage > 0:
             self.messages.keep(produced_message(self.s, a), x.grad)
         return started
+
+    def backward_input(self, a: Action) -> float:
+        key = (a.pipeline, a.stage)
+        _, output, boundary = self.saved.pop((*key, a.mb))
+        grad = None
+        if a.stage < self.last:
+            grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
+        started = time.perf_counter()
+        params = [p for p in self.chunk[key].parameters() if p.requires_grad]
+        dx, self.weight_passes[(*key, a.mb)] = backward_input(output, grad, boundary, params)
+        if a.stage > 0:
+            self.messages.keep(produced_message(self.s, a), dx)
+        return started
+
+    def backward_weight(self, a: Action) -> float:
+        started = time.perf_counter()
+        self.weight_passes.pop((a.pipeline, a.stage, a.mb)).run()
+        return started
+
+
+def _splits(schedule: Schedule) -> bool:
+    return any(a.op is Op.BACKWARD_INPUT for w in schedule.workers for a in w)

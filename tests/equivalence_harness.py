@@ -1,7 +1,7 @@
 """Run many training cases inside one launch, to keep process starts few.
 
     python tests/equivalence_harness.py --out DIR                      # the one-process references
-    torchrun --nproc_per_node 2|4 tests/equivalence_harness.py --out DIR
+    torchrun --nproc_per_node 2|4 tests/equivalence_harness.py --out DIR [--only TEXT]
 
 Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
@@ -70,6 +70,9 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
         f"chimera doubling D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-concat", "doubling"],
         f"chimera best D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-order", "best"],
         f"megatron-1f1b D={d}": pp + ["--pipeline-schedule", "megatron-1f1b"],
+        f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
+        f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
+        f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
     }
 
 
@@ -94,6 +97,10 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
         "chimera D=2 DP=2": ("tied-learned", chimera2),
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
+        "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward", "--tensor-model-parallel-size", "2"]),
+        "chimera split llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--split-backward", "--tensor-model-parallel-size",
+                                                                                "2", "--sequence-parallel"]),
         "chimera untied D=4": ("untied", chimera4),
         "chimera rope D=4": ("rope", chimera4),
         "chimera llama D=4": ("llama", chimera4),
@@ -181,10 +188,14 @@ def run_case(flags: list[str], world: int):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = parser.parse_args().out
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text (debugging)")
+    options = parser.parse_args()
+    out = options.out
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
     for name, (variant, flags) in cases(world).items():
+        if options.only not in name:
+            continue
         trainer, losses, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world)
         weights = local_weights(trainer)
         if world == 1:

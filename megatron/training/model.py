@@ -141,7 +141,36 @@ def build_chunk(args, stage: int, device: torch.device):
     )
     model.stage = stage
     init_chunk(model, args, stage * layers)
+    if args.schedule is not None and args.schedule.meta.get("split_backward"):
+        _splittable_linears(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
+
+
+def _splittable_linears(model) -> None:
+    """Under a split backward, megatron-core's local linear layers multiply with torch's own ops.
+    megatron-core's fused linear function computes the input and the weight gradient together, so I
+    and W would each compute both; torch's matmul computes only what each pass asks for.
+    Transformer Engine's layers are not these classes and keep their own path."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module._forward_impl = _linear
+
+
+def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, **_):
+    """megatron-core's linear_with_grad_accumulation_and_async_allreduce, as separate autograd nodes:
+    gather the sequence (reduce-scatter its gradient) or all-reduce the input gradient over the
+    tensor-parallel group, then the matrix multiply."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    output = torch.matmul(input, weight.t())
+    return output if bias is None else output + bias
 
 
 def global_name(name: str, layer_offset: int, tied: bool) -> str:

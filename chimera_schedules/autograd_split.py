@@ -1,0 +1,131 @@
+"""One micro-batch's backward through a stage, split in two passes over its autograd graph.
+
+I (``backward_input``) computes the gradient of the stage's input, which the previous stage waits
+for, and nothing else: torch computes only the gradients a pass asks for, so a matrix multiply on
+the input's path skips its weight-gradient product. Before each node that also feeds a parameter runs,
+a hook keeps the gradient it receives.
+
+W (``WeightPass.run``) restarts the backward from each such node with the kept gradient, restricted
+to the parameters below it that the input's path does not reach: the weight-gradient products and
+nothing else. Gradients land in ``param.grad`` through torch's own accumulation, so gradient hooks
+(mixed precision, the distributed optimizer's buffers) see them exactly as after a whole backward.
+
+The graph, and so every activation of the micro-batch, is kept from I until W ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node:
+    """A tensor's place in the graph: its grad_fn, or for a leaf its gradient accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _input_path(root: Node, boundary: Node) -> set[Node]:
+    """Nodes from which the boundary (the stage input) is reachable: the input gradient's path."""
+    parents: dict[Node, list[Node]] = {}
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        for child in _children(node):
+            parents.setdefault(child, []).append(node)
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    on_path, stack = {boundary}, [boundary]
+    while stack:
+        for parent in parents.get(stack.pop(), ()):
+            if parent not in on_path:
+                on_path.add(parent)
+                stack.append(parent)
+    return on_path
+
+
+def _params_below(node: Node, on_path: set[Node], accumulators: dict[Node, torch.Tensor]) -> list:
+    """Parameters reachable from ``node`` without entering the input's path."""
+    found, seen, stack = [], set(), [c for c in _children(node) if c not in on_path]
+    while stack:
+        child = stack.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        if child in accumulators:
+            found.append(accumulators[child])
+        stack.extend(c for c in _children(child) if c not in on_path)
+    return found
+
+
+@dataclass
+class _Restart:
+    node: Node
+    params: list
+    grads: dict  # output number -> the gradient the node received there in I
+
+
+class WeightPass:
+    """The W half of one micro-batch's backward through one stage copy."""
+
+    def __init__(self, restarts: list[_Restart]):
+        self.restarts = restarts
+
+    def run(self) -> None:
+        for r in self.restarts:
+            edges = [(GradientEdge(r.node, i), g) for i, g in r.grads.items() if g is not None]
+            if edges:
+                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], retain_graph=True,
+                                        inputs=r.params)
+        self.restarts = []  # frees the graph and the kept gradients
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: torch.Tensor | None,
+                   params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightPass]:
+    """I: the gradient of ``boundary`` (the stage input, or the first stage's embedding output), and
+    the W pass that completes the backward. ``grad`` is None for a loss. Without a boundary (a first
+    stage whose embedding was not found) nothing is sent upstream and W runs the whole backward."""
+    if grad is None:
+        grad = torch.ones_like(output)
+    if boundary is None:
+        return None, WeightPass([_Restart(output.grad_fn, params, {output.output_nr: grad})])
+    root, start = output.grad_fn, _node(boundary)
+    accumulators = {_node(p): p for p in params if p.requires_grad}
+    on_path = _input_path(root, start)
+    restarts, handles = [], []
+    for node in on_path:
+        below = _params_below(node, on_path, accumulators)
+        if below:
+            restart = _Restart(node, below, {})
+            restarts.append(restart)
+            if node is not start:
+                handles.append(node.register_prehook(lambda grads, r=restart: r.grads.update(enumerate(grads))))
+    _check_disjoint(restarts)
+    try:
+        (dx,) = torch.autograd.grad(output, boundary, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for r in restarts:
+        if r.node is start:  # the boundary's own node does not run in I: what it receives is dx
+            r.grads[boundary.output_nr] = dx
+    return dx, WeightPass(restarts)
+
+
+def _check_disjoint(restarts: list[_Restart]) -> None:
+    """A parameter below two restart points could be reached twice; megatron-core's layers use each
+    weight once per stage, so this only guards the assumption."""
+    seen: set[int] = set()
+    for r in restarts:
+        for p in r.params:
+            if id(p) in seen:
+                raise NotImplementedError(f"split backward: parameter of shape {tuple(p.shape)} is used in two "
+                                          "places of one stage; run this model without --split-backward")
+            seen.add(id(p))
