@@ -11,7 +11,8 @@ from .baselines import check_interleaved, gpipe, interleaved, one_f_one_b
 from .chimera import check as check_chimera
 from .chimera import chimera
 from .dualpipe import check as check_dualpipe
-from .dualpipe import dualpipe
+from .dualpipe import check_v as check_dualpipev
+from .dualpipe import dualpipe, dualpipev
 from .errors import require
 from .ir import Schedule
 from .search import best_order
@@ -50,6 +51,8 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
         check_chimera(spec.stages, spec.microbatches, spec.pipelines, spec.concat)
     if spec.schedule == "dualpipe":
         check_dualpipe(spec.stages, spec.microbatches)
+    if spec.schedule == "dualpipev":
+        check_dualpipev(spec.stages, spec.microbatches)
     return spec
 
 
@@ -75,6 +78,8 @@ def _generate(spec: ScheduleSpec, costs: CostModel) -> Schedule:
         return interleaved(d, n, spec.chunks)
     if spec.schedule == "dualpipe":
         return dualpipe(d, n)
+    if spec.schedule == "dualpipev":
+        return dualpipev(d, n)
     if spec.order == "best":
         return best_order(d, n, costs, spec.pipelines, split=bool(spec.split_backward))
     return chimera(d, n, spec.pipelines, spec.concat, costs)

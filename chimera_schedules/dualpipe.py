@@ -18,6 +18,12 @@ Forwards and backwards take each pipeline's micro-batches in FIFO order; each W 
 I whose W has not run (DualPipe's weight-gradient queue). DualPipe overlaps a forward of one pipeline
 with a backward of the other in one kernel stream (MoE communication overlap); without that
 overlap, the pair runs forward first, as DualPipe itself does when no overlap is given.
+
+DualPipeV (``dualpipev``) folds one pipeline of 2D model stages into a V over D workers: worker r
+holds stage r (the way out, E) and stage 2D-1-r (the way back, L), so the last worker hands its
+activation to itself and the first worker holds the embedding and the loss. Every micro-batch runs
+both ways; the eight steps are the same with H = D, h = r and M = N (N >= 2D). The IR says this as one
+pipeline of 2 chunks per worker with a V-shaped placement, so nothing else needs to know about it.
 """
 from __future__ import annotations
 
@@ -32,37 +38,39 @@ def check(stages: int, microbatches: int) -> None:
             f"DualPipe needs an even number of at least 2 x $stages ({2 * stages})")
 
 
-def _slots(stages: int, microbatches: int, worker: int) -> list[tuple[str, str]]:
-    """The worker's (op, E|L) slots; W slots name no pipeline."""
-    half, h, m = stages // 2, min(worker, stages - 1 - worker), microbatches // 2
+def check_v(stages: int, microbatches: int) -> None:
+    require(stages >= 1, "stages", stages, "must be at least 1")
+    require(microbatches >= 2 * stages, "microbatches", microbatches,
+            f"DualPipeV needs at least 2 x $stages ({2 * stages})")
+
+
+def _slots(half: int, h: int, m: int) -> list[tuple[str, str]]:
+    """A worker's (op, E|L) slots in the eight steps; W slots name no stage."""
     rest = half - h - 1
     step6 = [("B", "L"), ("B", "E")] * (h + 1)
     step6 = step6[:h + 1] + [("I", which) for _, which in step6[h + 1:]]
     return ([("F", "E")] * (2 * rest) + [("F", "E"), ("F", "L")] * (h + 1)
             + [("I", "L"), ("W", ""), ("F", "L")] * rest
-            + [("F", "E"), ("B", "L"), ("F", "L"), ("B", "E")] * (m - stages + h + 1)
+            + [("F", "E"), ("B", "L"), ("F", "L"), ("B", "E")] * (m - 2 * half + h + 1)
             + [("B", "L"), ("F", "L"), ("B", "E")] * rest
             + step6 + [("W", ""), ("I", "E")] * rest + [("W", "")] * (h + 1))
 
 
-def _resolve(stages: int, microbatches: int, worker: int, place) -> list[Action]:
-    early = 0 if worker < stages // 2 else 1
-    pipe = {"E": early, "L": 1 - early}
-    stage = {p: place[p].index(worker) for p in (0, 1)}
-    mbs = {p: [mb for mb, q in enumerate(mb_pipelines(microbatches, 2)) if q == p] for p in (0, 1)}
-    taken = {("F", p): 0 for p in (0, 1)} | {("B", p): 0 for p in (0, 1)}
-    waiting: list[Action] = []  # I passes whose W has not run, oldest first
+def _resolve(slots, where: dict, mbs: dict) -> list[Action]:
+    """Slots to actions. ``where[E|L]`` = (pipeline, stage), ``mbs[E|L]`` its micro-batches in order;
+    forwards and backwards take them FIFO, and each W completes the oldest I still waiting."""
+    taken = {(op, which): 0 for op in "FB" for which in "EL"}
+    waiting: list[Action] = []
     out = []
-    for op, which in _slots(stages, microbatches, worker):
+    for op, which in slots:
         if op == "W":
             i = waiting.pop(0)
             out.append(Action(Op.BACKWARD_WEIGHT, i.mb, i.pipeline, i.stage))
             continue
-        p = pipe[which]
-        counter = ("F", p) if op == "F" else ("B", p)
-        mb = mbs[p][taken[counter]]
+        counter = ("F" if op == "F" else "B", which)
+        mb = mbs[which][taken[counter]]
         taken[counter] += 1
-        a = Action(Op(op), mb, p, stage[p])
+        a = Action(Op(op), mb, *where[which])
         out.append(a)
         if a.op is Op.BACKWARD_INPUT:
             waiting.append(a)
@@ -72,5 +80,24 @@ def _resolve(stages: int, microbatches: int, worker: int, place) -> list[Action]
 def dualpipe(stages: int, microbatches: int) -> Schedule:
     check(stages, microbatches)
     place = placement(stages, 2)
-    orders = tuple(tuple(_resolve(stages, microbatches, w, place)) for w in range(stages))
-    return with_grad_sync(Schedule("dualpipe", stages, microbatches, place, orders, meta={"split_backward": True}))
+    mbs = {p: [mb for mb, q in enumerate(mb_pipelines(microbatches, 2)) if q == p] for p in (0, 1)}
+    orders = []
+    for w in range(stages):
+        early = 0 if w < stages // 2 else 1
+        pipe = {"E": early, "L": 1 - early}
+        where = {k: (p, place[p].index(w)) for k, p in pipe.items()}
+        slots = _slots(stages // 2, min(w, stages - 1 - w), microbatches // 2)
+        orders.append(tuple(_resolve(slots, where, {k: mbs[p] for k, p in pipe.items()})))
+    return with_grad_sync(Schedule("dualpipe", stages, microbatches, place, tuple(orders),
+                                   meta={"split_backward": True}))
+
+
+def dualpipev(stages: int, microbatches: int) -> Schedule:
+    """``stages`` workers, 2 x ``stages`` model stages in a V."""
+    check_v(stages, microbatches)
+    place = (tuple(range(stages)) + tuple(reversed(range(stages))),)
+    every = list(range(microbatches))
+    orders = tuple(tuple(_resolve(_slots(stages, w, microbatches), {"E": (0, w), "L": (0, 2 * stages - 1 - w)},
+                                  {"E": every, "L": every})) for w in range(stages))
+    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, chunks=2,
+                                   meta={"split_backward": True}))

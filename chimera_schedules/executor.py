@@ -81,8 +81,8 @@ class _Messages:
 
     def take(self, message: tuple) -> torch.Tensor:
         """The input a compute action needs: its posted receive (waited for now) or a local output."""
-        if message not in self.posted:
-            return self.kept.pop(message)
+        if message not in self.posted:  # from a stage on this worker: a leaf of its own, as if sent
+            return self.kept.pop(message).detach()
         work, buf, a = self.posted.pop(message)
         try:
             self.t.p2p.wait(work)

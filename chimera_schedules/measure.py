@@ -12,7 +12,8 @@ def measured_result(schedule: Schedule, events: list[Event], makespan: float,
     """``events``: the compute actions of one iteration on every worker, with times relative to the
     iteration's start; ``makespan``: the iteration's span. Bubbles are what is not compute, waiting for
     peers included. ``activation_bytes[(pipeline, stage, mb)]``: bytes each forward kept for its
-    backward; peaks are then in bytes, following each worker's order of events."""
+    backward; peaks are then in bytes, following each worker's order of events (a micro-batch's bytes
+    are freed by its B, or by its W when the backward is split)."""
     workers = schedule.num_workers
     busy = [0.0] * workers
     for e in events:
@@ -24,7 +25,8 @@ def measured_result(schedule: Schedule, events: list[Event], makespan: float,
             live = 0.0
             for e in sorted((e for e in events if e.worker == w), key=lambda e: e.start):
                 key = (e.action.pipeline, e.action.stage, e.action.mb)
-                live += activation_bytes.get(key, 0) * (1 if e.action.op is Op.FORWARD else -1)
+                sign = {Op.FORWARD: 1, Op.BACKWARD: -1, Op.BACKWARD_WEIGHT: -1}.get(e.action.op, 0)
+                live += activation_bytes.get(key, 0) * sign
                 peaks[w] = max(peaks[w], live)
     copies = [len(schedule.held(w)) for w in range(workers)]
     return SimResult(schedule=schedule, events=sorted(events, key=lambda e: (e.worker, e.start)), reductions=[],

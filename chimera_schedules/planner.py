@@ -109,7 +109,14 @@ class Candidate:
         return f"{self.schedule} D={self.depth} W={self.width} B={self.micro_batch} N={self.microbatches}"
 
 
-PLANNED = ("gpipe", "1f1b", "chimera direct", "chimera doubling")  # names in spec.VARIANTS
+PLANNED = ("gpipe", "1f1b", "chimera direct", "chimera doubling", "1f1b split", "chimera split",
+           "dualpipe")  # names in spec.VARIANTS
+
+
+def family(name: str) -> str:
+    """What a variant is compared as: its schedule, with " split" for a split backward."""
+    v = VARIANTS[name]
+    return v["schedule"] + (" split" if v.get("split_backward") else "")
 
 
 def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int) -> CostModel:
@@ -170,7 +177,7 @@ def best_per_schedule(ranked: list[Candidate]) -> dict[str, Candidate]:
     out: dict[str, Candidate] = {}
     for c in ranked:
         if c.fits:
-            out.setdefault(VARIANTS[c.schedule]["schedule"], c)
+            out.setdefault(family(c.schedule), c)
     return out
 
 

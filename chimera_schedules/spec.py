@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "dualpipe")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "dualpipe", "dualpipev")
 CONCATS = ("direct", "doubling", "halving")
 ORDERS = ("paper", "best")
 
@@ -115,6 +115,7 @@ VARIANTS = {  # name -> the spec's fields besides depth and micro-batches
     "chimera split": {"schedule": "chimera", "split_backward": True},
     "chimera split best": {"schedule": "chimera", "split_backward": True, "order": "best"},
     "dualpipe": {"schedule": "dualpipe"},
+    "dualpipev": {"schedule": "dualpipev"},
 }
 
 

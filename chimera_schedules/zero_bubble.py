@@ -15,10 +15,11 @@ when the forwards and input gradients are done runs at the end, oldest first.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 
 from .ir import Action, Op, Schedule, with_grad_sync
-from .simulator import CostModel, activation_units, dependencies, peak_activations, products
+from .simulator import CostModel, activation_units, dependencies, products
 
 
 def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Schedule:
@@ -42,6 +43,7 @@ class _Replay:
         self.queue = [list(a) for a in schedule.workers]
         self.pending: list[list[Action]] = [[] for _ in range(workers)]  # W passes, oldest first
         self.free, self.live = [0.0] * workers, [0.0] * workers
+        self.ends: list[float] = []  # heap of the end times of started actions
         self.orders: list[list[Action]] = [[] for _ in range(workers)]
 
     def ready_at(self, w: int, a: Action) -> float | None:
@@ -62,7 +64,9 @@ class _Replay:
             now = min(self.free[w] for w in active)
             idle = [w for w in active if self.free[w] <= now + 1e-9]
             if not any(self._step(w) for w in idle):
-                later = [t for t in [end for _, end in self.done.values()] + self.free if t > now + 1e-9]
+                while self.ends and self.ends[0] <= now + 1e-9:
+                    heapq.heappop(self.ends)
+                later = [t for t in self.ends[:1] + self.free if t > now + 1e-9]
                 if not later:
                     raise AssertionError(f"split replay stuck at time {now} on workers {idle}")
                 for w in idle:
@@ -88,6 +92,7 @@ class _Replay:
 
     def _start(self, w: int, a: Action, at: float) -> None:
         end = at + self.costs.compute_time(self.s, a)
+        heapq.heappush(self.ends, end)
         self.free[w] = end
         self.orders[w].append(a)
         for key in products(a):
@@ -98,8 +103,3 @@ class _Replay:
             self.pending[w].append(Action(Op.BACKWARD_WEIGHT, a.mb, a.pipeline, a.stage))
         else:
             self.live[w] -= activation_units(self.s, a)
-
-
-def unsplit_peaks(schedule: Schedule) -> list[float]:
-    """Each worker's peak live activations in the schedule before splitting."""
-    return peak_activations(schedule)

@@ -3,11 +3,12 @@
     python scripts/benchmark.py --quick          # 2 CPU ranks, D=2, N = 2, 4, 8: a few minutes
 
 One launch of 2 ranks (one thread each: all this 2-core machine runs in parallel) runs every case:
-our gpipe, 1f1b, interleaved and chimera (direct, doubling, best), megatron-core's 1F1B, and plain
-data parallelism over the same ranks. Per case it measures the median, min and max iteration time
+our gpipe, 1f1b, interleaved and chimera (direct, doubling, best), the split-backward schedules (1f1b
+and chimera with --split-backward, DualPipe), megatron-core's 1F1B, and plain data parallelism over
+the same ranks. Per case it measures the median, min and max iteration time
 after warm-up, tokens/s, the bubble ratio from per-action timestamps on every rank, peak activation
 bytes (saved-tensor accounting) and weight bytes per rank. The simulator, fed with this run's
-measured per-stage forward/backward times, p2p latency and all-reduce time, replays the lowered
+measured per-stage forward/backward times (I and W for a split backward), p2p latency and all-reduce time, replays the lowered
 schedule (what the executor posts) under gloo's rules and predicts each schedule's bubbles and
 iteration time next to the measurement. Each rank has one core here, so all-reduces are priced as
 occupying it (``CostModel.collectives_use_compute``). Process groups are freed after every case: idle
@@ -39,7 +40,8 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
                    "--disable-bias-linear"]}
 
 
-BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best")
+BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best",
+               "1f1b split", "chimera split", "dualpipe")
 DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-param-gather
 
 
@@ -60,14 +62,15 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
             except ScheduleConfigError:
                 continue
             out.append((name, n, batch + schedule_flags(spec, layers)))
-            if name.startswith("chimera") or name == "1f1b":
+            if (name.startswith("chimera") or name == "1f1b") and "split" not in name:
                 out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers)
                             + ["--use-distributed-optimizer", "--overlap-param-gather"]))
         out.append(("megatron-1f1b", n, batch + ["--pipeline-model-parallel-size", str(d),
                                                  "--pipeline-schedule", "megatron-1f1b"]))
         if n >= d:  # data parallelism over the same 2 ranks: the whole model on each
             out.append(("data-parallel", n, batch))
-    return out
+    only = cfg.get("only", "")
+    return [c for c in out if only in c[0] or c[0] == "1f1b"]
 
 
 # ----------------------------------------------------------------------------------------- worker side
@@ -122,6 +125,11 @@ def _measure_case(flags, cfg):
     events, saved_bytes, state = [], {}, {"bytes": 0, "t0": 0.0}
 
     def counting_forward_step(it, model):
+        """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
+        (a split one most), so the measured iterations run without them."""
+        if not state["counting"]:
+            return forward_step(it, model)
+
         def pack(t):
             state["bytes"] += t.numel() * t.element_size()
             return t
@@ -131,7 +139,7 @@ def _measure_case(flags, cfg):
 
     def tracer(action, start, end):
         events.append((action, start - state["t0"], end - state["t0"]))
-        if action.op.value == "F":
+        if action.op.value == "F" and state["counting"]:
             saved_bytes[(action.pipeline, action.stage, action.mb)] = state["bytes"]
 
     trainer = Trainer(args, counting_forward_step, tracer)
@@ -156,6 +164,7 @@ def _measure_case(flags, cfg):
     steps, spans, optimizer, per_iter_events = [], [], [], []
     for i in range(cfg["warmup"] + cfg["iters"]):
         events.clear()
+        state["counting"] = i < cfg["warmup"]
         dist.barrier()
         t = time.perf_counter()
         trainer.train_step(i)
@@ -223,8 +232,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
         saved = {tuple(int(x) for x in k.split(",")): v for g in gathered for k, v in g["saved"].items()}
         measured = measured_result(schedule, evs, span_times[pick] * 1e3, saved)
         costs = _stage_costs(gathered, args, schedule)
-        model = CostModel(forward=costs["forward"], backward=costs["backward"], p2p_latency=comm["p2p_ms"],
-                          allreduce_latency=comm["allreduce_ms"] / 2, collectives_use_compute=True)
+        model = CostModel(forward=costs["forward"], backward=costs["backward"], weight=costs.get("weight"),
+                          p2p_latency=comm["p2p_ms"], allreduce_latency=comm["allreduce_ms"] / 2,
+                          collectives_use_compute=True)
         predicted = simulate(lower(schedule), model, "gloo")  # what the executor posts, priced under gloo
         row.update({"bubble_measured": measured.bubble_ratio, "bubble_predicted": predicted.bubble_ratio,
                     "pipeline_ms": span_times[pick] * 1e3, "predicted_pipeline_ms": predicted.makespan,
@@ -235,7 +245,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
 
 
 def _stage_costs(gathered, args, schedule):
-    """Median forward and backward time (ms) per model stage, over all measured iterations."""
+    """Median forward and backward time (ms) per model stage, over all measured iterations; a split
+    backward's is I + W, with W as the weight part. A DualPipe stage has both: its whole backwards
+    count as they are, and its split ones give W."""
     from chimera_schedules import Action
 
     per = {}
@@ -244,9 +256,14 @@ def _stage_costs(gathered, args, schedule):
             for a, s, e in it:
                 act = Action.parse(a)
                 per.setdefault((act.op.value, act.stage), []).append((e - s) * 1e3)
-    stages = schedule.stages_per_pipeline
-    return {"forward": [statistics.median(per[("F", s)]) for s in range(stages)],
-            "backward": [statistics.median(per[("B", s)]) for s in range(stages)]}
+    stages = range(schedule.stages_per_pipeline)
+    out = {"forward": [statistics.median(per[("F", s)]) for s in stages]}
+    if ("W", 0) not in per:
+        return {**out, "backward": [statistics.median(per[("B", s)]) for s in stages]}
+    weight = [statistics.median(per[("W", s)]) for s in stages]
+    split = [statistics.median(per[("I", s)]) + w for s, w in zip(stages, weight)]
+    whole = [statistics.median(per[("B", s)]) if ("B", s) in per else t for s, t in zip(stages, split)]
+    return {**out, "backward": [(a + b) / 2 for a, b in zip(whole, split)], "weight": weight}
 
 
 def _predict_baselines(rows, comm):
@@ -322,7 +339,17 @@ def ratios(rows: list[dict]) -> dict:
             out[f"best chimera/best 1f1b N={n} per round"] = [
                 b / c for b, c in zip(base["round_medians_ms"], best["round_medians_ms"])]
         out.update(_distopt_ratios(by, n))
+        out.update(_split_ratios(by, n))
     return out
+
+
+SPLIT_PAIRS = (("chimera split", "chimera direct"), ("1f1b split", "1f1b"), ("chimera split", "dualpipe"))
+
+
+def _split_ratios(by: dict, n: int) -> dict:
+    """Throughput of each split schedule over its unsplit self, and of Chimera split over DualPipe."""
+    return {f"{a}/{b} N={n}": by[(a, n)]["tokens_per_s"] / by[(b, n)]["tokens_per_s"]
+            for a, b in SPLIT_PAIRS if (a, n) in by and (b, n) in by}
 
 
 def _distopt_ratios(by: dict, n: int) -> dict:
@@ -453,20 +480,39 @@ def markdown(doc: dict) -> str:
     out += ["", "| N | optimizer step, Chimera direct over 1F1B | both with --use-distributed-optimizer |",
             "|---|---|---|"]
     for n in ns:
-        plain, sharded = (doc["ratios"].get(f"optimizer step chimera direct/1f1b{s} N={n}") for s in ("", DISTOPT))
-        out.append(f"| {n} | {plain:.2f}x | {sharded:.2f}x |")
-    return "\n".join(out) + "\n"
+        cells = [doc["ratios"].get(f"optimizer step chimera direct/1f1b{s} N={n}") for s in ("", DISTOPT)]
+        out.append(f"| {n} | " + " | ".join(f"{x:.2f}x" if x else "-" for x in cells) + " |")
+    return "\n".join(out + _split_markdown(doc, ns)) + "\n"
+
+
+def _split_markdown(doc: dict, ns: list[int]) -> list[str]:
+    """The split-backward rows measured against their predictions, and the throughput ratios."""
+    out = ["", "| N | schedule | ms/iter measured | predicted | measured / predicted | bubbles measured | predicted |",
+           "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if r["schedule"] in {name for pair in SPLIT_PAIRS for name in pair}:
+            it = r["iteration_ms"]["median"]
+            out.append(f"| {r['N']} | {r['schedule']} | {it:.0f} | {r['predicted_ms']:.0f} | "
+                       f"{it / r['predicted_ms']:.2f} | {r['bubble_measured']:.1%} | {r['bubble_predicted']:.1%} |")
+    out += ["", "| N | " + " | ".join(f"{a} over {b}" for a, b in SPLIT_PAIRS) + " |",
+            "|---|" + "---|" * len(SPLIT_PAIRS)]
+    for n in ns:
+        cells = [doc["ratios"].get(f"{a}/{b} N={n}") for a, b in SPLIT_PAIRS]
+        out.append(f"| {n} | " + " | ".join(f"{x:.2f}x" if x else "-" for x in cells) + " |")
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 CPU ranks, D=2, N=2,4,8 (the only mode so far)")
     p.add_argument("--name", default="quick")
+    p.add_argument("--only", default="", help="only the cases whose label contains this text, plus 1f1b (the "
+                   "baseline other predictions use): a quick look; the README's tables come from full runs")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(QUICK, args.out, args.name)
+        worker({**QUICK, "only": args.only}, args.out, args.name)
         return
     if not args.quick:
         p.error("only --quick exists so far; see docs/ for the cluster-scale projection")
@@ -477,7 +523,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(port), __file__, "--worker", "--name", args.name, "--out", args.out],
+                           "--master_port", str(port), __file__, "--worker", "--name", args.name, "--out", args.out,
+                           "--only", args.only],
                           env=env, cwd=ROOT)
     if proc.returncode:
         sys.exit(proc.returncode)

@@ -73,6 +73,7 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
         f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
         f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
         f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
+        f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"],
     }
 
 

@@ -125,7 +125,7 @@ def grid():
                 out.append(("chimera", d, n, {"order": "best"}))
             out += [("1f1b", d, n, {"split_backward": True}), ("chimera", d, n, {"split_backward": True})]
             if n >= 2 * d:
-                out.append(("dualpipe", d, n, {}))
+                out += [("dualpipe", d, n, {}), ("dualpipev", d, n, {})]
     return out
 
 

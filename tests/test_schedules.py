@@ -171,3 +171,13 @@ def test_dualpipe_rules_name_the_option():
     for d, n, option in ((3, 6, "stages"), (4, 6, "microbatches"), (4, 9, "microbatches")):
         with pytest.raises(ScheduleConfigError, match=option):
             build("dualpipe", d, n)
+
+
+def test_dualpipev_folds_one_pipeline_into_a_v():
+    s = build("dualpipev", 2, 4)
+    assert (s.placement, s.chunks, s.pipelines) == (((0, 1, 1, 0),), 2, 1)
+    assert " ".join(map(str, s.compute(0))) == (
+        "F0p0s0 F1p0s0 F2p0s0 F0p0s3 I0p0s3 W0p0s3 F1p0s3 F3p0s0 B1p0s3 F2p0s3 B0p0s0 B2p0s3 F3p0s3 "
+        "B1p0s0 B3p0s3 I2p0s0 W2p0s0 I3p0s0 W3p0s0")
+    result = simulate(build("dualpipev", 4, 8), PAPER)
+    assert result.weight_units == [1, 1, 1, 1]  # one copy of the model, unlike DualPipe's two

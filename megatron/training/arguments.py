@@ -288,6 +288,8 @@ def _validate(args) -> None:
     else:
         require(args.num_layers_per_virtual_pipeline_stage is None, "--num-layers-per-virtual-pipeline-stage",
                 args.num_layers_per_virtual_pipeline_stage, "applies to the interleaved schedules only")
+    if args.pipeline_schedule == "dualpipev":
+        chunks = 2  # one pipeline folded into a V: each rank holds a stage on the way out and one back
     require(args.num_layers % (pp * chunks) == 0, "--num-layers", args.num_layers,
             f"must be divisible by the {pp * chunks} pipeline stages")
     args.model_stages = pp * chunks
