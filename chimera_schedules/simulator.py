@@ -239,7 +239,10 @@ def activation_units(schedule: Schedule, action: Action) -> float:
 
 
 def peak_activations(schedule: Schedule) -> list[float]:
-    """Per worker, the most micro-batch activations alive at once (allocated by F, freed by B or W)."""
+    """Per worker, the most micro-batch activations alive at once: allocated by F, freed by B, or with
+    a split backward by W, not I (the executor keeps the micro-batch's autograd graph, and with it every
+    saved activation, from I until W; the weight gradients need the layer inputs, and torch cannot free
+    the rest of a graph it still has to run)."""
     peaks = []
     for w in range(schedule.num_workers):
         live = peak = 0.0

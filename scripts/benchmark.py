@@ -41,7 +41,7 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
 
 
 BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best",
-               "1f1b split", "chimera split", "dualpipe")
+               "1f1b split", "chimera split", "dualpipe", "dualpipev")
 DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-param-gather
 
 
@@ -245,9 +245,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
 
 
 def _stage_costs(gathered, args, schedule):
-    """Median forward and backward time (ms) per model stage, over all measured iterations; a split
-    backward's is I + W, with W as the weight part. A DualPipe stage has both: its whole backwards
-    count as they are, and its split ones give W."""
+    """Median forward and backward time (ms) per model stage, over all measured iterations. A split
+    backward's time is I + W, and W its weight part; where a stage runs both whole and split
+    backwards (DualPipe), the backward is the mean of the two."""
     from chimera_schedules import Action
 
     per = {}
@@ -256,14 +256,18 @@ def _stage_costs(gathered, args, schedule):
             for a, s, e in it:
                 act = Action.parse(a)
                 per.setdefault((act.op.value, act.stage), []).append((e - s) * 1e3)
+    med = {key: statistics.median(times) for key, times in per.items()}
     stages = range(schedule.stages_per_pipeline)
-    out = {"forward": [statistics.median(per[("F", s)]) for s in stages]}
-    if ("W", 0) not in per:
-        return {**out, "backward": [statistics.median(per[("B", s)]) for s in stages]}
-    weight = [statistics.median(per[("W", s)]) for s in stages]
-    split = [statistics.median(per[("I", s)]) + w for s, w in zip(stages, weight)]
-    whole = [statistics.median(per[("B", s)]) if ("B", s) in per else t for s, t in zip(stages, split)]
-    return {**out, "backward": [(a + b) / 2 for a, b in zip(whole, split)], "weight": weight}
+    out = {"forward": [med[("F", s)] for s in stages]}
+    if not any(op == "W" for op, _ in med):
+        return {**out, "backward": [med[("B", s)] for s in stages]}
+    backward, weight = [], []
+    for s in stages:
+        times = [med[("B", s)]] if ("B", s) in med else []
+        times += [med[("I", s)] + med[("W", s)]] if ("W", s) in med else []
+        backward.append(statistics.mean(times))
+        weight.append(med.get(("W", s), backward[-1] / 2))
+    return {**out, "backward": backward, "weight": weight}
 
 
 def _predict_baselines(rows, comm):
@@ -343,7 +347,8 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-SPLIT_PAIRS = (("chimera split", "chimera direct"), ("1f1b split", "1f1b"), ("chimera split", "dualpipe"))
+SPLIT_PAIRS = (("chimera split", "chimera direct"), ("1f1b split", "1f1b"), ("chimera split", "dualpipe"),
+               ("chimera split", "dualpipev"))
 
 
 def _split_ratios(by: dict, n: int) -> dict:

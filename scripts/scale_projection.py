@@ -19,6 +19,12 @@ from chimera_schedules.planner import ModelShape, Profile, best_per_schedule, pl
 
 GPT2 = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
 DEPTHS = (4, 8, 16, 32, 64)
+SHOWN = ("gpipe", "1f1b", "chimera", "1f1b split", "chimera split", "dualpipe")  # planner.family names
+
+
+def _ratio(cells: dict, schedule: str, others: tuple[str, ...]) -> str:
+    base = max(cells.get(o, 0) for o in others)
+    return f"{cells[schedule] / base:.2f}x" if base and schedule in cells else "-"
 
 
 def main():
@@ -45,24 +51,26 @@ def main():
              f"Profile: {profile.name}. {profile.source}\n",
              "Global batch = workers x 1 sequence of 632 tokens. Each cell: the best layout of that schedule at that "
              "depth (micro-batch size 1, 2, 4 or 8; layouts that do not fit in memory excluded), in tokens/s.\n",
-             "| workers | D | " + " | ".join(["gpipe", "1f1b", "chimera"]) + " | chimera / best other |",
-             "|---|---|---|---|---|---|"]
+             "| workers | D | " + " | ".join(SHOWN) + " | chimera / best other | chimera split / chimera "
+             "| chimera split / dualpipe |", "|---|---|" + "---|" * (len(SHOWN) + 3)]
     for workers in args.workers:
         for d in DEPTHS:
             cells = {r["schedule"]: r["tokens_per_s"] for r in rows if r["workers"] == workers and r["depth"] == d}
-            others = max([cells.get("gpipe", 0), cells.get("1f1b", 0)])
-            ratio = f"{cells['chimera'] / others:.2f}x" if others and "chimera" in cells else "-"
+            ratios = [_ratio(cells, "chimera", ("gpipe", "1f1b")), _ratio(cells, "chimera split", ("chimera",)),
+                      _ratio(cells, "chimera split", ("dualpipe",))]
             lines.append(f"| {workers} | {d} | " + " | ".join(f"{cells[s]:,.0f}" if s in cells else "does not fit"
-                                                              for s in ("gpipe", "1f1b", "chimera")) + f" | {ratio} |")
+                                                              for s in SHOWN) + " | " + " | ".join(ratios) + " |")
     lines.append("\nBest layout per schedule and worker count:\n")
-    lines.append("| workers | schedule | layout | tokens/s | chimera speedup |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| workers | schedule | layout | tokens/s | chimera speedup | chimera split speedup |")
+    lines.append("|---|---|---|---|---|---|")
     for workers in args.workers:
-        for s in ("gpipe", "1f1b", "chimera"):
+        for s in SHOWN:
             r = best.get((workers, s))
             if r:
-                speed = best[(workers, "chimera")]["tokens_per_s"] / r["tokens_per_s"] if (workers, "chimera") in best else 0
-                lines.append(f"| {workers} | {s} | {r['layout']} | {r['tokens_per_s']:,.0f} | {speed:.2f}x |")
+                speed = [best[(workers, c)]["tokens_per_s"] / r["tokens_per_s"] if (workers, c) in best else 0
+                         for c in ("chimera", "chimera split")]
+                lines.append(f"| {workers} | {s} | {r['layout']} | {r['tokens_per_s']:,.0f} | {speed[0]:.2f}x "
+                             f"| {speed[1]:.2f}x |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "scale_projection.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -75,7 +83,7 @@ def main():
 
     fig, axes = plt.subplots(1, len(args.workers), figsize=(4 * len(args.workers), 3.6), sharey=False)
     for ax, workers in zip(axes, args.workers):
-        for s in ("gpipe", "1f1b", "chimera"):
+        for s in SHOWN:
             pts = [(r["depth"], r["tokens_per_s"]) for r in rows if r["workers"] == workers and r["schedule"] == s]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=s)

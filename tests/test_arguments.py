@@ -33,12 +33,28 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
      "--chimera-order=fastest: must be one of paper, best"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--chimera-order", "best",
       "--chimera-concat", "doubling"], 2, "--chimera-concat=doubling: --chimera-order best builds its own order"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--split-backward"], 2,
+     "--split-backward=True: applies to --pipeline-schedule 1f1b or chimera only"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipe", "--global-batch-size", "4"], 4,
+     "--global-batch-size=4: gives 4 micro-batches per pipeline replica (global batch / (micro-batch size x "
+     "data-parallel size)); DualPipe needs an even number of at least 2 x --pipeline-model-parallel-size (8)"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipev", "--num-layers", "4"], 4,
+     "--num-layers=4: must be divisible by the 8 pipeline stages"),
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(MODEL + flags, world_size=world)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_split_backward_and_dualpipev_build_their_schedules():
+    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+                               "--split-backward"], world_size=2)
+    assert args.schedule.name == "chimera-direct-split" and args.schedule.meta["split_backward"]
+    assert {a.op.value for a in args.schedule.compute(0)} == {"F", "I", "W"}
+    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"], world_size=2)
+    assert (args.model_stages, args.schedule.placement) == (4, ((0, 1, 1, 0),))
 
 
 def test_valid_chimera_configuration_builds_its_schedule():
