@@ -5,7 +5,8 @@ as in the paper) for pipeline depth D from 4 to 64 and up to 2,048 workers, unde
 
 A prediction, not a measurement: it rests on the profile's numbers and on the planner's cost model
 (chimera_schedules/planner.py), whose schedule simulator is checked against real runs by
-scripts/benchmark.py. Writes docs/scale_projection.{md,json,png}.
+scripts/benchmark.py. Writes docs/scale_projection.{md,json,png} (with ``--batch-per-worker K`` other
+than 1: docs/scale_projection_batchK.*).
 """
 import argparse
 import json
@@ -49,8 +50,9 @@ def main():
             best[key] = r
     lines = ["# Scale projection: GPT-2 1.3B (predicted, not measured)\n",
              f"Profile: {profile.name}. {profile.source}\n",
-             "Global batch = workers x 1 sequence of 632 tokens. Each cell: the best layout of that schedule at that "
-             "depth (micro-batch size 1, 2, 4 or 8; layouts that do not fit in memory excluded), in tokens/s.\n",
+             f"Global batch = workers x {args.batch_per_worker} sequence(s) of 632 tokens. Each cell: the best layout "
+             "of that schedule at that depth (micro-batch size 1, 2, 4 or 8), in tokens/s; - where no layout fits in "
+             "memory or the schedule's rules allow none (DualPipe needs N >= 2D micro-batches).\n",
              "| workers | D | " + " | ".join(SHOWN) + " | chimera / best other | chimera split / chimera "
              "| chimera split / dualpipe |", "|---|---|" + "---|" * (len(SHOWN) + 3)]
     for workers in args.workers:
@@ -58,7 +60,7 @@ def main():
             cells = {r["schedule"]: r["tokens_per_s"] for r in rows if r["workers"] == workers and r["depth"] == d}
             ratios = [_ratio(cells, "chimera", ("gpipe", "1f1b")), _ratio(cells, "chimera split", ("chimera",)),
                       _ratio(cells, "chimera split", ("dualpipe",))]
-            lines.append(f"| {workers} | {d} | " + " | ".join(f"{cells[s]:,.0f}" if s in cells else "does not fit"
+            lines.append(f"| {workers} | {d} | " + " | ".join(f"{cells[s]:,.0f}" if s in cells else "-"
                                                               for s in SHOWN) + " | " + " | ".join(ratios) + " |")
     lines.append("\nBest layout per schedule and worker count:\n")
     lines.append("| workers | schedule | layout | tokens/s | chimera speedup | chimera split speedup |")
@@ -72,9 +74,10 @@ def main():
                 lines.append(f"| {workers} | {s} | {r['layout']} | {r['tokens_per_s']:,.0f} | {speed[0]:.2f}x "
                              f"| {speed[1]:.2f}x |")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "scale_projection.md"), "w") as f:
+    name = "scale_projection" + (f"_batch{args.batch_per_worker}" if args.batch_per_worker != 1 else "")
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "scale_projection.json"), "w") as f:
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump({"profile": profile.__dict__, "model": GPT2.__dict__, "rows": rows}, f, indent=1)
     import matplotlib
 
@@ -94,7 +97,7 @@ def main():
     axes[0].legend()
     fig.suptitle(f"GPT-2 1.3B, predicted under {profile.name}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "scale_projection.png"), dpi=110)
+    fig.savefig(os.path.join(args.out, name + ".png"), dpi=110)
     print("\n".join(lines))
 
 

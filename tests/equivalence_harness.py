@@ -73,8 +73,7 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
         f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
         f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
         f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
-        f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"],
-    }
+    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {})
 
 
 def cases(world: int) -> dict[str, tuple[str, list[str]]]:
@@ -100,8 +99,6 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
         "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward", "--tensor-model-parallel-size", "2"]),
-        "chimera split llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--split-backward", "--tensor-model-parallel-size",
-                                                                                "2", "--sequence-parallel"]),
         "chimera untied D=4": ("untied", chimera4),
         "chimera rope D=4": ("rope", chimera4),
         "chimera llama D=4": ("llama", chimera4),

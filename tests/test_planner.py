@@ -41,7 +41,7 @@ def test_ranking_matches_hand_computed_makespans():
 def test_layouts_that_do_not_fit_rank_last():
     ranked = plan(2, 2, SHAPE, profile(3e6), depths=[2], micro_batches=[1])
     assert [c.fits for c in ranked] == sorted((c.fits for c in ranked), reverse=True)
-    assert ranked[0].schedule in ("1f1b", "gpipe") and ranked[-1].schedule == "chimera direct"
+    assert ranked[0].schedule in ("1f1b", "gpipe", "1f1b split") and ranked[-1].schedule.startswith("chimera")
 
 
 def test_bubble_measurement_on_a_synthetic_trace():
