@@ -16,9 +16,8 @@ from .dualpipe import dualpipe, dualpipev
 from .errors import require
 from .ir import Schedule
 from .search import best_order
-from .simulator import CostModel
+from .simulator import CostModel, peak_activations
 from .spec import OPTION, ScheduleSpec
-from .simulator import peak_activations
 from .validator import validate
 from .zero_bubble import split_backward
 
@@ -58,7 +57,7 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
 
 def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     """The schedule the spec describes, validated. ``costs`` guide the orders that depend on them
-    (``--order best``, more than two Chimera pipelines)."""
+    (``--order best``, more than two Chimera pipelines, where a split backward places its W passes)."""
     spec, costs = check(spec), costs or CostModel()
     result = _generate(spec, costs)
     if spec.split_backward and spec.order != "best":

@@ -57,7 +57,7 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
                     meta={"concat": "direct", "order": "best", "cap": cap, "split_backward": split})
 
 
-def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:  # noqa: D103
+def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:
     return with_grad_sync(Schedule("chimera-best", shape.stages, shape.microbatches, shape.placement,
                                    tuple(map(tuple, orders))))
 

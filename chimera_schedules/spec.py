@@ -82,7 +82,8 @@ OPTIONS = (
            "the bubbles), zero-bubble style", bool, schedules=("1f1b", "chimera")),
 )
 OPTION = {o.field: o for o in OPTIONS}
-SHARED = ("pipelines", "concat", "order", "split_backward")  # options both front ends take as they are, added from this table
+# options both front ends take as they are, added from this table
+SHARED = ("pipelines", "concat", "order", "split_backward")
 
 
 def flags(front_end: str) -> dict[str, str]:

@@ -114,14 +114,14 @@ def test_former_one_group_per_pipeline_design_deadlocks_and_the_lowering_does_no
 def grid():
     out = []
     for d in (2, 4, 8):
-        for n in (d, 2 * d, 4 * d):
+        for n in (d, 2 * d, 4 * d)[:3 if d <= 4 else 2]:  # N = 4D at depth 8 only repeats N = 2D's rules
             out += [("gpipe", d, n, {}), ("1f1b", d, n, {}), ("interleaved", d, n, {"chunks": 2}),
                     ("chimera", d, n, {}), ("chimera", d, n, {"concat": "halving"})]
             if n % (2 * d) == 0:
                 out.append(("chimera", d, n, {"concat": "doubling"}))
             if d % 4 == 0:
                 out.append(("chimera", d, n, {"pipelines": 4}))
-            if n <= 2 * d:
+            if n <= 2 * d and d <= 4:  # at D=8, N=16 the search alone takes 17 s (test_schedules runs it)
                 out.append(("chimera", d, n, {"order": "best"}))
             if d <= 4:  # the split schedules' lowering does not depend on depth beyond this
                 out += [("1f1b", d, n, {"split_backward": True}), ("chimera", d, n, {"split_backward": True})]
