@@ -181,3 +181,11 @@ def test_dualpipev_folds_one_pipeline_into_a_v():
         "B1p0s0 B3p0s3 I2p0s0 W2p0s0 I3p0s0 W3p0s0")
     result = simulate(build("dualpipev", 4, 8), PAPER)
     assert result.weight_units == [1, 1, 1, 1]  # one copy of the model, unlike DualPipe's two
+
+
+@pytest.mark.parametrize("options", [{"concat": "doubling"}, {"concat": "halving"}, {"pipelines": 4}])
+def test_every_chimera_variant_splits_within_its_own_memory(options):
+    plain = simulate(build("chimera", 8, 16, **options), PAPER)
+    split = simulate(build("chimera", 8, 16, split_backward=True, **options), PAPER)
+    assert split.makespan < plain.makespan
+    assert max(split.peak_activations) <= max(plain.peak_activations)
