@@ -4,13 +4,13 @@
         --pipeline-schedule chimera --mock-data ...
 
 As in Megatron-LM, this file holds the model-specific parts (the forward step and the loss); the
-training loop lives in megatron/training/.
+training loop lives in megatron/chimera/.
 """
 from functools import partial
 
 import torch
 
-from megatron.training import parse_args, pretrain
+from megatron.chimera import parse_args, pretrain
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

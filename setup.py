@@ -9,13 +9,13 @@ setup(
     name="chimera-megatron",
     version="0.1.0",
     description="Chimera bidirectional pipeline parallelism for Megatron GPT pretraining",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=["chimera_schedules"] + find_namespace_packages(include=["megatron.*"], exclude=["megatron.core*"]),
     install_requires=[
         # The CPU install path pins torch==2.13.0 on the pip command line (see README): an unpinned
         # torch resolves to a multi-GB CUDA build.
         "torch",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.19.2,<0.20",
         "psutil",  # megatron-core's checkpoint writer
         "sentencepiece",
         "matplotlib",  # PNG timelines and benchmark plots

@@ -126,7 +126,7 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
                           tracer: Callable | None = None) -> Callable:
-    """A function with megatron-core 0.16.1's forward_backward keyword signature. ``model`` and
+    """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.

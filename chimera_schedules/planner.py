@@ -79,7 +79,7 @@ class Precision:
 
 
 def model_state_bytes(params: float, copies: int, replicas: int, precision: Precision = Precision()) -> dict:
-    """One worker's model state in bytes, as megatron/training/startup.py counts it from the tensors:
+    """One worker's model state in bytes, as megatron/chimera/observability/startup.py counts it from the tensors:
     ``copies`` stage copies of ``params`` parameters each; weights in bf16 (2 bytes) or fp32 (4); fp32
     main weights only when the weights are bf16; an fp32 gradient per parameter; AdamW's two fp32
     moments. The distributed optimizer divides main weights and moments over the stage's replica group

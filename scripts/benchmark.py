@@ -49,7 +49,7 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
     """(label, N, flags) for every schedule the sizes allow: the registry's variants named in
     BENCHMARKED, megatron-core's 1F1B and data parallelism."""
     from chimera_schedules import ScheduleConfigError, check, variant
-    from megatron.training.arguments import schedule_flags
+    from megatron.chimera.config.arguments import schedule_flags
 
     d, layers = cfg["stages"], int(cfg["model"][cfg["model"].index("--num-layers") + 1])
     out = []
@@ -106,7 +106,7 @@ def _comm_costs(device):
 
 
 def _case_args(flags, cfg):
-    from megatron.training import parse_args
+    from megatron.chimera import parse_args
 
     return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + flags, world_size=2)
 
@@ -117,8 +117,8 @@ def _measure_case(flags, cfg):
     import torch.distributed as dist
     from torch.autograd.graph import saved_tensors_hooks
 
-    from megatron.training import Trainer
-    from megatron.training.startup import model_state_bytes
+    from megatron.chimera import Trainer
+    from megatron.chimera.observability.startup import model_state_bytes
     from pretrain_gpt import forward_step
 
     args = _case_args(flags, cfg)
@@ -297,7 +297,7 @@ def worker(cfg: dict, out: str, name: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron.training.parallel import init_distributed
+    from megatron.chimera.distributed.process_groups import init_distributed
 
     init_distributed(None, 10)
     p2p, allreduce = _comm_costs(torch.device("cpu"))

@@ -31,8 +31,8 @@ def layer_times(repeats: int = 20) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from chimera_schedules.planner import ModelShape
-    from megatron.training.arguments import parse_args
-    from megatron.training.model import build_chunk
+    from megatron.chimera.config.arguments import parse_args
+    from megatron.chimera.model.chunk import build_chunk
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

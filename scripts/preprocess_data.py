@@ -26,7 +26,7 @@ class Encoder:
 
     @classmethod
     def initializer(cls, args):
-        from megatron.training.tokenizer import build_tokenizer
+        from megatron.chimera.data.tokenizer import build_tokenizer
 
         cls.args, cls.tokenizer = args, build_tokenizer(args)
 
@@ -47,7 +47,7 @@ def main(argv=None):
     p.add_argument("--input", required=True, help="JSON lines, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    from megatron.training.tokenizer import add_arguments, check_arguments
+    from megatron.chimera.data.tokenizer import add_arguments, check_arguments
 
     add_arguments(p)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")

@@ -15,7 +15,7 @@ def one_process_group():
     """A one-process gloo group with megatron-core's parallel state and the CPU layer, for tests that
     build megatron-core models inside the test process."""
     from megatron.core import parallel_state
-    from megatron.training import cpu_compat
+    from megatron.chimera.model import cpu_compat
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from chimera_schedules.executor import PipelineFault, make_forward_backward  # noqa: E402
 from legacy_lowering import legacy_lower  # noqa: E402
-from megatron.training import Trainer, parse_args  # noqa: E402
+from megatron.chimera import Trainer, parse_args  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

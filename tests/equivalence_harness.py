@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training import Trainer, parse_args  # noqa: E402
-from megatron.training.model import is_gated, tp_shard  # noqa: E402
+from megatron.chimera import Trainer, parse_args  # noqa: E402
+from megatron.chimera.model.chunk import is_gated, tp_shard  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 ITERS = 3

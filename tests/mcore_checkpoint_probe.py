@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training import parse_args  # noqa: E402
-from megatron.training.data import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
-from megatron.training.model import transformer_config  # noqa: E402
-from megatron.training.parallel import init_distributed  # noqa: E402
+from megatron.chimera import parse_args  # noqa: E402
+from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
+from megatron.chimera.model.chunk import transformer_config  # noqa: E402
+from megatron.chimera.distributed.process_groups import init_distributed  # noqa: E402
 
 
 def gpt_model(args):

@@ -1,7 +1,7 @@
 """Impossible layouts fail before any process group exists: one line naming the flag, exit code 2."""
 import pytest
 
-from megatron.training.arguments import parse_args
+from megatron.chimera.config.arguments import parse_args
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",

@@ -3,7 +3,7 @@ applied, and the RNG tracker it installs behaves like megatron-core's (fork rest
 import pytest
 import torch
 
-from megatron.training import cpu_compat
+from megatron.chimera.model import cpu_compat
 
 
 def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):

@@ -1,7 +1,7 @@
 """Megatron's --data-path blend syntax goes through megatron-core's BlendedDataset; one prefix gives a
 plain GPTDataset. Both read the files scripts/preprocess_data.py wrote from the shipped corpus."""
-from megatron.training.arguments import parse_args
-from megatron.training.data import build_datasets
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.data.datasets import build_datasets
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron.training.arguments import parse_args
+from megatron.chimera.config.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -23,7 +23,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 def fake_checkpoint(root, hidden: int):
     """A torch_dist checkpoint directory whose common state describes a model of another hidden size."""
-    from megatron.training.checkpointing import SHAPE_KEYS
+    from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
 
     folder = root / "iter_0000001"
     folder.mkdir(parents=True)
@@ -143,7 +143,7 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
     from megatron.core import parallel_state
-    from megatron.training.parallel import setup_parallel
+    from megatron.chimera.distributed.process_groups import setup_parallel
 
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
     rt = setup_parallel(args, "gloo", torch.device("cpu"))

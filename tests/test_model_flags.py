@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.training.arguments import _parser, parse_args
-from megatron.training.model import transformer_config
-from megatron.training.model_flags import ARCHITECTURE, MOE, NO_EFFECT, flag
+from megatron.chimera.config.arguments import _parser, parse_args
+from megatron.chimera.model.chunk import transformer_config
+from megatron.chimera.model.flags import ARCHITECTURE, MOE, NO_EFFECT, flag
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -82,7 +82,7 @@ def test_log_throughput_flops_follow_the_standard_gpt_formula():
     """72 b s L h^2 (1 + s / 6h + V / 12Lh) for a GPT-3-style layer; SwiGLU and GQA change their terms."""
     from types import SimpleNamespace
 
-    from megatron.training.flops import iteration_flops
+    from megatron.chimera.observability.flops import iteration_flops
 
     gpt3 = SimpleNamespace(hidden_size=12288, seq_length=2048, num_layers=96, num_attention_heads=96, kv_channels=None,
                            num_query_groups=None, ffn_hidden_size=4 * 12288, swiglu=False, padded_vocab_size=51200)

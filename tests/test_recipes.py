@@ -90,7 +90,7 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(gpt2_files, gpt2_corpus, tmp
     (["--train-samples", "32", "--lr-decay-samples", "32"],
      "is not supported yet: every batch size needs its own pipeline schedule")])
 def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path, length, rule):
-    from megatron.training.arguments import parse_args
+    from megatron.chimera.config.arguments import parse_args
 
     flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), "--mock-data", str(tmp_path))
     flags = [f for f in flags if f != "--data-path"]

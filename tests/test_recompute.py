@@ -3,8 +3,8 @@
 keeping fewer bytes of activations for the backward pass."""
 import torch
 
-from megatron.training.arguments import parse_args
-from megatron.training.model import build_chunk
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.model.chunk import build_chunk
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",

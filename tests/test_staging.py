@@ -3,7 +3,7 @@ all-reduce returns its result into the device tensor, synchronously or at wait()
 machine the staging device is the CPU itself, so this checks the bookkeeping, not the copies."""
 import torch
 
-from megatron.training.parallel import Runtime
+from megatron.chimera.distributed.process_groups import Runtime
 
 
 def runtime(comm_device):

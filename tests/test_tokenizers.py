@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.training.arguments import parse_args
-from megatron.training.tokenizer import build_tokenizer
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.data.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -34,9 +34,12 @@ def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):
     assert eod == 514  # <EOD>, not the model's EOS
 
 
-def test_null_tokenizer_adds_one_id_for_eod():
+def test_null_tokenizer_keeps_its_size_and_ends_documents_with_the_last_id():
+    """megatron-core 0.19's NullTokenizer, as Megatron-LM builds it: --vocab-size ids, EOD the last
+    (0.16's added one id for EOD)."""
     args = parse_args(MODEL + ["--vocab-size", "128"], world_size=1)
-    assert build_tokenizer(args).vocab_size == 129 and args.padded_vocab_size == 256
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod, args.padded_vocab_size) == (128, 127, 128)
 
 
 @pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])

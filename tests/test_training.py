@@ -72,7 +72,9 @@ def test_evaluation_leaves_gradients_and_optimizer_state_untouched(results, case
 def readme_main_command() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         first_block = re.search(r"```bash\n(.*?)\n```", f.read(), re.S).group(1)
-    return first_block.split("&&", 1)[1].strip()
+    setup, activate, command = first_block.split("&&", 2)  # setup_env.sh and the venv are this suite's own
+    assert "scripts/setup_env.sh" in setup and ".venv/bin/activate" in activate
+    return command.strip()
 
 
 def test_readme_main_command_trains_chimera_with_decreasing_loss(tmp_path):

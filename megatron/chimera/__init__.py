@@ -1,4 +1,5 @@
 """Our training program, beside megatron-core in the ``megatron`` namespace package."""
+import logging
 import warnings
 
 # megatron-core warns at import, once per module, that Transformer Engine and apex are missing; on a
@@ -7,7 +8,12 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")
 # megatron-core's timers gather with a collective torch 2.13 deprecates; one FutureWarning per rank
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
-from .arguments import parse_args  # noqa: E402
-from .training import Trainer, pretrain  # noqa: E402
+# megatron-core 0.19 asks for the rank before torch.distributed exists (argument checks run first) and
+# warns that it defaults to 0; our checks print on rank 0 only, on purpose.
+warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed")
+# torch's CUDA build on a machine without a driver logs this once per process at import, on every rank
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+from .config.arguments import parse_args  # noqa: E402
+from .loop import Trainer, pretrain  # noqa: E402
 
 __all__ = ["parse_args", "Trainer", "pretrain"]

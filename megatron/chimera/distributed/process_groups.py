@@ -104,7 +104,7 @@ def init_distributed(backend: str | None, timeout_minutes: float,
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        from . import cpu_compat
+        from ..model import cpu_compat
 
         cpu_compat.apply()
     if not dist.is_initialized():

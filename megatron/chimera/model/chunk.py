@@ -19,7 +19,7 @@ import zlib
 
 import torch
 
-from .model_flags import ARCHITECTURE
+from .flags import ARCHITECTURE
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"

@@ -2,7 +2,8 @@
 
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/metadata.json, .metadata, __R_I.distcp   megatron-core's dist_checkpointing
-    SAVE/iter_0000100/common.pt        iteration, args, opt_param_scheduler, optimizer step, layout
+        (megatron-core 0.19 keeps the common state, iteration, args, opt_param_scheduler, optimizer
+        step and layout, inside .metadata; 0.16's separate common.pt is still read)
     SAVE/iter_0000100/manifest.json    ours: the size and sha256 of every file above
 
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
@@ -24,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -148,23 +150,31 @@ def _verified_by_rank0(folder: str, root: str) -> None:
         raise CheckpointError(root, box[0])
 
 
+# Where dist_checkpointing keeps the non-tensor state: .metadata since megatron-core 0.19, common.pt before
+COMMON_FILES = ("common.pt", ".metadata")
+
+
 def read_common(folder: str, fmt: str, root: str) -> dict:
     """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
     if fmt == "torch":
-        from .legacy_checkpoint import read_common as legacy_common
+        from .legacy import read_common as legacy_common
 
         return legacy_common(folder, root)
     from megatron.core import dist_checkpointing
 
     manifest = _manifest(folder, root)
-    if manifest and "common.pt" in manifest["files"]:
-        if _digest(os.path.join(folder, "common.pt")) != manifest["files"]["common.pt"]:
-            raise CheckpointError(root, f"common.pt in {folder} is corrupted (its sha256 does not match {MANIFEST})")
+    holders = [name for name in COMMON_FILES if manifest and name in manifest["files"]]
+    for name in holders:  # checked before anything in them is unpickled
+        if _digest(os.path.join(folder, name)) != manifest["files"][name]:
+            raise CheckpointError(root, f"{name} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
     try:
-        with safe_globals():
+        with safe_globals(), warnings.catch_warnings():
+            # read before any process group exists (the argument checks): that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             return dist_checkpointing.load_common_state_dict(folder)
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the checkpoint's fault, named
-        raise CheckpointError(root, f"common.pt in {folder} is unreadable ({str(e).splitlines()[0][:200]})") from None
+        where = " or ".join(holders) or "the common state"
+        raise CheckpointError(root, f"{where} in {folder} is unreadable ({str(e).splitlines()[0][:200]})") from None
 
 
 def check_shape(args, common: dict, root: str) -> None:
@@ -261,7 +271,7 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     args = trainer.args
     folder, fmt = find_checkpoint(args.load)
     if fmt == "torch":
-        from .legacy_checkpoint import load_legacy
+        from .legacy import load_legacy
 
         common = load_legacy(trainer, folder, args.load)
         trainer.main.copy_from_model()

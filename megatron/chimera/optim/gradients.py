@@ -14,7 +14,7 @@ import math
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .model import TIED_NAME
+from ..model.chunk import TIED_NAME
 
 
 def _grads(params) -> list[torch.Tensor]:

@@ -15,11 +15,11 @@ from chimera_schedules.build import check_options
 from chimera_schedules.errors import require
 from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
 
-from .model_flags import add_architecture_flags, add_compatibility_flags
+from ..model.flags import add_architecture_flags, add_compatibility_flags
 from .plan import run_plan
-from .tokenizer import add_arguments as add_tokenizer_arguments
-from .tokenizer import build_tokenizer, padded_vocab_size
-from .tokenizer import check_arguments as check_tokenizer_arguments
+from ..data.tokenizer import add_arguments as add_tokenizer_arguments
+from ..data.tokenizer import build_tokenizer, padded_vocab_size
+from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 
@@ -432,7 +432,7 @@ def _first_launch(args) -> bool:
     """``--save X --load X`` with nothing at X yet: every Megatron-LM script and Slurm requeue does this,
     so it starts from scratch. A --load elsewhere with no checkpoint stays an error (a typo must not
     train from scratch silently)."""
-    from .checkpointing import LATEST
+    from ..checkpoint.checkpointing import LATEST
 
     same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
     return same and not os.path.exists(os.path.join(args.load, LATEST))
@@ -452,7 +452,7 @@ def _writable(path: str) -> bool:
 
 def _validate_checkpoint(args) -> None:
     """--load must hold a whole checkpoint of this model's shape (sizes and common state only)."""
-    from .checkpointing import check_shape, check_sizes, find_checkpoint, read_common
+    from ..checkpoint.checkpointing import check_shape, check_sizes, find_checkpoint, read_common
 
     folder, fmt = find_checkpoint(args.load)
     check_sizes(folder, args.load)

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .model import TIED_NAME
+from ..model.chunk import TIED_NAME
 
 
 class _Bucket:

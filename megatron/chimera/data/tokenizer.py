@@ -84,7 +84,7 @@ def build_tokenizer(args) -> Tokenizer:
         return _gpt2_bpe(args.vocab_file, args.merge_file)
     from megatron.core.tokenizers import MegatronTokenizer
 
-    null = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
+    null = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=args.vocab_size)
     return Tokenizer(kind, null.tokenize, null.detokenize, null.vocab_size, null.eod)
 
 

@@ -22,18 +22,18 @@ from chimera_schedules.executor import PipelineFault, Transport
 from chimera_schedules.lowering import stage_group
 from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
-from .arguments import lr_increment, lr_schedule
-from .fault_injection import FaultInjection
-from .flops import iteration_flops
-from .data import MicrobatchSource, build_datasets, dataset_sizes, iterators
-from .distributed_optimizer import ShardedMainParams
-from .gradients import ReplicaGradSync
-from .housekeeping import Housekeeping
-from .model import build_chunk
-from .parallel import init_distributed, release_groups, setup_parallel
-from .precision import LossScaler, MainParams, scaled_loss
-from .startup import print_banner, print_building, print_model_state, print_parameter_counts
-from .timing import ITERATION, SETUP, make_timers, print_datetime, print_times
+from .config.arguments import lr_increment, lr_schedule
+from .observability.fault_injection import FaultInjection
+from .observability.flops import iteration_flops
+from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, iterators
+from .optim.distributed_optimizer import ShardedMainParams
+from .optim.gradients import ReplicaGradSync
+from .observability.housekeeping import Housekeeping
+from .model.chunk import build_chunk
+from .distributed.process_groups import init_distributed, release_groups, setup_parallel
+from .optim.precision import LossScaler, MainParams, scaled_loss
+from .observability.startup import print_banner, print_building, print_model_state, print_parameter_counts
+from .observability.timing import ITERATION, SETUP, make_timers, print_datetime, print_times
 
 
 def print_rank_last(message: str) -> None:
@@ -366,7 +366,7 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
 
 def _resume(trainer) -> int:
     """The iteration to start from: the loaded checkpoint's, or 0."""
-    from .checkpointing import load_checkpoint
+    from .checkpoint.checkpointing import load_checkpoint
 
     args = trainer.args
     if args.fresh_start:
@@ -381,7 +381,7 @@ def _resume(trainer) -> int:
 def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, faults: FaultInjection) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; never the
     state of a NaN iteration."""
-    from .checkpointing import save_checkpoint
+    from .checkpoint.checkpointing import save_checkpoint
 
     args = trainer.args
     if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):

@@ -17,7 +17,7 @@ import re
 import torch
 
 from .checkpointing import CheckpointError, safe_globals
-from .model import LAYER, TIED_NAME, is_gated, tp_shard
+from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

@@ -1,0 +1,1 @@
+"""Data: tokenizers and megatron-core's datasets, fed to the stages that read them."""

@@ -1,0 +1,1 @@
+"""Observability: Megatron's startup lines, timers, FLOPs, housekeeping and fault injection."""

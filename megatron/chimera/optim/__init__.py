@@ -1,0 +1,1 @@
+"""Optimizer and precision: main weights, loss scaling, replica gradient sums, distributed optimizer."""
