@@ -1,8 +1,11 @@
-"""What megatron-core 0.16.1 hard-codes to CUDA, redirected to the CPU. One module, applied once, and
-only when training runs on the CPU (``apply`` refuses when CUDA is in use).
+"""What megatron-core 0.19 hard-codes to CUDA, redirected to the CPU. One module, applied once, and
+only when training runs on the CPU (``apply`` refuses when CUDA is in use). With torch's CUDA build on a
+machine without a driver, each of these raises "Found no NVIDIA driver"; tests/cpu_shim_probe.py
+undoes them one at a time against megatron-core's own code, and a test fails when one is no longer
+needed.
 
 - ``torch.cuda.current_device()`` (GlobalMemoryBuffer, RoPE's inv_freq, p2p receive buffers) -> CPU;
-  ``torch.cuda.synchronize()`` (p2p) -> no-op.
+  ``torch.cuda.synchronize()`` (p2p, the async checkpoint writer) -> no-op.
 - The CUDA RNG tracker that attention always enters -> one that keeps CPU generator states; the CUDA
   state that activation recomputation saves and restores beside the CPU one -> nothing.
 - Literal ``device="cuda"`` tensors -> CPU, through a ``torch`` proxy seen only by the two modules that
