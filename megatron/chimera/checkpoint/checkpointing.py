@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -225,6 +226,17 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
         _publish(tmp, final, args.save, iteration)
     dist.barrier()
     return final
+
+
+class _NotAsync(logging.Filter):
+    """megatron-core 0.19's synchronous torch_dist save runs through its async path, which then warns on
+    every rank that "MCore's async save is deprecated": not true of a synchronous save, so dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "async save is deprecated" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_NotAsync())
 
 
 def _synchronous_writer() -> None:
