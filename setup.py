@@ -12,8 +12,8 @@ setup(
     python_requires=">=3.12",
     packages=["chimera_schedules"] + find_namespace_packages(include=["megatron.*"], exclude=["megatron.core*"]),
     install_requires=[
-        # The CPU install path pins torch==2.13.0 on the pip command line (see README): an unpinned
-        # torch resolves to a multi-GB CUDA build.
+        # scripts/setup_env.sh pins torch==2.13.0, the release this is tested with; on a GPU cluster,
+        # install beside your own CUDA torch.
         "torch",
         "megatron-core>=0.19.2,<0.20",
         "psutil",  # megatron-core's checkpoint writer

@@ -1,4 +1,4 @@
-"""Megatron-LM's own example scripts (core_v0.16: examples/gpt3/train_gpt3_175b_distributed.sh and
+"""Megatron-LM's own example scripts (core_v0.16 to core_v0.19, the same flags: examples/gpt3/train_gpt3_175b_distributed.sh and
 examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag, with the sizes scaled down and
 ``--pipeline-schedule chimera`` added, run under Chimera D=2.
 

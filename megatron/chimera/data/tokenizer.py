@@ -10,7 +10,7 @@ The per-type rules are Megatron-LM's:
 - GPTSentencePieceTokenizer and Llama2Tokenizer keep the model's vocabulary, end documents with its
   EOS, and Llama2 starts every text with BOS;
 - HuggingFaceTokenizer counts added tokens too (``len(tokenizer)``); GPT2BPETokenizer ends with
-  <|endoftext|>; NullTokenizer has --vocab-size ids plus one for EOD.
+  <|endoftext|>; NullTokenizer has --vocab-size ids, EOD the last (megatron-core 0.19).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def add_arguments(group) -> None:
     group.add_argument("--tokenizer-model", help="SentencePiece model file, or a local HuggingFace tokenizer directory")
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 (plus one for EOD)")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, EOD = N-1")
 
 
 def check_arguments(args, require) -> None:
