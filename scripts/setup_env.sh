@@ -19,7 +19,7 @@ new_enough() {  # an interpreter that runs and is 3.12 or newer
 find_python() {
     local candidates=("${PYTHON:-}" python3.12 python3.13 python3 python)
     local root
-    root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+    root="$(pyenv root 2>/dev/null || echo "${HOME:-/root}/.pyenv")"
     candidates+=("$root"/versions/3.1[2-9]*/bin/python3)
     for py in "${candidates[@]}"; do
         if [[ -n "$py" ]] && new_enough "$py"; then
@@ -31,7 +31,16 @@ find_python() {
     return 1
 }
 
-if ! new_enough "$VENV/bin/python"; then
+venv_here() {  # a new enough .venv made in this folder (a moved one still points at its old path)
+    new_enough "$VENV/bin/python" &&
+        [[ "$("$VENV/bin/python" -c 'import sys; print(sys.prefix)')" == "$PWD/$VENV" ]]
+}
+
+if [[ -n "${PYTHON:-}" ]] && ! new_enough "$PYTHON"; then
+    echo "scripts/setup_env.sh: PYTHON=$PYTHON is not a Python >= 3.12 (megatron-core 0.19 needs it)" >&2
+    exit 1
+fi
+if ! venv_here; then
     python="$(find_python)"
     echo "creating $VENV with $python ($("$python" --version))"
     rm -rf "$VENV"
