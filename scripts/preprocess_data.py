@@ -47,13 +47,16 @@ def main(argv=None):
     p.add_argument("--input", required=True, help="JSON lines, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    from megatron.chimera.data.tokenizer import add_arguments, check_arguments
+    from megatron.chimera.data.tokenizer import check_arguments
+    from megatron.training.arguments import _add_tokenizer_args
 
-    add_arguments(p)
+    _add_tokenizer_args(p)  # Megatron-LM's tokenizer flags, as its tools/preprocess_data.py adds them
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000)
     args = p.parse_args(argv)
+    # what megatron-core's tokenizer builder reads besides the tokenizer flags (Megatron-LM's tool sets these too)
+    args.rank, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by = 1, 1, 128
     if not os.path.isfile(args.input):
         p.exit(2, f"preprocess_data.py: error: --input={args.input}: no such file\n")
 

@@ -23,15 +23,19 @@ def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):
     for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         args = parse_args(MODEL + ["--tokenizer-type", kind, "--tokenizer-model", model], world_size=1)
         sizes[kind] = (build_tokenizer(args).vocab_size, args.padded_vocab_size)
-    # <CLS> <SEP> <EOD> <MASK> <PAD> <BOS> appended: 518, padded to 640 as Megatron-LM does
-    assert sizes == {"SentencePieceTokenizer": (518, 640), "GPTSentencePieceTokenizer": (512, 512),
-                     "Llama2Tokenizer": (512, 512)}
+    # as Megatron-LM 0.19 builds them (megatron-core's builder): the model's own 512 pieces for every type
+    # (legacy Megatron-LM appended <CLS> <SEP> <EOD> <MASK> ... to SentencePieceTokenizer's), documents
+    # ended with the model's EOS
+    assert sizes == {kind: (512, 512) for kind in sizes}
     tp2 = parse_args(MODEL + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
-                              "--tensor-model-parallel-size", "2"], world_size=2)
-    assert tp2.padded_vocab_size == 768  # a multiple of 128 x TP
+                              "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "192"],
+                     world_size=2)
+    assert tp2.padded_vocab_size == 768  # a multiple of --make-vocab-size-divisible-by x TP
     eod = build_tokenizer(parse_args(MODEL + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                                               model], world_size=1)).eod
-    assert eod == 514  # <EOD>, not the model's EOS
+    import sentencepiece
+
+    assert eod == sentencepiece.SentencePieceProcessor(model_file=model).eos_id() == 1
 
 
 def test_null_tokenizer_keeps_its_size_and_ends_documents_with_the_last_id():

@@ -1,34 +1,15 @@
-"""Tokenizers by Megatron-LM's --tokenizer-type names, with Megatron-LM's vocabulary size and
-end-of-document id for each type, so embedding shapes, checkpoints and preprocessed ``.bin`` files
-match Megatron-LM's.
+"""Tokenizers as Megatron-LM 0.19 builds them: megatron-core's ``build_tokenizer``, the one Megatron-LM's
+own ``global_vars`` calls, so every --tokenizer-type has Megatron-LM's vocabulary, end-of-document id and
+padded size, and embedding shapes, checkpoints and preprocessed ``.bin`` files match Megatron-LM's.
 
-The text models are megatron-core's (its SentencePiece, HuggingFace and null tokenizers); GPT-2's BPE
-files are read by HuggingFace's byte-level BPE, the same algorithm Megatron-LM implements.
-The per-type rules are Megatron-LM's:
-- SentencePieceTokenizer appends <CLS> <SEP> <EOD> <MASK>, and <PAD> <BOS> <EOS> where the model
-  has no such piece; its end of document is <EOD>;
-- GPTSentencePieceTokenizer and Llama2Tokenizer keep the model's vocabulary, end documents with its
-  EOS, and Llama2 starts every text with BOS;
-- HuggingFaceTokenizer counts added tokens too (``len(tokenizer)``); GPT2BPETokenizer ends with
-  <|endoftext|>; NullTokenizer has --vocab-size ids, EOD the last (megatron-core 0.19).
+One exception: megatron-core builds GPT2BPETokenizer through HuggingFace's ``AutoTokenizer("gpt2")``,
+a download from the hub, even when --vocab-file and --merge-file are given. Here those two files are
+read offline by HuggingFace's byte-level BPE, the same algorithm, ending documents with <|endoftext|>.
 """
 from __future__ import annotations
 
-TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-         "HuggingFaceTokenizer", "NullTokenizer")
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 NEEDS_TRANSFORMERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
-
-
-def add_arguments(group) -> None:
-    """Megatron-LM's tokenizer flags, shared by pretrain_gpt.py and scripts/preprocess_data.py."""
-    group.add_argument("--tokenizer-type", choices=TYPES,
-                       help="default: GPT2BPETokenizer with --vocab-file and --merge-file (as Megatron-LM's GPT-3 "
-                            "example relies on), NullTokenizer otherwise")
-    group.add_argument("--tokenizer-model", help="SentencePiece model file, or a local HuggingFace tokenizer directory")
-    group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
-    group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, EOD = N-1")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def check_arguments(args, require) -> None:
@@ -55,80 +36,37 @@ def check_arguments(args, require) -> None:
             "--tokenizer-type", kind, "needs the transformers package (pip install transformers)")
 
 
-class Tokenizer:
-    """What the datasets and preprocess_data.py ask of a tokenizer."""
+def build_tokenizer(args):
+    """megatron-core's tokenizer for ``args`` (Megatron-LM's namespace); sets ``args.padded_vocab_size``
+    as Megatron-LM does, to a multiple of --make-vocab-size-divisible-by x TP."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
-    def __init__(self, kind: str, encode, decode, vocab_size: int, eod: int, pad: int | None = None):
-        self.kind, self._encode, self._decode = kind, encode, decode
-        # -1: no padding token (megatron-core's datasets then mask nothing as padding)
-        self.vocab_size, self.eod, self.pad = vocab_size, eod, -1 if pad is None else pad
+    if args.tokenizer_type != "GPT2BPETokenizer":
+        return megatron_build(args)
+    tokenizer = GPT2BPE(args.vocab_file, args.merge_file)
+    if args.pad_vocab_size and getattr(args, "padded_vocab_size", None) is None:
+        args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
+    return tokenizer
+
+
+class GPT2BPE:
+    """GPT-2's byte-level BPE from its vocab.json and merges.txt, with what Megatron-LM's datasets and
+    preprocess_data ask of a tokenizer."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import ByteLevelBPETokenizer  # HuggingFace's, installed with transformers
+
+        self.bpe = ByteLevelBPETokenizer(vocab_file, merge_file)
+        vocab = self.bpe.get_vocab()
+        self.vocab_size, self.eod, self.pad = len(vocab), vocab["<|endoftext|>"], -1  # -1: no padding token
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._encode(text))
+        return self.bpe.encode(text).ids
 
     def detokenize(self, ids) -> str:
-        return self._decode(list(ids))
+        return self.bpe.decode(list(ids))
 
     @property
     def unique_identifiers(self) -> dict:
-        return {"class": f"{self.kind}", "vocab_size": self.vocab_size, "eod": self.eod}
-
-
-def build_tokenizer(args) -> Tokenizer:
-    kind = args.tokenizer_type
-    if kind in SENTENCEPIECE_TYPES:
-        return _sentencepiece(kind, args.tokenizer_model)
-    if kind == "HuggingFaceTokenizer":
-        return _huggingface(args.tokenizer_model)
-    if kind == "GPT2BPETokenizer":
-        return _gpt2_bpe(args.vocab_file, args.merge_file)
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    null = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=args.vocab_size)
-    return Tokenizer(kind, null.tokenize, null.detokenize, null.vocab_size, null.eod)
-
-
-def _sentencepiece(kind: str, model: str) -> Tokenizer:
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    metadata = {"library": "sentencepiece", "model_type": "gpt"}
-    if kind != "SentencePieceTokenizer":
-        sp = MegatronTokenizer.from_pretrained(model, metadata_path=metadata)._tokenizer
-        bos = [sp.tokenizer.bos_id()] if kind == "Llama2Tokenizer" and sp.tokenizer.bos_id() >= 0 else []
-        return Tokenizer(kind, lambda text: bos + sp.text_to_ids(text), sp.ids_to_text, sp.vocab_size,
-                         sp.tokenizer.eos_id(), sp.tokenizer.pad_id())
-    plain = MegatronTokenizer.from_pretrained(model, metadata_path=metadata)._tokenizer.tokenizer
-
-    def piece(index: int, fallback: str) -> str:
-        return plain.id_to_piece(index) if 0 <= index < plain.get_piece_size() else fallback
-
-    specials = ["<CLS>", "<SEP>", "<EOD>", "<MASK>", piece(plain.pad_id(), "<PAD>"), piece(plain.bos_id(), "<BOS>"),
-                piece(plain.eos_id(), "<EOS>")]
-    sp = MegatronTokenizer.from_pretrained(model, metadata_path=metadata, legacy=True,
-                                           special_tokens=specials)._tokenizer
-    return Tokenizer(kind, sp.text_to_ids, sp.ids_to_text, sp.vocab_size, sp.token_to_id("<EOD>"),
-                     sp.token_to_id(specials[4]))
-
-
-def _huggingface(directory: str) -> Tokenizer:
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    hf = MegatronTokenizer.from_pretrained(directory, metadata_path={"library": "huggingface", "model_type": "gpt"})
-    inner = hf._tokenizer.tokenizer  # transformers' tokenizer
-    return Tokenizer("HuggingFaceTokenizer", lambda text: inner(text)["input_ids"], inner.decode, len(inner),
-                     inner.eos_token_id, inner.pad_token_id)
-
-
-def _gpt2_bpe(vocab_file: str, merge_file: str) -> Tokenizer:
-    from tokenizers import ByteLevelBPETokenizer  # HuggingFace's, installed with transformers
-
-    bpe = ByteLevelBPETokenizer(vocab_file, merge_file)
-    encoder = bpe.get_vocab()
-    return Tokenizer("GPT2BPETokenizer", lambda text: bpe.encode(text).ids, bpe.decode, len(encoder),
-                     encoder["<|endoftext|>"])
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x TP."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+        return {"class": "GPT2BPETokenizer", "vocab_size": self.vocab_size, "eod": self.eod}
