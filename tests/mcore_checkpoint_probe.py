@@ -1,12 +1,18 @@
-"""megatron-core's side of the checkpoint tests: a plain GPTModel (no pipeline, one process) that
-saves, loads and evaluates through megatron-core's API only, as a Megatron-LM user's tools do.
+"""Megatron-LM's side of the checkpoint tests: a plain GPTModel (no pipeline, one process) saved and
+loaded by Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (megatron.training.checkpointing,
+from the megatron-core wheel), as a Megatron-LM user's run does.
 
-    python tests/mcore_checkpoint_probe.py save DIR -- FLAGS   # DIR/torch_dist: dist_checkpointing.save of a
-                                                              # GPTModel; DIR/torch: Megatron-LM's legacy files
-    python tests/mcore_checkpoint_probe.py load DIR -- FLAGS   # dist_checkpointing.load into a GPTModel
+    python tests/mcore_checkpoint_probe.py save DIR -- FLAGS   # DIR/torch_dist: Megatron-LM's save_checkpoint
+                                                              # (torch_dist, iteration 1); DIR/torch: its legacy files
+    python tests/mcore_checkpoint_probe.py load DIR -- FLAGS   # Megatron-LM's load_checkpoint of DIR (a --save
+                                                              # directory; --probe-step N picks iteration N)
 
 Each prints ``loss BATCH VALUE``: the LM loss of training batch BATCH (``--probe-batch``, default 0)
 as pretrain_gpt.py's data gives it, with the saved or loaded weights. FLAGS are pretrain_gpt.py's.
+
+Megatron-LM's checkpoint functions run on the CPU with two answers only CUDA gives them: the CUDA RNG
+state its save stores (empty: there is no CUDA generator; loading skips RNG states, --no-load-rng) and the
+one ``device='cuda'`` tensor its load all-reduces the iteration number in (made on the CPU).
 """
 from __future__ import annotations
 
@@ -79,24 +85,51 @@ def write_legacy(model, args, folder: str) -> None:
         f.write("release")
 
 
+def megatron_lm_on_cpu(args):
+    """Megatron-LM's globals for its checkpoint functions, and the two CUDA answers (see above)."""
+    import types
+
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import set_args
+
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    set_args(args)
+    init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1, False)
+    args.no_load_rng = args.no_load_optim = args.no_save_optim = True  # a model alone, as saved here
+    torch.cuda.get_rng_state = lambda *_, **__: torch.empty(0, dtype=torch.uint8)
+    on_cpu = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
+    on_cpu.tensor = lambda *a, device=None, **k: torch.tensor(*a, **k)
+    checkpointing.torch = on_cpu
+    return checkpointing
+
+
+def option(flags: list[str], name: str, default: int | None) -> int | None:
+    """Take a probe option out of pretrain_gpt.py's flags."""
+    if name not in flags:
+        return default
+    at = flags.index(name)
+    value = int(flags[at + 1])
+    del flags[at:at + 2]
+    return value
+
+
 def main() -> None:
     mode, folder = sys.argv[1], sys.argv[2]
     flags = sys.argv[sys.argv.index("--") + 1:]
-    index = int(flags.pop(flags.index("--probe-batch") + 1)) if "--probe-batch" in flags else 0
-    if "--probe-batch" in flags:
-        flags.remove("--probe-batch")
+    index, step = option(flags, "--probe-batch", 0), option(flags, "--probe-step", None)
     args = parse_args(flags, world_size=1)
     init_distributed("gloo", 5)
-    from megatron.core import dist_checkpointing
-
     model = gpt_model(args)
+    checkpointing = megatron_lm_on_cpu(args)
     if mode == "save":
-        os.makedirs(os.path.join(folder, "torch_dist"))
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(folder, "torch_dist"))
+        args.save = os.path.join(folder, "torch_dist")
+        checkpointing.save_checkpoint(1, [model], None, None, 0)
         write_legacy(model, args, os.path.join(folder, "torch"))
     else:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
-        model.load_state_dict(state["model"])
+        args.load, args.ckpt_step = folder, step
+        iteration, _ = checkpointing.load_checkpoint([model], None, None, strict=True)
+        print(f"Megatron-LM's load_checkpoint: iteration {iteration}", flush=True)
     print(f"loss {index} {batch_loss(model, args, index):.6E}", flush=True)
 
 

@@ -102,17 +102,18 @@ def probe(*argv: str) -> str:
     return run(1, PROBE, *argv).stdout.split()[-1]
 
 
-def test_chimera_checkpoint_loads_into_megatron_core_gpt_model(uninterrupted, corpus):
-    """dist_checkpointing.load into a plain GPTModel: its loss on batch 2 is the loss Chimera logged
-    at iteration 3, the first one computed from the iteration-2 weights."""
+def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupted, corpus):
+    """Megatron-LM's own load_checkpoint of the Chimera run's --save directory (iteration 2, as its
+    --ckpt-step picks) into a plain GPTModel: its loss on batch 2 is the loss Chimera logged at
+    iteration 3, the first one computed from the iteration-2 weights."""
     proc, save = uninterrupted
-    assert probe("load", str(save / "iter_0000002"), "--", *train_args(corpus)[1:], "--probe-batch", "2") \
+    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2") \
         == losses(proc)[3]
 
 
-def test_megatron_core_and_legacy_checkpoints_load_into_chimera(corpus, tmp_path):
-    """A GPTModel saved by megatron-core's dist_checkpointing.save, and the same weights in Megatron-LM's
-    legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
+def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(corpus, tmp_path):
+    """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
+    Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
     flags = train_args(corpus, "--train-iters", "1")[1:]
     expected = probe("save", str(tmp_path), "--", *flags)
     dist = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch_dist"),
@@ -159,7 +160,8 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_
     whole optimizer state (the sharded one gathers it): a run without it resumes the sharded run's
     checkpoint, a sharded run resumes that one's, and both repeat the sharded run's losses as printed."""
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
-    sharded = run(2, *bf16, "--use-distributed-optimizer", "--save", str(tmp_path / "sharded"), "--log-memory-per-rank")
+    sharded = run(2, *bf16, "--use-distributed-optimizer", "--save", str(tmp_path / "sharded"),
+                  "--log-memory-per-rank")
     plain = run(2, *bf16, "--load", str(tmp_path / "sharded" / "iter_0000002"), "--save", str(tmp_path / "plain"))
     back = run(2, *bf16, "--use-distributed-optimizer", "--load", str(tmp_path / "plain" / "iter_0000004"))
     assert losses(plain) == {i: v for i, v in losses(sharded).items() if i > 2}
