@@ -104,6 +104,33 @@ def add_arguments(group, front_end: str, fields=SHARED) -> None:
             group.add_argument(getattr(o, front_end), type=o.type, help=o.describe())
 
 
+# The trainer's own run-time options beside the schedule's, with no Megatron-LM spelling to follow.
+TRAINER_OPTIONS = (
+    ("--emulate-nccl", {"action": "store_true",
+                        "help": "CPU only: run p2p over gloo under NCCL's rules (in-order streams per pair and group, "
+                                "sends that wait for their receive), to try a layout before a GPU job"}),
+    ("--p2p-host-staging", {"action": "store_true",
+                            "help": "GPU compute, gloo communication through host memory: several ranks on one GPU"}),
+    ("--max-consecutive-nan-iterations", {"type": int, "default": 5,
+                                          "help": "stop after this many iterations in a row with a NaN/Inf loss "
+                                                  "or gradient norm"}),
+    ("--log-memory-per-rank", {"action": "store_true",
+                               "help": "print every rank's model-state bytes after setup, not only the largest"}),
+)
+
+
+def add_trainer_group(parser, megatron_schedules: tuple[str, ...]):
+    """pretrain_gpt.py's Chimera group, added to Megatron-LM's own parser as its extra arguments:
+    --pipeline-schedule (ours, or megatron-core's own), the schedule options and the run-time ones."""
+    group = parser.add_argument_group("Chimera pipeline schedules")
+    group.add_argument(OPTION["schedule"].trainer, choices=SCHEDULES + megatron_schedules,
+                       help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
+    add_arguments(group, "trainer")
+    for flag, kwargs in TRAINER_OPTIONS:
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
 VARIANTS = {  # name -> the spec's fields besides depth and micro-batches
     "gpipe": {"schedule": "gpipe"},
     "1f1b": {"schedule": "1f1b"},

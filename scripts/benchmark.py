@@ -42,7 +42,7 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
 
 BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best",
                "1f1b split", "chimera split", "dualpipe", "dualpipev")
-DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-param-gather
+DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 
 
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
@@ -64,7 +64,7 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
             out.append((name, n, batch + schedule_flags(spec, layers)))
             if (name.startswith("chimera") or name == "1f1b") and "split" not in name:
                 out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers)
-                            + ["--use-distributed-optimizer", "--overlap-param-gather"]))
+                            + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]))
         out.append(("megatron-1f1b", n, batch + ["--pipeline-model-parallel-size", str(d),
                                                  "--pipeline-schedule", "megatron-1f1b"]))
         if n >= d:  # data parallelism over the same 2 ranks: the whole model on each

@@ -134,7 +134,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
         "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
-                                                                 + ["--overlap-param-gather"]),
+                                                                 + ["--overlap-grad-reduce", "--overlap-param-gather"]),
         "chimera distributed optimizer D=2 TP=2": ("tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
         "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
         "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),

@@ -20,21 +20,21 @@ def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_li
     chained = MODEL + ["--save", ckpt, "--load", ckpt, "--save-interval", "100", "--exit-interval", "2"]
     first = run(1, *chained)
     banner = first.stdout.split("-------------------- end of arguments ---------------------")[0]
-    assert banner.startswith("------------------------ arguments ------------------------")
+    assert "------------------------ arguments ------------------------" in banner  # Megatron-LM's validate_args
     assert "  exit_interval " in banner and "building GPT model ..." in first.stdout
     assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): " in first.stdout
     assert f"no checkpoint in {ckpt} yet (--load = --save): starting from scratch" in first.stdout
     assert "exiting on --exit-interval 2 at iteration 2 after saving it" in first.stdout
     assert sorted(losses(first)) == [1, 2]
-    second = run(1, *chained, "--exit-duration-in-mins", "1e-6")
+    second = run(1, *chained, "--exit-interval", "3")
     assert f"loaded checkpoint from {ckpt} at iteration 2" in second.stdout
-    assert "exiting on --exit-duration-in-mins 1e-06 at iteration 3 after saving it" in second.stdout
+    assert "exiting on --exit-interval 3 at iteration 3 after saving it" in second.stdout
     third = run(1, *chained)
     assert f"loaded checkpoint from {ckpt} at iteration 3" in third.stdout and sorted(losses(third)) == [4]
     saved = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
     fourth = run(1, *chained, "--eval-iters", "1")  # a requeued job after the end: nothing trained or written
     assert "training already complete at iteration 4 (--train-iters 4): nothing to train" in fourth.stdout
-    assert "training ..." not in fourth.stdout and not losses(fourth)
+    assert "\ntraining ...\n" not in fourth.stdout and not losses(fourth)
     assert "validation loss at iteration 4" in fourth.stdout  # as Megatron-LM, it evaluates what it loaded
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == saved
     whole = run(1, *MODEL, "--log-throughput", "--timing-log-level", "1")
@@ -44,13 +44,14 @@ def test_same_save_and_load_starts_from_scratch_then_resumes_and_exits_on_its_li
     setup = re.search(r"done with setup \.\.\.\n\(min, max\) time across ranks \(ms\):\n"
                       r"    model-and-optimizer-setup \.+: \(\d+\.\d\d, \d+\.\d\d\)\n"
                       r"    train/valid/test-data-iterators-setup \.+: ", whole.stdout)
-    assert setup and "done with setup" not in first.stdout.split("training ...")[1]
+    assert setup and "done with setup" not in first.stdout.split("\ntraining ...\n")[1]
     assert len(re.findall(r"\n    forward-backward \.+: \(\d+\.\d\d, \d+\.\d\d\)\n", whole.stdout)) == 4
     assert "forward-backward" not in first.stdout  # level 0 by default
 
 
 def test_load_elsewhere_without_a_checkpoint_is_still_an_error(tmp_path):
-    proc = run(1, *MODEL, "--save", str(tmp_path / "a"), "--load", str(tmp_path / "b"), check=False)
+    proc = run(1, *MODEL, "--save", str(tmp_path / "a"), "--save-interval", "2", "--load", str(tmp_path / "b"),
+               check=False)
     assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
 
 
@@ -68,7 +69,8 @@ def test_a_split_part_with_no_documents_is_not_built_when_unused_and_refused_whe
 
     proc = run(1, *train_args(corpus, "--split", "949,50,1", "--train-iters", "2"))
     assert "validation loss at iteration 2" in proc.stdout
-    refused = run(1, *train_args(corpus, "--split", "99,1,0", "--save", str(tmp_path / "c")), check=False)
+    refused = run(1, *train_args(corpus, "--split", "99,1,0", "--save", str(tmp_path / "c"), "--save-interval", "2"),
+                  check=False)
     assert refused.returncode == 2 and not (tmp_path / "c").exists()
     assert refused.stderr.strip() == ("pretrain_gpt.py: error: --split=99,1,0: gives the validation part 0 of the "
                                       f"27 documents of {corpus[1]}; give it a larger share or set --eval-iters 0")
@@ -98,3 +100,19 @@ def test_resuming_with_another_lr_schedule_asserts_unless_told_which_wins(tmp_pa
     assert lrs(overridden) == ["1.000000E-03", "5.000000E-04"]  # linear decay of 2e-3 over 4 iterations, at 2 and 3
     kept = run(1, *MODEL, "--load", ckpt, "--lr", "2e-3", "--use-checkpoint-opt_param-scheduler")
     assert lrs(kept) == ["5.000000E-04", "2.500000E-04"]  # the checkpoint's 1e-3
+
+
+def test_exit_duration_in_mins_stops_once_that_long_has_passed():
+    """Megatron-LM's --exit-duration-in-mins takes whole minutes: the policy is shown a start an hour ago."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.chimera.loop import _ExitPolicy
+
+    args = SimpleNamespace(exit_interval=None, exit_signal_handler=False, exit_duration_in_mins=59)
+    policy = _ExitPolicy(args)
+    rt = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda tensor: None)
+    assert policy.reason(1, rt) is None
+    policy.start -= 3600
+    assert policy.reason(2, rt) == "--exit-duration-in-mins 59"

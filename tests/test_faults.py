@@ -75,7 +75,8 @@ def test_every_rule_fails_before_anything_starts(tmp_path, capsys, flags, world,
     fake_checkpoint(tmp_path / "other_shape", hidden=64)
     before = sorted(p for p in tmp_path.rglob("*"))
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
-    argv = [a for a in MODEL if not (flags[:1] == ["--data-path"] and a == "--mock-data")] + flags
+    argv = [a for a in MODEL if not (flags[:1] == ["--data-path"] and a == "--mock-data")]
+    argv += ["--save-interval", "1000"] + flags  # Megatron-LM requires it with --save
     argv += [] if "--save" in flags else ["--save", str(tmp_path / "new_save")]
     argv += ["--tensorboard-dir", str(tmp_path / "new_tb")]
     with pytest.raises(SystemExit) as exit_info:
@@ -194,7 +195,7 @@ def test_nan_iterations_are_skipped_counted_and_stop_the_run(tmp_path):
 
 def test_corrupted_and_truncated_checkpoint_files_are_named(tmp_path):
     save = tmp_path / "ckpt"
-    for p in ranks(*CHIMERA2, "--train-iters", "2", "--save", str(save)):
+    for p in ranks(*CHIMERA2, "--train-iters", "2", "--save", str(save), "--save-interval", "2"):
         assert p.wait(timeout=120) == 0
     shard = save / "iter_0000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())

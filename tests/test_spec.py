@@ -7,7 +7,7 @@ import pytest
 from chimera_schedules import ScheduleConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
 from chimera_schedules.cli import _options as cli_parser
 from chimera_schedules.spec import OPTION, OPTIONS, SHARED, flags
-from megatron.chimera.config.arguments import _parser as trainer_parser
+from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.arguments import parse_args, schedule_flags
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -6,6 +6,8 @@ import warnings
 # CPU (where they never are) that was most of a run's output. The README says which parts are local.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")
+# megatron.training's import reaches the Transformer Engine spec provider, which warns about MoE without TE
+warnings.filterwarnings("ignore", message="Only transformer-engine>=1.7.0 supports MoE experts")
 # megatron-core's timers gather with a collective torch 2.13 deprecates; one FutureWarning per rank
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
 # megatron-core 0.19 asks for the rank before torch.distributed exists (argument checks run first) and

@@ -16,6 +16,8 @@ from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.training.training import num_floating_point_operations, print_datetime
+from megatron.training.utils import print_rank_last
 
 from chimera_schedules import ScheduleConfigError
 from chimera_schedules.executor import PipelineFault, Transport
@@ -24,21 +26,15 @@ from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
 from .observability.fault_injection import FaultInjection
-from .observability.flops import iteration_flops
-from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, iterators
+from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .optim.precision import LossScaler, MainParams, scaled_loss
-from .observability.startup import print_banner, print_building, print_model_state, print_parameter_counts
-from .observability.timing import ITERATION, SETUP, make_timers, print_datetime, print_times
-
-
-def print_rank_last(message: str) -> None:
-    if dist.get_rank() == dist.get_world_size() - 1:
-        print(message, flush=True)
+from .observability.startup import print_building, print_model_state, print_parameter_counts
+from .observability.timing import ITERATION, SETUP, make_timers, print_times
 
 
 def _param_groups(params, args):
@@ -75,7 +71,7 @@ def _scheduler(args, optimizer):
 
     schedule = lr_schedule(args)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if schedule["lr_warmup_steps"] else args.lr, **schedule,
+        optimizer, init_lr=args.lr_warmup_init if schedule["lr_warmup_steps"] else args.lr, **schedule,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
@@ -264,7 +260,6 @@ def pretrain(args, forward_step_func) -> list[dict]:
     """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
     Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
     checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
-    print_banner(args)
     try:
         return _pretrain(args, forward_step_func)
     except (PipelineFault, ScheduleConfigError, TrainingStopped) as e:
@@ -278,7 +273,7 @@ class TrainingStopped(RuntimeError):
 
 
 class _ExitPolicy:
-    """When to save and stop before --train-iters, as Megatron-LM does: on SIGTERM with
+    """When to save and stop before --train-iters, as Megatron-LM does: on --exit-signal (SIGTERM) with
     --exit-signal-handler (Slurm's preemption warning), every --exit-interval iterations, or once
     --exit-duration-in-mins have passed since the start. Ranks agree at each iteration boundary (one
     all-reduce), so they all save the same checkpoint and stop together."""
@@ -286,7 +281,7 @@ class _ExitPolicy:
     def __init__(self, args):
         self.args, self.received, self.start = args, False, time.time()
         if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(args.exit_signal, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
@@ -302,7 +297,7 @@ class _ExitPolicy:
         flags = torch.tensor(local, dtype=torch.int32, device=rt.device)
         rt.all_reduce(flags)
         if flags[0]:
-            return "SIGTERM"
+            return signal.Signals(args.exit_signal).name
         return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}" if flags[1] else None
 
 
@@ -352,7 +347,7 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
         done = iteration + 1
         housekeeping.after_iteration(done)
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
-        if args.eval_iters and (done % args.eval_interval == 0 or done == args.train_iters):
+        if args.eval_iters and (args.eval_interval and done % args.eval_interval == 0 or done == args.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
         stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
@@ -460,12 +455,12 @@ def _tflops(args, seconds: float) -> str:
     """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
     if not args.log_throughput:
         return ""
-    per_rank = iteration_flops(args, args.global_batch_size) / seconds / args.world_size
+    per_rank = num_floating_point_operations(args, args.global_batch_size) / seconds / args.world_size
     return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
 
 
 def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
-    loss = trainer.evaluate(iteration // trainer.args.eval_interval)
+    loss = trainer.evaluate(evaluation_index(trainer.args, iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                     f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
     board.add({"lm loss validation": loss}, iteration)

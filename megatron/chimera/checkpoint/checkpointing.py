@@ -41,7 +41,7 @@ DIST_METADATA = "metadata.json"  # what marks a dist_checkpointing folder
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
-              "disable_bias_linear", "normalization", "swiglu", "num_query_groups", "kv_channels",
+              "add_bias_linear", "normalization", "swiglu", "num_query_groups", "kv_channels",
               "qk_layernorm", "add_qkv_bias")
 
 
@@ -194,7 +194,8 @@ def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
     plain = (int, float, str, bool, type(None))
     kept = {k: v for k, v in vars(args).items()
             if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
-    return argparse.Namespace(**kept, consumed_train_samples=consumed_samples, consumed_valid_samples=0)
+    kept.update(consumed_train_samples=consumed_samples, consumed_valid_samples=0)
+    return argparse.Namespace(**kept)
 
 
 def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=None) -> str:

@@ -1,7 +1,9 @@
-"""Command-line arguments with Megatron-LM's flag names, plus the Chimera schedule flags.
+"""pretrain_gpt.py's checks of what the flags ask for, after Megatron-LM's parser (``parser``).
 
-``parse_args`` also validates everything that can be known before a process group exists, so an
-impossible layout fails at once with one line naming the flag and the rule (exit code 2)."""
+``parse_args`` validates everything that can be known before a process group exists, so an
+impossible layout fails at once with one line naming the flag and the rule (exit code 2). Our rules
+run before Megatron-LM's ``validate_args``, so a layout error names the flag; the checks that need
+its derived settings (FFN width, query groups) and the checkpoint's run after it."""
 from __future__ import annotations
 
 import argparse
@@ -13,156 +15,42 @@ import torch
 from chimera_schedules import ScheduleConfigError, ScheduleSpec, build_spec
 from chimera_schedules.build import check_options
 from chimera_schedules.errors import require
-from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, add_arguments, flags
+from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, flags
 
-from ..model.flags import add_architecture_flags, add_compatibility_flags
+from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .plan import run_plan
-from ..data.tokenizer import add_arguments as add_tokenizer_arguments
-from ..data.tokenizer import build_tokenizer, padded_vocab_size
+from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 
-MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+            "micro_batch_size", "lr")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        _fail(f"{self.prog}: error: {message}")
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate. Exits with code 2 and one line on an impossible configuration."""
+    args, parser = parse(argv)
+    args.world_size = world_size or args.world_size
+    try:
+        enforce_classes(args, parser, sys.argv[1:] if argv is None else argv)
+        _validate(args)
+        _megatron_validate(args)
+        _validate_architecture(args)
+        if args.load:
+            _validate_checkpoint(args)
+    except ScheduleConfigError as e:
+        fail(f"{PROG}: error: {e.message(flags('trainer'))}")
+    return args
 
 
-def _fail(line: str):
-    """Exit 2 on every rank, printing the line once (rank 0), as Megatron-LM prints."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining with Chimera and baseline pipeline schedules.",
-                allow_abbrev=False)  # Megatron-LM's rule: --exit-signal must not parse as --exit-signal-handler
-    m = p.add_argument_group("model")
-    m.add_argument("--num-layers", type=int, required=True)
-    m.add_argument("--hidden-size", type=int, required=True)
-    m.add_argument("--num-attention-heads", type=int, required=True)
-    m.add_argument("--seq-length", type=int, required=True)
-    m.add_argument("--max-position-embeddings", type=int, required=True)
-    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
-                   default="learned_absolute")
-    m.add_argument("--use-rotary-position-embeddings", action="store_true", help="= --position-embedding-type rope")
-    m.add_argument("--no-position-embedding", action="store_true",
-                   help="no learned position table (with RoPE: RoPE only; else --position-embedding-type none)")
-    m.add_argument("--rotary-base", type=int, default=10000)
-    m.add_argument("--rotary-percent", type=float, default=1.0)
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
-    m.add_argument("--swiglu", action="store_true", help="gated linear unit with SiLU (Llama's MLP)")
-    m.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups")
-    m.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
-                   help="layer spec on a GPU with Transformer Engine installed; the CPU always uses local")
-    add_architecture_flags(m)
-    m.add_argument("--recompute-granularity", choices=("full", "selective"))
-    m.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
-    m.add_argument("--recompute-method", choices=("uniform", "block"))
-    m.add_argument("--recompute-num-layers", type=int, default=1)
-    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, required=True)
-    t.add_argument("--global-batch-size", type=int, required=True)
-    t.add_argument("--train-iters", type=int, help="iterations to train (or --train-samples)")
-    t.add_argument("--train-samples", type=int, help="samples to train; the LR schedule then counts samples")
-    t.add_argument("--lr", type=float, required=True)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="linear")
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
-    t.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
-    t.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
-    t.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay steps")
-    t.add_argument("--override-opt_param-scheduler", action="store_true",
-                   help="on --load, use this run's LR schedule instead of the checkpoint's")
-    t.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
-                   help="stop after this many iterations in a row with a NaN/Inf loss or gradient norm")
-    t.add_argument("--exit-interval", type=int, help="save and exit after every this many iterations")
-    t.add_argument("--exit-duration-in-mins", type=float, help="save and exit once this long has passed")
-    t.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, save a checkpoint at the next iteration boundary and exit cleanly")
-    t.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and activations, fp32 main weights and gradients (no loss scale)")
-    _add_fp16_flags(t)
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--log-interval", type=int, default=100)
-    t.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
-                   help="0: setup times; 1: also forward-backward and optimizer per log interval (2: as 1 here)")
-    t.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax")
-    t.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", action="store_false",
-                   help="level-1 timers start without a barrier (less exact, no synchronisation)")
-    t.add_argument("--log-throughput", action="store_true",
-                   help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' (per rank) to the iteration line")
-    t.add_argument("--eval-interval", type=int, default=1000)
-    t.add_argument("--eval-iters", type=int, default=100, help="validation iterations per evaluation (0: none)")
-    c = p.add_argument_group("checkpoints and logging")
-    c.add_argument("--save", help="checkpoint directory to write")
-    c.add_argument("--load", help="checkpoint directory to resume from")
-    c.add_argument("--save-interval", type=int, default=1000)
-    c.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
-                   help="the format --save writes: torch_dist (megatron-core's dist_checkpointing). Loading "
-                        "detects the format and also reads Megatron-LM's legacy per-rank torch files")
-    c.add_argument("--finetune", action="store_true",
-                   help="load the weights only: no optimizer, scheduler or RNG state, iteration 0")
-    c.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer and LR scheduler state")
-    c.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
-    c.add_argument("--tensorboard-dir")
-    d = p.add_argument_group("data")
-    d.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
-    d.add_argument("--data-path", nargs="+", help="PREFIX, or a blend: WEIGHT PREFIX WEIGHT PREFIX ...")
-    d.add_argument("--split", default="969,30,1", help="train,valid,test proportions of each dataset")
-    d.add_argument("--data-cache-path", help="where megatron-core caches the dataset indices")
-    add_tokenizer_arguments(d)
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    par.add_argument("--virtual-pipeline-model-parallel-size", type=int,
-                     help="model chunks per pipeline rank (Megatron-LM's other spelling of the one above)")
-    par.add_argument("--context-parallel-size", type=int, default=1,
-                     help="1 only: context parallelism is not supported yet")
-    par.add_argument("--sequence-parallel", action="store_true",
-                     help="split the sequence over tensor-parallel ranks outside the tensor-parallel regions "
-                          "(off with TP=1, as in Megatron-LM)")
-    par.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
-    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    par.add_argument("--emulate-nccl", action="store_true",
-                     help="CPU only: run p2p over gloo under NCCL's rules (in-order streams per pair and group, "
-                          "sends that wait for their receive), to try a layout before a GPU job")
-    par.add_argument("--p2p-host-staging", action="store_true",
-                     help="GPU compute, gloo communication through host memory: several ranks on one GPU")
-    par.add_argument("--pipeline-schedule", choices=SCHEDULES + MEGATRON_SCHEDULES,
-                     help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
-    add_arguments(par, "trainer")
-    _add_runtime_flags(p)
-    add_compatibility_flags(p)
-    return p
-
-
-def _add_fp16_flags(t) -> None:
-    """Megatron-LM's fp16 mixed precision and its loss-scale options, with its defaults."""
-    t.add_argument("--fp16", action="store_true",
-                   help="fp16 parameters and activations, fp32 main weights and gradients, loss scaling")
-    t.add_argument("--loss-scale", type=float, help="a constant loss scale (default: dynamic)")
-    t.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="the dynamic loss scale's start")
-    t.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic loss scale's floor")
-    t.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="clean iterations before the dynamic loss scale doubles")
-    t.add_argument("--hysteresis", type=int, default=2, help="overflowing iterations before it halves")
-    t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="always so here: gradients accumulate and reduce in fp32 under --fp16 and --bf16")
+def _megatron_validate(args) -> None:
+    """validate_args sees the flags as given: with --train-samples, Megatron-LM derives the iteration
+    count only when training starts, so ours (derived earlier, for the schedule) waits aside."""
+    derived = args.train_iters if args.train_samples else None
+    if derived:
+        args.train_iters = None
+    megatron_validate(args)
+    if derived:
+        args.train_iters = derived
 
 
 def _validate_precision(args) -> None:
@@ -175,60 +63,21 @@ def _validate_precision(args) -> None:
         require(value > 0, flag, value, "must be positive")
     require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale", args.min_loss_scale,
             f"must not exceed --initial-loss-scale ({args.initial_loss_scale:g})")
-    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-
-
-def _add_runtime_flags(p) -> None:
-    """Megatron-LM's optimizer, memory, data-reading and profiling options its recipes pass."""
-    r = p.add_argument_group("Megatron-LM run-time options")
-    r.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard the optimizer state and fp32 main weights of each stage over its replica group "
-                        "(its copies x data-parallel replicas)")
-    r.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --use-distributed-optimizer: finish each chunk's weight all-gather at its next "
-                        "forward, overlapping the next iteration's first forwards")
-    r.add_argument("--log-memory-per-rank", action="store_true",
-                   help="print every rank's model-state bytes after setup, not only the largest")
-    r.add_argument("--decoupled-lr", type=float, help="LR of the input embedding and output layer")
-    r.add_argument("--decoupled-min-lr", type=float, help="their minimum LR (default: --min-lr)")
-    r.add_argument("--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="not supported yet: every batch size needs its own pipeline schedule")
-    r.add_argument("--manual-gc", action="store_true", help="Python's GC only at fixed points, in step on all ranks")
-    r.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
-    r.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-                   help="with --manual-gc: no collection around evaluation")
-    r.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
-                   help="release the CUDA cache after each iteration (1) and evaluation (2); nothing on the CPU")
-    r.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
-                   help="read .bin files without memory-mapping them")
-    r.add_argument("--profile", action="store_true", help="profile iterations --profile-step-start..end")
-    r.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="with --profile: torch.profiler traces into --tensorboard-dir (otherwise an nsys range, CUDA)")
-    r.add_argument("--profile-step-start", type=int, default=10)
-    r.add_argument("--profile-step-end", type=int, default=12)
-    r.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
-
-
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate. Exits with code 2 and one line on an impossible configuration."""
-    args = _parser().parse_args(argv)
-    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        _validate(args)
-    except ScheduleConfigError as e:
-        _fail(f"pretrain_gpt.py: error: {e.message(flags('trainer'))}")
-    return args
 
 
 def _validate(args) -> None:
+    for dest in REQUIRED:
+        require(getattr(args, dest) is not None, "--" + dest.replace("_", "-"), None, "is required")
     _training_length(args)
     _megatron_spellings(args)
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
                  "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
-        require(getattr(args, flag) > 0, "--" + flag.replace("_", "-"), getattr(args, flag), "must be positive")
-    for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval),
-                        ("--save-interval", args.save_interval), ("--recompute-num-layers", args.recompute_num_layers),
+        value = getattr(args, dest)  # None: --global-batch-size's default, set below
+        require(value is None or value > 0, "--" + dest.replace("_", "-"), value, "must be positive")
+    for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", _or(args.eval_interval, 1)),
+                        ("--save-interval", _or(args.save_interval, 1)),
+                        ("--recompute-num-layers", _or(args.recompute_num_layers, 1)),
                         ("--distributed-timeout-minutes", args.distributed_timeout_minutes),
                         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
                         ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations),
@@ -243,6 +92,8 @@ def _validate(args) -> None:
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path:
             require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
+    require(not args.save or args.save_interval, "--save-interval", args.save_interval,
+            "is required with --save (Megatron-LM's rule)")
     require(args.ckpt_format == "torch_dist" or not args.save, "--ckpt-format", args.ckpt_format,
             "is read, not written: --save writes torch_dist (loading detects the format)")
     _validate_data(args)
@@ -251,24 +102,26 @@ def _validate(args) -> None:
     require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
             f"must divide --hidden-size ({args.hidden_size})")
     _validate_precision(args)
-    require(not args.emulate_nccl or args.distributed_backend != "nccl" and not args.p2p_host_staging
-            and not torch.cuda.is_available(), "--emulate-nccl", True,
+    require(not args.emulate_nccl or not args.p2p_host_staging and not torch.cuda.is_available(), "--emulate-nccl", True,
             "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,
                 "--recompute-granularity full needs uniform or block")
+        require(args.recompute_num_layers is not None, "--recompute-num-layers", None,
+                "--recompute-granularity full needs it (megatron-core's rule)")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
             f"TP x PP = {tp * pp} must divide the world size {args.world_size}")
     args.data_parallel_size = args.world_size // (tp * pp)
+    if args.global_batch_size is None:  # Megatron-LM's default: one micro-batch per data-parallel rank
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
     require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
             f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    _validate_architecture(args)
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, tp)
+    build_tokenizer(args)  # sets args.padded_vocab_size, as in Megatron-LM
 
     if args.pipeline_schedule is None:
         args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
@@ -301,30 +154,24 @@ def _validate(args) -> None:
     args.fresh_start = None
     if args.load and _first_launch(args):
         args.fresh_start, args.load = args.load, None
-    if args.load:
-        _validate_checkpoint(args)
 
 
 def _megatron_spellings(args) -> None:
-    """Megatron-LM's alternative spellings, mapped as Megatron-LM maps them, and the parallelism it
-    has and we do not yet, refused by name."""
+    """Megatron-LM's other spellings, read as its validate_args reads them (which runs after our
+    rules): --recompute-activations, --num-virtual-stages-per-pipeline-rank, sequence parallelism
+    off at TP=1."""
     if args.recompute_activations:
         require(args.recompute_granularity in (None, "selective"), "--recompute-activations", True,
                 f"means --recompute-granularity selective, not {args.recompute_granularity}")
         args.recompute_granularity = "selective"
-    v, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
-    if v is not None and v > 1:
-        require(args.num_layers_per_virtual_pipeline_stage is None and args.num_layers % (pp * v) == 0,
-                "--virtual-pipeline-model-parallel-size", v, f"PP x it must divide --num-layers ({args.num_layers}), "
+    v, pp = args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_size
+    if v is not None:
+        require(args.num_layers_per_virtual_pipeline_stage is None and v > 0 and args.num_layers % (pp * v) == 0,
+                "--num-virtual-stages-per-pipeline-rank", v, f"PP x it must divide --num-layers ({args.num_layers}), "
                 "without --num-layers-per-virtual-pipeline-stage")
-        args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
-    rampup = args.rampup_batch_size and " ".join(args.rampup_batch_size)
-    require(args.rampup_batch_size is None or args.train_samples is not None, "--rampup-batch-size", rampup,
-            "expected no batch-size rampup for iteration-based training (Megatron-LM's rule: use --train-samples)")
-    require(args.rampup_batch_size is None, "--rampup-batch-size", rampup,
-            "is not supported yet: every batch size needs its own pipeline schedule")
-    require(args.context_parallel_size == 1, "--context-parallel-size", args.context_parallel_size,
-            "context parallelism is not supported yet (1 only)")
+        if v > 1:
+            args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
+        args.num_virtual_stages_per_pipeline_rank = None  # one spelling for validate_args, as it demands
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to split
     require(not args.sequence_parallel or args.seq_length % args.tensor_model_parallel_size == 0,
@@ -332,14 +179,8 @@ def _megatron_spellings(args) -> None:
 
 
 def _validate_architecture(args) -> None:
-    """Megatron-LM's derived settings: the position embedding from its shorthand flags, the FFN width
-    (4h, or 2/3 of it rounded down to 64 with SwiGLU), query groups only with --group-query-attention."""
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
-    if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
-        args.position_embedding_type = "none"  # as in Megatron-LM: drops the learned table, keeps RoPE
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    """After validate_args, which derives the position embedding, the FFN width and the kv channels as
+    Megatron-LM does: query groups only with --group-query-attention (megatron-core's None otherwise)."""
     if not args.group_query_attention:
         args.num_query_groups = None
     else:
@@ -402,8 +243,13 @@ def lr_schedule(args) -> dict:
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay)
     return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": warmup, "lr_decay_steps": decay,
-            "lr_decay_style": args.lr_decay_style, "start_wd": args.weight_decay, "end_wd": args.weight_decay,
-            "wd_incr_steps": total, "wd_incr_style": "constant"}
+            "lr_decay_style": args.lr_decay_style, "start_wd": _or(args.start_weight_decay, args.weight_decay),
+            "end_wd": _or(args.end_weight_decay, args.weight_decay), "wd_incr_steps": total,
+            "wd_incr_style": args.weight_decay_incr_style}
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def lr_increment(args) -> int:
@@ -412,8 +258,8 @@ def lr_increment(args) -> int:
 
 _SCHEDULE_FLAG = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
                   "lr_decay_steps": "--lr-decay-iters/-samples", "lr_decay_style": "--lr-decay-style",
-                  "start_wd": "--weight-decay", "end_wd": "--weight-decay",
-                  "wd_incr_steps": "--train-iters/-samples", "wd_incr_style": "--weight-decay"}
+                  "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+                  "wd_incr_steps": "--train-iters/-samples", "wd_incr_style": "--weight-decay-incr-style"}
 
 
 def _check_schedule(args, saved: dict) -> None:

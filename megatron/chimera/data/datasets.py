@@ -16,8 +16,14 @@ from .tokenizer import build_tokenizer
 
 def dataset_sizes(args) -> tuple[int, int]:
     """Samples the run asks of its train and validation parts (their shuffles depend on it)."""
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
+    evals = (evaluation_index(args, args.train_iters) + 1) * args.eval_iters if args.eval_iters else 0
     return args.train_iters * args.global_batch_size, evals * args.global_batch_size
+
+
+def evaluation_index(args, iteration: int) -> int:
+    """Which evaluation runs after ``iteration``: every --eval-interval, and one at the end (the only
+    one when --eval-interval is not given, Megatron-LM 0.19's default)."""
+    return iteration // args.eval_interval if args.eval_interval else 0
 
 
 def build_datasets(args, train_samples: int, valid_samples: int):
@@ -28,8 +34,8 @@ def build_datasets(args, train_samples: int, valid_samples: int):
 
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
                               blend=get_blend_from_list(args.data_path), split=args.split,
-                              tokenizer=build_tokenizer(args), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=False, eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
                               path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files)
     sizes = [train_samples, valid_samples, 0]
     # A part asked for no samples is not built: a part with no documents would make megatron-core loop

@@ -94,11 +94,12 @@ class _Staged:
 
 def init_distributed(backend: str | None, timeout_minutes: float,
                      host_staging: bool = False) -> tuple[str, torch.device]:
-    """nccl on GPU and gloo on CPU unless told otherwise; a lone process needs no launcher.
+    """--distributed-backend (Megatron-LM's default, nccl) on a GPU; gloo where there is none, whatever
+    the flag says, since nccl cannot run there. A lone process needs no launcher.
     ``host_staging``: compute on the GPU, communicate with gloo through host memory (several ranks
     sharing one GPU, which NCCL refuses)."""
     use_cuda = torch.cuda.is_available() and (backend != "gloo" or host_staging)
-    backend = "gloo" if host_staging else backend or ("nccl" if use_cuda else "gloo")
+    backend = (backend or "nccl") if use_cuda and not host_staging else "gloo"
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)

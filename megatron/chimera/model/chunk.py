@@ -19,8 +19,14 @@ import zlib
 
 import torch
 
-from .flags import ARCHITECTURE
 
+# TransformerConfig fields a GPT recipe sets whose Megatron-LM flag stores them under the field's name
+# (--norm-epsilon in layernorm_epsilon, --apply-layernorm-1p in layernorm_zero_centered_gamma); the other
+# honoured model flags are mapped in transformer_config.
+ARCHITECTURE = ("ffn_hidden_size", "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
+                "qk_layernorm", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
+                "apply_residual_connection_post_layernorm", "rotary_interleaved", "attention_backend",
+                "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "calculate_per_token_loss")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
@@ -100,9 +106,10 @@ def transformer_config(args, num_layers: int):
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         **architecture,
+        num_query_groups=args.num_query_groups,
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=args.add_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         fp16=args.fp16,

@@ -1,26 +1,9 @@
-"""Megatron-LM's startup output, so a user's log parsers find it: the arguments banner, "building GPT
-model ...", the parameter count of every model chunk (for Chimera, one line per stage copy), and the
+"""Megatron-LM's startup output, so a user's log parsers find it (its validate_args prints the arguments
+banner): "building GPT model ...", the parameter count of every model chunk (for Chimera, one line per stage copy), and the
 bytes of model state each rank holds."""
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
-
-_HIDDEN = ("schedule", "plan")  # derived objects, not settings
-
-
-def print_banner(args) -> None:
-    """The arguments, one per line with dotted padding, from global rank 0 only (before any group)."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    lines = ["------------------------ arguments ------------------------"]
-    for name in sorted(vars(args)):
-        if name not in _HIDDEN:
-            lines.append(f"  {name} {'.' * (48 - len(name))} {getattr(args, name)}")
-    lines.append("-------------------- end of arguments ---------------------")
-    print("\n".join(lines), flush=True)
-
 
 def print_building() -> None:
     if dist.get_rank() == 0:

@@ -8,8 +8,6 @@ iteration line.
 """
 from __future__ import annotations
 
-from datetime import datetime
-
 import torch.distributed as dist
 
 SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
@@ -27,9 +25,3 @@ def print_times(timers, names, normalizer: float = 1.0) -> None:
     text = timers.get_all_timers_string(list(names), normalizer=normalizer, reset=True, barrier=False)
     if text and dist.get_rank() == dist.get_world_size() - 1:
         print(text, flush=True)
-
-
-def print_datetime(what: str) -> None:
-    """Megatron-LM's progress marks, e.g. "[after dataloaders are built] datetime: ...", from rank 0."""
-    if dist.get_rank() == 0:
-        print(f"[{what}] datetime: {datetime.now():%Y-%m-%d %H:%M:%S} ", flush=True)

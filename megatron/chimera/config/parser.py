@@ -1,0 +1,140 @@
+"""pretrain_gpt.py's command line is Megatron-LM's: its own ``parse_args`` and ``validate_args``, with
+Chimera's group (``chimera_schedules.spec``) added as Megatron-LM's extra arguments.
+
+Every Megatron-LM flag is held to its class in ``flag_classes``: a refused flag given a value other
+than Megatron-LM's default, or an honoured one given a value we do not run, fails in one line before
+anything starts. ``--help`` prints every flag with its class (Megatron-LM 0.19.2's own ``--help``
+crashes on a stray ``%`` in a help string; ours escapes it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+from chimera_schedules.spec import add_trainer_group
+
+from .flag_classes import VALUES, flag_class
+
+PROG = "pretrain_gpt.py"
+MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+# Megatron-LM flags whose values we take from a wider type: every value Megatron-LM takes means the
+# same; a fraction of a minute bounds a wait in seconds (how the fault tests see a silent rank quickly).
+WIDER = {"--distributed-timeout-minutes": float}
+
+
+def fail(line: str):
+    """Exit 2 on every rank, printing the line once (rank 0), as Megatron-LM prints."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """Megatron-LM's parse_args over ``argv`` (default: the command line), and the parser it built."""
+    from megatron.training.arguments import parse_args
+
+    parsers = []
+
+    def extra_args_provider(parser):
+        parsers.append(parser)
+        return _with_chimera(parser)
+
+    saved = sys.argv
+    sys.argv = [PROG] + (list(argv) if argv is not None else saved[1:])
+    try:
+        args = parse_args(extra_args_provider)
+    except RuntimeError as e:  # --enable-msc without its package, as Megatron-LM words it
+        fail(f"{PROG}: error: {e}")
+    finally:
+        sys.argv = saved
+    return args, parsers[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser ``parse`` parses with, built as Megatron-LM's parse_args builds it (for tools and tests)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return _with_chimera(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def _with_chimera(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.prog = PROG
+    parser.description = "GPT pretraining with Megatron-LM's flags, and Chimera and baseline pipeline schedules."
+    parser.error = lambda message: fail(f"{PROG}: error: {message}")
+    for action in parser._actions:
+        _annotate(action)
+        if action.option_strings and _long(action) in WIDER:
+            action.type = WIDER[_long(action)]
+            action.help += " [here: fractions of a minute too]"
+    return add_trainer_group(parser, MEGATRON_SCHEDULES)
+
+
+def _annotate(action: argparse.Action) -> None:
+    """Escape a stray ``%`` in Megatron-LM's help text and add the flag's class to it; the flags it
+    hides (deprecated spellings) are listed too, since they parse."""
+    if not action.option_strings:
+        return
+    text = "deprecated; Megatron-LM hides it" if action.help == argparse.SUPPRESS else action.help or ""
+    try:
+        text % dict(vars(action), prog=PROG)
+    except (ValueError, TypeError, KeyError):
+        text = text.replace("%", "%%")
+    kind, reason = flag_class(_long(action))
+    if kind != "honoured":
+        text += f" [{kind} here: {reason}]"
+    elif _long(action) in VALUES:
+        text += f" [honoured here for {', '.join(str(v) for v in VALUES[_long(action)] if v)} only]"
+    action.help = text
+
+
+def _long(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def enforce_classes(args, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A refused Megatron-LM flag away from its default, or an honoured one outside ``VALUES``,
+    fails with one line naming the flag as the user typed it."""
+    defaults = vars(parser.parse_known_args([])[0])  # what each dest holds when no flag sets it
+    for action in parser._actions:
+        if not action.option_strings or not hasattr(args, action.dest):
+            continue
+        try:
+            kind, reason = flag_class(_long(action))
+        except KeyError:
+            continue  # Chimera's own group
+        value = getattr(args, action.dest)
+        if kind == "refused" and value != defaults[action.dest]:
+            fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {reason}")
+        allowed = VALUES.get(_long(action))
+        if allowed and value not in allowed:
+            fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {PROG} runs "
+                 f"{', '.join(str(v) for v in allowed if v)} only")
+
+
+def _typed(action: argparse.Action, argv: list[str]) -> str:
+    given = {a.split("=", 1)[0] for a in argv}
+    return next((o for o in action.option_strings if o in given), _long(action))
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def megatron_validate(args) -> None:
+    """Megatron-LM's validate_args: its derived settings (FFN width, kv channels, data-parallel size,
+    virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
+    from megatron.training import arguments
+
+    if not torch.cuda.is_available():
+        # With TP > 1 it asks the GPU's architecture, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 before
+        # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does.
+        arguments.get_device_arch_version = lambda: 10
+    try:
+        arguments.validate_args(args)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        said = " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line  # a bare assert
+        fail(f"{PROG}: error: {said} (Megatron-LM's validate_args)")

@@ -1,0 +1,70 @@
+"""Every flag Megatron-LM's parser defines is in exactly one class, pretrain_gpt.py --help lists them
+all, and a refused flag fails in one line naming it (megatron/chimera/config/flag_classes.py)."""
+import os
+
+import pytest
+
+from megatron.chimera.config import flag_classes
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "1000"]
+
+
+def megatron_options() -> set[str]:
+    return {o for a in megatron_parser()._actions for o in a.option_strings if o.startswith("--")}
+
+
+def test_every_megatron_lm_flag_has_exactly_one_class():
+    classes = [flag_classes.HONOURED, *flag_classes.NO_EFFECT.values(), *flag_classes.REFUSED.values()]
+    seen = [o for options in classes for o in options]
+    assert len(seen) == len(set(seen)), sorted({o for o in seen if seen.count(o) > 1})
+    options = megatron_options()
+    assert not options - set(seen), f"Megatron-LM flags with no class: {sorted(options - set(seen))}"
+    assert not set(seen) - options, f"classes name flags Megatron-LM does not define: {sorted(set(seen) - options)}"
+    assert set(flag_classes.VALUES) <= flag_classes.HONOURED
+
+
+def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert exit_info.value.code == 0
+    assert all(o in text for o in megatron_options())
+    assert "[refused here: mixture-of-experts models are not supported yet]" in text
+    assert "--pipeline-schedule" in text and "--chimera-concat" in text
+
+
+def test_flag_table_is_generated_from_the_classes():
+    with open(os.path.join(ROOT, DEFAULT_OUT)) as f:
+        assert f.read() == render(megatron_parser()), "run python -m megatron.chimera.config.flag_table"
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--num-experts", "8"], "--num-experts=8: mixture-of-experts models are not supported yet"),
+    (["--moe-router-topk", "4"], "--moe-router-topk=4: mixture-of-experts models are not supported yet"),
+    (["--fp8-format", "hybrid"], "--fp8-format=hybrid: FP8 and FP4 need Transformer Engine on a GPU"),
+    (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
+    (["--no-save-optim"], "--no-save-optim=True: a checkpoint option this trainer does not implement"),
+    (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: Transformer Engine's tensor-parallel"),
+    (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam only"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: pretrain_gpt.py runs constant, linear, cosine"),
+    (["--batch-size", "4"], "--batch-size=4: removed from Megatron-LM"),
+])
+def test_refused_flags_fail_in_one_line_naming_the_flag(capsys, extra, line):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith(f"pretrain_gpt.py: error: {line}"), err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_refused_flags_at_megatron_lms_default_and_no_effect_flags_parse():
+    switches = [o for a in megatron_parser()._actions for o in a.option_strings
+                if a.nargs == 0 and any(o in group for group in flag_classes.NO_EFFECT.values())]
+    args = parse_args(BASE + switches + ["--context-parallel-size", "1", "--optimizer", "adam",
+                                         "--num-workers", "8", "--tiktoken-pattern", "v2"])
+    assert args.context_parallel_size == 1 and len(switches) > 20
