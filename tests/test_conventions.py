@@ -6,6 +6,8 @@ import os
 import re
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_pretraining import losses, run  # noqa: E402
 
@@ -53,6 +55,16 @@ def test_load_elsewhere_without_a_checkpoint_is_still_an_error(tmp_path):
     proc = run(1, *MODEL, "--save", str(tmp_path / "a"), "--save-interval", "2", "--load", str(tmp_path / "b"),
                check=False)
     assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
+
+
+def test_exit_on_missing_checkpoint_makes_a_first_launch_an_error(tmp_path, capsys):
+    from megatron.chimera.config.arguments import parse_args
+
+    same = ["--save", str(tmp_path / "a"), "--save-interval", "2", "--load", str(tmp_path / "a")]
+    assert parse_args(MODEL[1:] + same, world_size=1).fresh_start == str(tmp_path / "a")
+    with pytest.raises(SystemExit):
+        parse_args(MODEL[1:] + same + ["--exit-on-missing-checkpoint"], world_size=1)
+    assert "no checkpoint there" in capsys.readouterr().err
 
 
 def test_an_impossible_configuration_is_printed_once_not_once_per_rank():

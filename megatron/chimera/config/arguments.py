@@ -276,12 +276,12 @@ def _check_schedule(args, saved: dict) -> None:
 
 def _first_launch(args) -> bool:
     """``--save X --load X`` with nothing at X yet: every Megatron-LM script and Slurm requeue does this,
-    so it starts from scratch. A --load elsewhere with no checkpoint stays an error (a typo must not
-    train from scratch silently)."""
+    so it starts from scratch, unless --exit-on-missing-checkpoint says a missing one is an error. A --load
+    elsewhere with no checkpoint is always one (a typo must not train from scratch silently)."""
     from ..checkpoint.checkpointing import LATEST
 
     same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
-    return same and not os.path.exists(os.path.join(args.load, LATEST))
+    return same and not args.exit_on_missing_checkpoint and not os.path.exists(os.path.join(args.load, LATEST))
 
 
 def _writable(path: str) -> bool:
