@@ -122,7 +122,7 @@ TRAINER_OPTIONS = (
 def add_trainer_group(parser, megatron_schedules: tuple[str, ...]):
     """pretrain_gpt.py's Chimera group, added to Megatron-LM's own parser as its extra arguments:
     --pipeline-schedule (ours, or megatron-core's own), the schedule options and the run-time ones."""
-    group = parser.add_argument_group("Chimera pipeline schedules")
+    group = parser.add_argument_group("Chimera: pipeline schedules and run-time options")
     group.add_argument(OPTION["schedule"].trainer, choices=SCHEDULES + megatron_schedules,
                        help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
     add_arguments(group, "trainer")

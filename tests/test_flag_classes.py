@@ -68,3 +68,27 @@ def test_refused_flags_at_megatron_lms_default_and_no_effect_flags_parse():
     args = parse_args(BASE + switches + ["--context-parallel-size", "1", "--optimizer", "adam",
                                          "--num-workers", "8", "--tiktoken-pattern", "v2"])
     assert args.context_parallel_size == 1 and len(switches) > 20
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--yaml-cfg", "/nonexistent.yaml"], "--yaml-cfg: Megatron-LM's experimental YAML configuration"),
+    (["--heterogeneous-layers-config-encoded-json", '{"a":\n 1}'], '--heterogeneous-layers-config-encoded-json={"a": 1}'),
+    (["--attention-backend", "local"], "(Megatron-LM's validate_args)"),
+])
+def test_inputs_megatron_lm_reads_while_parsing_still_fail_in_one_line(capsys, extra, line):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and line in err, err
+
+
+def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
+    """--split's default (None) with --data-path, and --global-batch-size's (micro-batch x DP) with
+    --train-samples, are Megatron-LM's; its banner lists settings, not the schedule object."""
+    args = parse_args([a for a in BASE if a != "--mock-data"] + corpus[:2] + corpus[4:], world_size=1)
+    assert args.split == "969, 30, 1"
+    samples = BASE[:BASE.index("--global-batch-size")] + BASE[BASE.index("--lr"):]  # no batch, no length
+    args = parse_args(samples + ["--train-samples", "3"], world_size=1)
+    assert (args.global_batch_size, args.train_iters) == (1, 3)
+    banner = capsys.readouterr().out
+    assert "  schedule ...." not in banner and "  plan ...." not in banner and args.plan is not None

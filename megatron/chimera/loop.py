@@ -7,6 +7,7 @@ it runs beyond that.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -455,7 +456,8 @@ def _tflops(args, seconds: float) -> str:
     """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
     if not args.log_throughput:
         return ""
-    per_rank = num_floating_point_operations(args, args.global_batch_size) / seconds / args.world_size
+    # a copy: Megatron-LM's function writes derived values (query groups) into the namespace it is given
+    per_rank = num_floating_point_operations(copy.copy(args), args.global_batch_size) / seconds / args.world_size
     return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
 
 

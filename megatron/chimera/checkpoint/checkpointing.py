@@ -43,6 +43,7 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
               "add_bias_linear", "normalization", "swiglu", "num_query_groups", "kv_channels",
               "qk_layernorm", "add_qkv_bias")
+SHAPE_FLAGS = {"add_bias_linear": "--disable-bias-linear (add_bias_linear)"}  # dests named otherwise
 
 
 class CheckpointError(ScheduleConfigError):
@@ -178,13 +179,21 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
         raise CheckpointError(root, f"{where} in {folder} is unreadable ({str(e).splitlines()[0][:200]})") from None
 
 
+def _shape(namespace, key: str):
+    """A shape setting as it acts: without grouped-query attention every head is its own group, however
+    a run stored --num-query-groups (ours None, Megatron-LM's its default 1)."""
+    if key == "num_query_groups" and not getattr(namespace, "group_query_attention", False):
+        return None
+    return getattr(namespace, key)
+
+
 def check_shape(args, common: dict, root: str) -> None:
     saved = common.get("args")
     for key in SHAPE_KEYS:
-        if saved is not None and hasattr(saved, key) and getattr(saved, key) != getattr(args, key):
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(root, f"checkpoint has {flag}={getattr(saved, key)}, this run "
-                                        f"{getattr(args, key)}: model shapes must match")
+        if saved is not None and hasattr(saved, key) and _shape(saved, key) != _shape(args, key):
+            flag = SHAPE_FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise CheckpointError(root, f"checkpoint has {flag}={_shape(saved, key)}, this run "
+                                        f"{_shape(args, key)}: model shapes must match")
 
 
 # --- save ----------------------------------------------------------------------------------------

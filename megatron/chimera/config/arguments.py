@@ -44,11 +44,14 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def _megatron_validate(args) -> None:
     """validate_args sees the flags as given: with --train-samples, Megatron-LM derives the iteration
-    count only when training starts, so ours (derived earlier, for the schedule) waits aside."""
+    count only when training starts, so ours (derived earlier, for the schedule) waits aside, as do
+    the schedule and plan objects, which are not settings for its arguments banner."""
     derived = args.train_iters if args.train_samples else None
     if derived:
         args.train_iters = None
+    objects = {name: vars(args).pop(name) for name in ("schedule", "plan")}  # not settings: kept off its banner
     megatron_validate(args)
+    vars(args).update(objects)
     if derived:
         args.train_iters = derived
 
@@ -66,15 +69,39 @@ def _validate_precision(args) -> None:
 
 
 def _validate(args) -> None:
-    for dest in REQUIRED:
-        require(getattr(args, dest) is not None, "--" + dest.replace("_", "-"), None, "is required")
+    _validate_sizes(args)
     _training_length(args)
     _megatron_spellings(args)
+    _validate_run(args)
+    build_tokenizer(args)  # sets args.padded_vocab_size, as in Megatron-LM
+    _validate_layout(args)
+
+
+def _validate_sizes(args) -> None:
+    """The sizes every other rule divides by: given, positive, and fitting the world; then the
+    data-parallel size, the global batch (Megatron-LM's default: one micro-batch per data-parallel
+    rank) and the micro-batches per pipeline replica."""
+    for dest in REQUIRED:
+        require(getattr(args, dest) is not None, "--" + dest.replace("_", "-"), None, "is required")
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-                 "micro_batch_size", "global_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
         value = getattr(args, dest)  # None: --global-batch-size's default, set below
         require(value is None or value > 0, "--" + dest.replace("_", "-"), value, "must be positive")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
+            f"TP x PP = {tp * pp} must divide the world size {args.world_size}")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
+            f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def _validate_run(args) -> None:
+    """Intervals, rates, paths, data, precision and the run-time switches."""
     for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", _or(args.eval_interval, 1)),
                         ("--save-interval", _or(args.save_interval, 1)),
                         ("--recompute-num-layers", _or(args.recompute_num_layers, 1)),
@@ -99,8 +126,8 @@ def _validate(args) -> None:
     _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
-    require(args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads", args.num_attention_heads,
-            f"must divide --hidden-size ({args.hidden_size})")
+    require(args.kv_channels is not None or args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads",
+            args.num_attention_heads, f"must divide --hidden-size ({args.hidden_size}) unless --kv-channels is given")
     _validate_precision(args)
     require(not args.emulate_nccl or not args.p2p_host_staging and not torch.cuda.is_available(), "--emulate-nccl", True,
             "is for the CPU (gloo): on a GPU, run NCCL itself")
@@ -111,18 +138,11 @@ def _validate(args) -> None:
                 "--recompute-granularity full needs uniform or block")
         require(args.recompute_num_layers is not None, "--recompute-num-layers", None,
                 "--recompute-granularity full needs it (megatron-core's rule)")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
-            f"TP x PP = {tp * pp} must divide the world size {args.world_size}")
-    args.data_parallel_size = args.world_size // (tp * pp)
-    if args.global_batch_size is None:  # Megatron-LM's default: one micro-batch per data-parallel rank
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    per_step = args.micro_batch_size * args.data_parallel_size
-    require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
-            f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
-    args.num_microbatches = args.global_batch_size // per_step
-    build_tokenizer(args)  # sets args.padded_vocab_size, as in Megatron-LM
 
+
+def _validate_layout(args) -> None:
+    """The schedule's model stages (chunks per rank), the schedule itself and the run's plan."""
+    pp = args.pipeline_model_parallel_size
     if args.pipeline_schedule is None:
         args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
     check_options(args.pipeline_schedule, _given(args))
@@ -226,6 +246,7 @@ def _training_length(args) -> None:
         for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
             require(not value, flag, value, "goes with --train-iters; with --train-samples use the -samples flag")
         args.train_iters = args.train_samples // g
+    require(args.train_iters > 0, "--train-iters", args.train_iters, "must be positive")
     schedule = lr_schedule(args)  # megatron-core's scheduler asserts this without naming a flag
     require(schedule["lr_warmup_steps"] < schedule["lr_decay_steps"],
             "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
@@ -314,6 +335,8 @@ def _validate_checkpoint(args) -> None:
 
 
 def _validate_data(args) -> None:
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"  # Megatron-LM's legacy default, which its validate_args also takes
     require(args.mock_data != bool(args.data_path), "--data-path", args.data_path,
             "give exactly one of --data-path and --mock-data")
     if args.data_path:
@@ -325,8 +348,11 @@ def _validate_data(args) -> None:
             for ext in (".bin", ".idx"):
                 require(os.path.isfile(prefix + ext), "--data-path", prefix,
                         f"no such file {prefix + ext} (make it with scripts/preprocess_data.py)")
-        splits = [float(x) for x in args.split.replace("/", ",").split(",")]
-        require(len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
+        try:
+            splits = [float(x) for x in args.split.replace("/", ",").split(",")]
+        except ValueError:
+            splits = []
+        require(0 < len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
         for prefix in prefixes:
             _require_documents(args, prefix)
     check_tokenizer_arguments(args, require)

@@ -158,7 +158,7 @@ REFUSED = {
         --cache-mla-latents --mla-down-proj-fusion --linear-attention-freq --heterogeneous-layers-config-path
         --heterogeneous-layers-config-encoded-json --mamba-inference-conv-states-dtype
         --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
-        --hybrid-override-pattern --yaml-cfg
+        --hybrid-override-pattern
     """),
     'mixture-of-experts models are not supported yet': _flags("""
         --expert-model-parallel-size --expert-tensor-parallel-size --expert-tensor-parallel-num-weight-shards
@@ -345,10 +345,7 @@ REFUSED = {
         --use-checkpoint-args --use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args
         --disable-use-tokenizer-model-from-checkpoint-args --ckpt-convert-format --ckpt-convert-save
         --ckpt-convert-update-legacy-dist-opt-format
-
-
-
-         --no-ckpt-load-validate-sharding-integrity
+        --no-ckpt-load-validate-sharding-integrity
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
         --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness --dist-ckpt-save-pre-mcore-014
         --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient --replication
@@ -407,7 +404,11 @@ REFUSED = {
     'supervised fine-tuning is not supported': _flags("""
         --sft --sft-tokenizer-prompt-format
     """),
+    "Megatron-LM's experimental YAML configuration replaces the command line: give the flags instead": _flags("""
+        --yaml-cfg
+    """),
 }
+
 # Honoured flags whose other values are refused, with what runs (the rule names the first value
 # Megatron-LM would accept and we do not).
 VALUES = {

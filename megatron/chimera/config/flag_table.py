@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .flag_classes import VALUES, flag_class
+from .parser import WIDER
 
 DEFAULT_OUT = "docs/flags.md"
 
@@ -29,6 +30,8 @@ def rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]]:
                     kind, reason = flag_class(option)
                     if option in VALUES:
                         reason = "values: " + ", ".join(str(v) for v in VALUES[option] if v)
+                    if option in WIDER:
+                        reason = f"takes any {WIDER[option].__name__} (Megatron-LM: {action.type.__name__})"
                     out.append((option, group.title, kind, reason))
     return out
 

@@ -45,6 +45,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 
     saved = sys.argv
     sys.argv = [PROG] + (list(argv) if argv is not None else saved[1:])
+    if any(a.split("=", 1)[0] == "--yaml-cfg" for a in sys.argv):  # Megatron-LM reads it while parsing
+        sys.argv = saved
+        fail(f"{PROG}: error: --yaml-cfg: {flag_class('--yaml-cfg')[1]}")
     try:
         args = parse_args(extra_args_provider)
     except RuntimeError as e:  # --enable-msc without its package, as Megatron-LM words it
@@ -121,7 +124,10 @@ def _typed(action: argparse.Action, argv: list[str]) -> str:
 
 
 def _show(value) -> str:
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    """A value on one line, at most 200 characters."""
+    text = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    text = " ".join(text.split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def megatron_validate(args) -> None:
@@ -129,12 +135,15 @@ def megatron_validate(args) -> None:
     virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
     from megatron.training import arguments
 
+    asked = arguments.get_device_arch_version
     if not torch.cuda.is_available():
         # With TP > 1 it asks the GPU's architecture, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 before
         # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does.
         arguments.get_device_arch_version = lambda: 10
     try:
         arguments.validate_args(args)
-    except (AssertionError, ValueError, RuntimeError) as e:
+    except (AssertionError, ValueError, RuntimeError, TypeError) as e:
         said = " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line  # a bare assert
         fail(f"{PROG}: error: {said} (Megatron-LM's validate_args)")
+    finally:
+        arguments.get_device_arch_version = asked
