@@ -1,12 +1,21 @@
-"""Pipeline schedules as data: Chimera (Li & Hoefler, SC'21) and its baselines, with a validator,
-a time-weighted simulator and renderers. See ``python -m chimera_schedules --help``."""
-from .build import build, build_spec, check
-from .errors import InvalidSchedule, ScheduleConfigError
-from .ir import Action, Op, Schedule, with_grad_sync
-from .simulator import CostModel, SimResult, simulate
-from .spec import SCHEDULES, VARIANTS, ScheduleSpec, variant
-from .validator import validate
+"""Pipeline schedules as data: Chimera (Li & Hoefler, SC'21) and its baselines, with a validator, an
+NCCL checker, a time-weighted simulator, renderers and one executor. See
+``python -m chimera_schedules --help``.
+
+Layers, each importing only the ones before it (``tests/test_layers.py`` walks the imports):
+``ir`` -> ``analysis`` -> ``passes`` -> ``generators`` -> ``registry`` -> ``tools``; ``runtime``
+imports only ``ir``.
+"""
+from .analysis.simulator import SimResult, simulate
+from .analysis.validator import validate
+from .ir.actions import Action, Op
+from .ir.costs import CostModel
+from .ir.errors import ConfigError, InvalidSchedule
+from .ir.schedule import Schedule
+from .ir.spec import ScheduleSpec
+from .passes.grad_sync import with_grad_sync
+from .registry import SCHEDULES, VARIANTS, build, build_spec, check, variant
 
 __all__ = ["SCHEDULES", "VARIANTS", "ScheduleSpec", "variant", "build", "build_spec", "check", "InvalidSchedule",
-           "ScheduleConfigError", "Action", "Op", "Schedule", "with_grad_sync", "CostModel", "SimResult", "simulate",
+           "ConfigError", "Action", "Op", "Schedule", "with_grad_sync", "CostModel", "SimResult", "simulate",
            "validate"]

@@ -48,7 +48,7 @@ DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --ov
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
     """(label, N, flags) for every schedule the sizes allow: the registry's variants named in
     BENCHMARKED, megatron-core's 1F1B and data parallelism."""
-    from chimera_schedules import ScheduleConfigError, check, variant
+    from chimera_schedules import ConfigError, check, variant
     from megatron.chimera.config.arguments import schedule_flags
 
     d, layers = cfg["stages"], int(cfg["model"][cfg["model"].index("--num-layers") + 1])
@@ -59,7 +59,7 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
             spec = variant(name, d, n)
             try:
                 check(spec)
-            except ScheduleConfigError:
+            except ConfigError:
                 continue
             out.append((name, n, batch + schedule_flags(spec, layers)))
             if (name.startswith("chimera") or name == "1f1b") and "split" not in name:
@@ -202,9 +202,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
     """One result row from the measured iterations of every round: times, ratios' raw material, the
     measured timeline of the median iteration, and the simulator's prediction from this run's costs."""
     from chimera_schedules import CostModel, simulate
-    from chimera_schedules.lowering import lower
-    from chimera_schedules.measure import measured_result
-    from chimera_schedules.simulator import Event
+    from chimera_schedules.passes.lowering import lower
+    from chimera_schedules.analysis.measure import measured_result
+    from chimera_schedules.ir.costs import Event
 
     gathered = _merge(rounds)
     iters = len(gathered[0]["steps"])
@@ -380,7 +380,7 @@ def write_outputs(rows, comm, cfg, out, name) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from chimera_schedules.render import perfetto_trace, png_timeline
+    from chimera_schedules.tools.render import perfetto_trace, png_timeline
 
     os.makedirs(os.path.join(out, "traces"), exist_ok=True)
     for r in rows:
@@ -418,7 +418,7 @@ def write_profile(rows, comm, cfg, out) -> None:
     """This machine as a planner profile (profiles/cpu-<host>.json), from this run's measurements:
     sustained FLOP/s of a stage's forward (1F1B, N=4), one-way p2p time of one activation, and the
     all-reduce time of one stage's gradients between the two ranks (as bandwidths, latency folded in)."""
-    from chimera_schedules.planner import ModelShape
+    from chimera_schedules.tools.planner import ModelShape
 
     m = dict(zip(cfg["model"][::2], cfg["model"][1::2]))
     shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),

@@ -30,7 +30,7 @@ def layer_times(repeats: int = 20) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from chimera_schedules.planner import ModelShape
+    from chimera_schedules.tools.planner import ModelShape
     from megatron.chimera.config.arguments import parse_args
     from megatron.chimera.model.chunk import build_chunk
 

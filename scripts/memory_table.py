@@ -44,7 +44,7 @@ def measure(schedule: str, depth: int, dp: int, flags: list[str]) -> dict:
 
 def predicted(schedule: str, depth: int, dp: int, precision: str) -> float:
     """The planner's model state of the busiest worker (stage copies of equal size, embeddings split)."""
-    from chimera_schedules.planner import ModelShape, Precision, model_state_bytes
+    from chimera_schedules.tools.planner import ModelShape, Precision, model_state_bytes
 
     m = dict(zip(MODEL[::2], MODEL[1::2]))
     shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),

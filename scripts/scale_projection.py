@@ -16,7 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from chimera_schedules.planner import ModelShape, Profile, best_per_schedule, plan  # noqa: E402
+from chimera_schedules.tools.planner import ModelShape, Profile, best_per_schedule, plan  # noqa: E402
 
 GPT2 = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
 DEPTHS = (4, 8, 16, 32, 64)

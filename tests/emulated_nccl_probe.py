@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from chimera_schedules.executor import PipelineFault, make_forward_backward  # noqa: E402
+from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward  # noqa: E402
 from legacy_lowering import legacy_lower  # noqa: E402
 from megatron.chimera import Trainer, parse_args  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402

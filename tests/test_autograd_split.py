@@ -3,7 +3,7 @@ the stage input's, W then every parameter's, through torch's own accumulation (s
 import pytest
 import torch
 
-from chimera_schedules.autograd_split import backward_input
+from chimera_schedules.runtime.autograd_split import backward_input
 
 
 class Stage(torch.nn.Module):

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from chimera_schedules.cli import main
+from chimera_schedules.tools.cli import main
 
 
 def run(capsys, *argv):

@@ -11,11 +11,13 @@ import sys
 import pytest
 
 from chimera_schedules import InvalidSchedule, build, simulate
-from chimera_schedules.cli import main
-from chimera_schedules.ir import Op, Schedule
-from chimera_schedules.lowering import RECV_BUFFERS, forward_only, lower
-from chimera_schedules.nccl_model import MODES, check
-from chimera_schedules.simulator import CostModel
+from chimera_schedules.tools.cli import main
+from chimera_schedules.ir.actions import Op
+from chimera_schedules.ir.schedule import Schedule
+from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
+from chimera_schedules.ir.dataflow import forward_only
+from chimera_schedules.analysis.nccl_model import MODES, check
+from chimera_schedules.ir.costs import CostModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from legacy_lowering import legacy_lower  # noqa: E402

@@ -177,7 +177,7 @@ def test_model_state_line_matches_the_planners_formula(corpus):
     """Each rank's counted bytes are what the planner's model_state_bytes predicts for the stage copies
     it holds (untied embeddings: no stage shares a tensor with another), with --bf16
     --use-distributed-optimizer, where Chimera's two copies of a stage split its optimizer state."""
-    from chimera_schedules.planner import Precision, model_state_bytes
+    from chimera_schedules.tools.planner import Precision, model_state_bytes
 
     proc = run(2, *train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                               "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"))

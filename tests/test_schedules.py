@@ -3,8 +3,8 @@ generates is valid."""
 import pytest
 
 from chimera_schedules import CostModel, ScheduleSpec, build, build_spec, simulate, validate, variant
-from chimera_schedules.chimera import chimera
-from chimera_schedules.search import best_order
+from chimera_schedules.generators.chimera import chimera
+from chimera_schedules.generators.search import best_order
 
 UNIT = CostModel(forward=1, backward=1)
 PAPER = CostModel(forward=1, backward=2)
@@ -166,10 +166,10 @@ def test_dualpipe_worker_orders_at_four_stages():
 
 
 def test_dualpipe_rules_name_the_option():
-    from chimera_schedules import ScheduleConfigError
+    from chimera_schedules import ConfigError
 
     for d, n, option in ((3, 6, "stages"), (4, 6, "microbatches"), (4, 9, "microbatches")):
-        with pytest.raises(ScheduleConfigError, match=option):
+        with pytest.raises(ConfigError, match=option):
             build("dualpipe", d, n)
 
 

@@ -4,9 +4,10 @@ import argparse
 
 import pytest
 
-from chimera_schedules import ScheduleConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
-from chimera_schedules.cli import _options as cli_parser
-from chimera_schedules.spec import OPTION, OPTIONS, SHARED, flags
+from chimera_schedules import ConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
+from chimera_schedules.tools.cli import _options as cli_parser
+from chimera_schedules.tools.options import describe
+from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
 from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.arguments import parse_args, schedule_flags
 
@@ -34,11 +35,11 @@ def test_both_front_ends_take_every_option_and_share_choices_defaults_and_help()
         ours, theirs = cli[OPTION[field].cli], trainer[OPTION[field].trainer]
         assert (ours.type, ours.choices, ours.default, ours.help) == \
             (theirs.type, theirs.choices, theirs.default, theirs.help)
-        assert ours.default is None and ours.help == OPTION[field].describe()
+        assert ours.default is None and ours.help == describe(field)
 
 
 def test_an_error_names_each_front_ends_own_flags():
-    with pytest.raises(ScheduleConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         build("1f1b", 4, 4, concat="halving")
     assert info.value.option == "concat"
     assert info.value.message(flags("cli")) == "--concat=halving: applies to --schedule chimera only"

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from chimera_schedules import InvalidSchedule, Schedule, build, validate
-from chimera_schedules.ir import B, F
+from chimera_schedules.ir.actions import B, F
 
 
 def edited(schedule: Schedule, worker: int, actions) -> Schedule:

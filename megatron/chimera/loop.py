@@ -20,10 +20,10 @@ import torch.distributed as dist
 from megatron.training.training import num_floating_point_operations, print_datetime
 from megatron.training.utils import print_rank_last
 
-from chimera_schedules import ScheduleConfigError
-from chimera_schedules.executor import PipelineFault, Transport
-from chimera_schedules.lowering import stage_group
-from chimera_schedules.p2p import EmulatedNCCL, TorchP2P
+from chimera_schedules import ConfigError
+from chimera_schedules.runtime.executor import PipelineFault, Transport
+from chimera_schedules.ir.channels import stage_group
+from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
 from .observability.fault_injection import FaultInjection
@@ -263,7 +263,7 @@ def pretrain(args, forward_step_func) -> list[dict]:
     checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
     try:
         return _pretrain(args, forward_step_func)
-    except (PipelineFault, ScheduleConfigError, TrainingStopped) as e:
+    except (PipelineFault, ConfigError, TrainingStopped) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # peers may be gone: no collective clean-up that could hang

@@ -9,7 +9,7 @@
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
 checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
 and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
-files are read too (legacy_checkpoint.py).
+files are read too (legacy.py).
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
@@ -31,9 +31,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from chimera_schedules import ScheduleConfigError
-
 from . import sharded_state
+from .format import CheckpointError, safe_globals
+from .legacy import load_legacy
+from .legacy import read_common as legacy_common
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -46,32 +47,8 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 SHAPE_FLAGS = {"add_bias_linear": "--disable-bias-linear (add_bias_linear)"}  # dests named otherwise
 
 
-class CheckpointError(ScheduleConfigError):
-    """A checkpoint that cannot be used, named by the --load directory and the reason."""
-
-    def __init__(self, root: str, rule: str):
-        super().__init__("--load", root, rule)
-
-
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def safe_globals():
-    """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
-    weights_only unpickler (which runs no code)."""
-    import io
-
-    allowed = [argparse.Namespace, io.BytesIO]
-    with contextlib.suppress(ImportError):
-        from megatron.core.transformer.enums import AttnBackend, ModelType
-
-        allowed += [AttnBackend, ModelType]
-    with contextlib.suppress(ImportError):
-        from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
-
-        allowed += [RerunDiagnostic, RerunMode, RerunState]
-    return torch.serialization.safe_globals(allowed)
 
 
 # --- where the checkpoint is, and whether it is whole --------------------------------------------
@@ -159,7 +136,6 @@ COMMON_FILES = ("common.pt", ".metadata")
 def read_common(folder: str, fmt: str, root: str) -> dict:
     """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
     if fmt == "torch":
-        from .legacy import read_common as legacy_common
 
         return legacy_common(folder, root)
     from megatron.core import dist_checkpointing
@@ -293,7 +269,6 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     args = trainer.args
     folder, fmt = find_checkpoint(args.load)
     if fmt == "torch":
-        from .legacy import load_legacy
 
         common = load_legacy(trainer, folder, args.load)
         trainer.main.copy_from_model()

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from .checkpointing import CheckpointError, safe_globals
+from .format import CheckpointError, safe_globals
 from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")

@@ -12,10 +12,11 @@ import sys
 
 import torch
 
-from chimera_schedules import ScheduleConfigError, ScheduleSpec, build_spec
-from chimera_schedules.build import check_options
-from chimera_schedules.errors import require
-from chimera_schedules.spec import OPTION, SCHEDULES, SHARED, flags
+from chimera_schedules import ConfigError, ScheduleSpec, build_spec
+from chimera_schedules.registry import check_options
+from chimera_schedules.ir.errors import require
+from chimera_schedules.ir.spec import OPTION, SHARED, flags
+from chimera_schedules.registry import SCHEDULES
 
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .plan import run_plan
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         _validate_architecture(args)
         if args.load:
             _validate_checkpoint(args)
-    except ScheduleConfigError as e:
+    except ConfigError as e:
         fail(f"{PROG}: error: {e.message(flags('trainer'))}")
     return args
 
@@ -374,12 +375,12 @@ def _schedule(args, chunks: int):
                         chunks=chunks if args.pipeline_schedule == "interleaved" else None, **_given(args))
     try:
         return build_spec(spec)
-    except ScheduleConfigError as e:
+    except ConfigError as e:
         option = OPTION.get(e.option)
         if option is None or not option.trainer_derives:
             raise
         rule = f"gives {e.value} {option.trainer_derives}; {e.rule}"
-        raise ScheduleConfigError(option.trainer, getattr(args, _dest(option.trainer)), rule) from None
+        raise ConfigError(option.trainer, getattr(args, _dest(option.trainer)), rule) from None
 
 
 def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:

@@ -1,5 +1,5 @@
 """pretrain_gpt.py's command line is Megatron-LM's: its own ``parse_args`` and ``validate_args``, with
-Chimera's group (``chimera_schedules.spec``) added as Megatron-LM's extra arguments.
+Chimera's group (``chimera_schedules.tools.options``) added as Megatron-LM's extra arguments.
 
 Every Megatron-LM flag is held to its class in ``flag_classes``: a refused flag given a value other
 than Megatron-LM's default, or an honoured one given a value we do not run, fails in one line before
@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from chimera_schedules.spec import add_trainer_group
+from chimera_schedules.tools.options import add_trainer_group
 
 from .flag_classes import VALUES, flag_class
 

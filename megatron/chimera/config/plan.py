@@ -25,8 +25,8 @@ class SchedulePlan:
 
     def runner(self, models, make_transport, grad_sync, tracer):
         """(forward_backward, the transport it owns)."""
-        from chimera_schedules.executor import make_forward_backward
-        from chimera_schedules.lowering import lower
+        from chimera_schedules.runtime.executor import make_forward_backward
+        from chimera_schedules.passes.lowering import lower
 
         transport = make_transport()
         return make_forward_backward(lower(self.schedule), transport, grad_sync, tracer), transport

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chimera_schedules.lowering import act_group, grad_group
+from chimera_schedules.ir.channels import act_group, grad_group
 
 
 @dataclass

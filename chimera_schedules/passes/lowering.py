@@ -1,11 +1,7 @@
 """Lowering: a compute schedule becomes the list each worker posts, communication included.
 
 Every cross-worker message becomes a SEND on its producer's worker and a RECV on its consumer's,
-and every gradient reduction an ALLREDUCE, each naming its process group (channel):
-- ``p{P}.act`` carries pipeline P's activations (to stage + 1), ``p{P}.grad`` its input gradients
-  (to stage - 1): one group per direction and pipeline, so a large gradient never queues behind an
-  activation on NCCL's per-pair stream (NCCL_MODEL.md rule 1);
-- ``stage{S}`` is stage S's replica group (every copy, every data-parallel rank).
+and every gradient reduction an ALLREDUCE, each naming its process group (``ir/channels.py``).
 
 Posting order. The compute schedule is replayed once under fixed unit costs (``ORDER_COSTS``), which
 gives every action and message a time. Each worker then posts its operations sorted by one global key:
@@ -26,28 +22,20 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 
-from .ir import Action, Op, Schedule
-from .simulator import CostModel, replay
+from ..analysis.replay import replay
+from ..ir.actions import Action, Op
+from ..ir.channels import message_group, stage_group
+from ..ir.costs import CostModel
+from ..ir.dataflow import consumed_message, produced_message
+from ..ir.schedule import Schedule
 
 ORDER_COSTS = CostModel(forward=1.0, backward=2.0)  # for the posting order only, never for timing
 RECV_BUFFERS = 3
 _KIND_RANK = {"act": 0, "grad": 1}
 
 
-def act_group(pipeline: int) -> str:
-    return f"p{pipeline}.act"
-
-
-def grad_group(pipeline: int) -> str:
-    return f"p{pipeline}.grad"
-
-
-def stage_group(stage: int) -> str:
-    return f"stage{stage}"
-
-
 @dataclass(frozen=True)
-class Message:
+class _Message:
     """One p2p message of an iteration. ``ready``: when its producer ends; ``needed``: when its
     consumer starts (in the order replay)."""
 
@@ -62,36 +50,10 @@ class Message:
 
     def action(self, op: Op) -> Action:
         peer = self.dst if op is Op.SEND else self.src
-        group = act_group(self.pipeline) if self.kind == "act" else grad_group(self.pipeline)
-        return Action(op, self.mb, self.pipeline, self.stage, peer, group, self.kind)
+        return Action(op, self.mb, self.pipeline, self.stage, peer, message_group(self.kind, self.pipeline), self.kind)
 
     def order(self, time: float) -> tuple:
         return (time, 0, self.src, self.dst, _KIND_RANK[self.kind], self.pipeline, self.stage, self.mb)
-
-
-def produced_message(schedule: Schedule, action: Action) -> tuple[str, int, int, int] | None:
-    """The message a compute action produces: (kind, pipeline, receiving stage, mb), or None."""
-    last = schedule.stages_per_pipeline - 1
-    if action.op is Op.FORWARD and action.stage < last:
-        return ("act", action.pipeline, action.stage + 1, action.mb)
-    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and action.stage > 0:
-        return ("grad", action.pipeline, action.stage - 1, action.mb)
-    return None
-
-
-def consumed_message(schedule: Schedule, action: Action) -> tuple[str, int, int, int] | None:
-    """The message a compute action needs before it can start, or None."""
-    last = schedule.stages_per_pipeline - 1
-    if action.op is Op.FORWARD and action.stage > 0:
-        return ("act", action.pipeline, action.stage, action.mb)
-    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and action.stage < last:
-        return ("grad", action.pipeline, action.stage, action.mb)
-    return None
-
-
-def source_worker(schedule: Schedule, message: tuple[str, int, int, int]) -> int:
-    kind, pipeline, stage, _ = message
-    return schedule.placement[pipeline][stage - 1 if kind == "act" else stage + 1]
 
 
 def lower(schedule: Schedule, buffers: int = RECV_BUFFERS) -> Schedule:
@@ -117,7 +79,7 @@ def lower(schedule: Schedule, buffers: int = RECV_BUFFERS) -> Schedule:
     return replace(schedule, workers=tuple(workers))
 
 
-def _messages(schedule: Schedule, times: dict) -> list[Message]:
+def _messages(schedule: Schedule, times: dict) -> list[_Message]:
     consumer = {}
     for w, actions in enumerate(schedule.workers):
         for a in actions:
@@ -132,11 +94,11 @@ def _messages(schedule: Schedule, times: dict) -> list[Message]:
                 continue
             dst, needed = consumer[message]
             if dst != w:
-                out.append(Message(*message, src=w, dst=dst, ready=times[(w, a)][1], needed=needed))
+                out.append(_Message(*message, src=w, dst=dst, ready=times[(w, a)][1], needed=needed))
     return out
 
 
-def _message_keys(messages: list[Message], buffers: int) -> dict[Message, float]:
+def _message_keys(messages: list[_Message], buffers: int) -> dict[_Message, float]:
     """Posting time of each message: when it is ready, unless the receiver already has ``buffers``
     receives posted ahead; then when the earliest of them is consumed, but never after it is needed."""
     keys = {}
@@ -163,17 +125,3 @@ def _reduction_times(schedule: Schedule, times: dict) -> dict[int, float]:
             if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
                 done[a.stage] = max(done.get(a.stage, 0.0), times[(w, a)][1])
     return done
-
-
-def forward_only(lowered: Schedule) -> Schedule:
-    """What evaluation posts: the forwards and their activations, in the same relative order (a
-    subsequence of a consistent order is consistent)."""
-    keep = lambda a: a.op is Op.FORWARD or (a.op in (Op.SEND, Op.RECV) and a.kind == "act")  # noqa: E731
-    return replace(lowered, workers=tuple(tuple(filter(keep, w)) for w in lowered.workers))
-
-
-def compute_part(lowered: Schedule) -> Schedule:
-    """The compute schedule inside a lowered one (ALLREDUCE back to R), for the compute validator."""
-    workers = tuple(tuple(Action(Op.REDUCE_GRADS, -1, a.pipeline, a.stage) if a.op is Op.ALLREDUCE else a
-                          for a in w if a.op not in (Op.SEND, Op.RECV)) for w in lowered.workers)
-    return replace(lowered, workers=workers)

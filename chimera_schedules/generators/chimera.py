@@ -1,8 +1,6 @@
 """Chimera's bidirectional schedules (Li & Hoefler, SC'21).
 
-Placement: with 2f pipelines, down pipeline j (index 2j) puts stage s on worker (s + j D/f) mod D and
-up pipeline j (index 2j+1) on worker (D-1-s + j D/f) mod D. Micro-batches are split in equal
-contiguous blocks: pipeline p gets p N/P .. (p+1) N/P - 1.
+Placement and the micro-batches' pipelines: ``placement.py``.
 
 Paper order (two pipelines, N = D, the "basic unit"): a worker whose early stage is s < D/2 holds it
 in pipeline X and its late stage in pipeline Y; with a = D/2 - s, b = s it runs
@@ -27,25 +25,14 @@ which gives D/f - 2 bubbles per worker at unit costs for N = D.
 """
 from __future__ import annotations
 
-from .errors import require
-from .ir import Action, B, F, Schedule, with_grad_sync
+from ..ir.actions import Action, B, F
+from ..ir.costs import CostModel
+from ..ir.errors import require
+from ..ir.schedule import Schedule
+from ..ir.spec import CONCATS
+from ..passes.grad_sync import with_grad_sync
 from .listsched import Shape, list_schedule
-from .simulator import CostModel
-from .spec import CONCATS
-
-
-def placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
-    shift = stages // (pipelines // 2)
-    rows = []
-    for j in range(pipelines // 2):
-        rows.append(tuple((s + j * shift) % stages for s in range(stages)))
-        rows.append(tuple((stages - 1 - s + j * shift) % stages for s in range(stages)))
-    return tuple(rows)
-
-
-def mb_pipelines(microbatches: int, pipelines: int) -> tuple[int, ...]:
-    per = microbatches // pipelines
-    return tuple(m // per for m in range(microbatches))
+from .placement import mb_pipelines, placement
 
 
 def check(stages: int, microbatches: int, pipelines: int = 2, concat: str = "direct") -> None:

@@ -3,8 +3,10 @@
 as for a predicted one."""
 from __future__ import annotations
 
-from .ir import Op, Schedule
-from .simulator import Event, SimResult
+from ..ir.actions import Op
+from ..ir.costs import Event
+from ..ir.schedule import Schedule
+from .simulator import SimResult, timeline_result
 
 
 def measured_result(schedule: Schedule, events: list[Event], makespan: float,
@@ -14,22 +16,13 @@ def measured_result(schedule: Schedule, events: list[Event], makespan: float,
     peers included. ``activation_bytes[(pipeline, stage, mb)]``: bytes each forward kept for its
     backward; peaks are then in bytes, following each worker's order of events (a micro-batch's bytes
     are freed by its B, or by its W when the backward is split)."""
-    workers = schedule.num_workers
-    busy = [0.0] * workers
-    for e in events:
-        busy[e.worker] += e.end - e.start
-    idle = [makespan - b for b in busy]
-    peaks = [0.0] * workers
+    peaks = [0.0] * schedule.num_workers
     if activation_bytes is not None:
-        for w in range(workers):
+        for w in range(schedule.num_workers):
             live = 0.0
             for e in sorted((e for e in events if e.worker == w), key=lambda e: e.start):
                 key = (e.action.pipeline, e.action.stage, e.action.mb)
                 sign = {Op.FORWARD: 1, Op.BACKWARD: -1, Op.BACKWARD_WEIGHT: -1}.get(e.action.op, 0)
                 live += activation_bytes.get(key, 0) * sign
                 peaks[w] = max(peaks[w], live)
-    copies = [len(schedule.held(w)) for w in range(workers)]
-    return SimResult(schedule=schedule, events=sorted(events, key=lambda e: (e.worker, e.start)), reductions=[],
-                     makespan=makespan, busy=busy, idle=idle,
-                     bubble_ratio=sum(idle) / (makespan * workers) if makespan > 0 else 0.0,
-                     peak_activations=peaks, stage_copies=copies, weight_units=[c / schedule.chunks for c in copies])
+    return timeline_result(schedule, events, makespan, peaks)

@@ -17,24 +17,20 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .errors import InvalidSchedule
-from .ir import Op, Schedule
-from .simulator import CostModel, replay
+from ..ir.costs import CostModel
+from ..ir.dataflow import compute_part
+from ..ir.errors import InvalidSchedule
+from ..ir.actions import Op
+from ..ir.schedule import Schedule
+from .replay import replay
 
 _GRAD_DONE = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the pass after which a stage copy's gradient is final
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise InvalidSchedule on the first violated rule; return None for a valid schedule. A lowered
-    schedule is checked as its compute part plus the well-formedness of its communication (whether
-    that communication completes is nccl_model.check's question)."""
-    if schedule.lowered:
-        from .lowering import compute_part
-        from .nccl_model import check_structure
-
-        validate(compute_part(schedule))
-        check_structure(schedule)
-        return
+    """Raise InvalidSchedule on the first violated rule; return None for a valid schedule. Of a lowered
+    schedule the compute part is checked; its communication is the NCCL checker's (nccl_model.check)."""
+    schedule = compute_part(schedule)
     _check_shape(schedule)
     pipeline_of = _check_actions(schedule)
     _check_complete(schedule, pipeline_of)

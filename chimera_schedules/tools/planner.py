@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .build import build_spec
-from .errors import ScheduleConfigError
-from .simulator import CostModel, simulate
-from .spec import VARIANTS, variant
+from ..analysis.simulator import simulate
+from ..ir.costs import CostModel
+from ..ir.errors import ConfigError
+from ..registry import VARIANTS, build_spec, variant
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def plan(workers: int, global_batch: int, shape: ModelShape, profile: Profile, d
     for c in candidates(workers, global_batch, shape, depths, micro_batches):
         try:
             ranked.append(evaluate(shape, profile, global_batch, c, precision))
-        except ScheduleConfigError:
+        except ConfigError:
             continue  # the schedule's rules exclude this layout
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds))
 

@@ -23,9 +23,10 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ir.actions import Action, Op
+from ..ir.dataflow import consumed_message, forward_only, produced_message
+from ..ir.schedule import Schedule
 from .autograd_split import backward_input
-from .ir import Action, Op, Schedule
-from .lowering import consumed_message, forward_only, produced_message
 
 
 class PipelineFault(RuntimeError):

@@ -8,9 +8,10 @@ import math
 from dataclasses import dataclass
 from html import escape
 
-from .errors import ScheduleConfigError
-from .ir import Op
-from .simulator import Event, SimResult
+from ..analysis.simulator import SimResult
+from ..ir.actions import Op
+from ..ir.costs import Event
+from ..ir.errors import ConfigError
 
 # Pipeline colours: forward saturated, backward (B or I) light, as in the paper (down blue, up
 # orange-ish); a split backward's W pass in a colour of its own per pipeline.
@@ -211,4 +212,4 @@ def write_picture(result: SimResult, path: str) -> None:
         with open(path, "w") as f:
             json.dump(perfetto_trace(result), f)
     else:
-        raise ScheduleConfigError("--out", path, "must end in .png, .svg or .json (Perfetto trace)")
+        raise ConfigError("--out", path, "must end in .png, .svg or .json (Perfetto trace)")

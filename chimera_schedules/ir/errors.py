@@ -1,4 +1,5 @@
-"""The two ways a schedule request fails, each with a one-line message a user can act on."""
+"""The two ways a request fails, each with a one-line message a user can act on: a flag's value that
+breaks a rule (``ConfigError``), and a schedule the validator rejects (``InvalidSchedule``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,8 +8,9 @@ from string import Template
 from .spec import flags
 
 
-class ScheduleConfigError(ValueError):
-    """An impossible request (odd depth for Chimera, N not a multiple of what the schedule needs, ...).
+class ConfigError(ValueError):
+    """An impossible request (odd depth for Chimera, N not a multiple of what the schedule needs, a
+    checkpoint that does not fit the model, ...).
 
     ``option`` names what carries the offending value: a ScheduleSpec field (``"concat"``) when the
     schedule library raises it, whose ``rule`` may name other fields as ``$stages``; else a front end's
@@ -38,4 +40,4 @@ class InvalidSchedule(ValueError):
 
 def require(condition: bool, option: str, value, rule: str) -> None:
     if not condition:
-        raise ScheduleConfigError(option, value, rule)
+        raise ConfigError(option, value, rule)

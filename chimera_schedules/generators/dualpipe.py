@@ -27,9 +27,11 @@ pipeline of 2 chunks per worker with a V-shaped placement, so nothing else needs
 """
 from __future__ import annotations
 
-from .chimera import mb_pipelines, placement
-from .errors import require
-from .ir import Action, Op, Schedule, with_grad_sync
+from ..ir.actions import Action, Op
+from ..ir.errors import require
+from ..ir.schedule import Schedule
+from ..passes.grad_sync import with_grad_sync
+from .placement import mb_pipelines, placement
 
 
 def check(stages: int, microbatches: int) -> None:

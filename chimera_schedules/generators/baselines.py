@@ -2,8 +2,10 @@
 interleaved 1F1B. One pipeline; worker w holds model stages w, w+D, w+2D, ... (v chunks)."""
 from __future__ import annotations
 
-from .errors import require
-from .ir import Action, B, F, Schedule, with_grad_sync
+from ..ir.actions import Action, B, F
+from ..ir.errors import require
+from ..ir.schedule import Schedule
+from ..passes.grad_sync import with_grad_sync
 
 
 def _single_pipeline(name: str, stages: int, microbatches: int, orders: list[list[Action]],

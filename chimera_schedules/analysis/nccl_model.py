@@ -26,10 +26,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .errors import InvalidSchedule
-from .ir import Action, Op, Schedule
-from .lowering import compute_part, consumed_message, produced_message, source_worker
-from .simulator import CostModel, Event
+from ..ir.actions import Action, Op
+from ..ir.costs import CostModel, Event
+from ..ir.dataflow import consumed_message, produced_message, source_worker
+from ..ir.errors import InvalidSchedule
+from ..ir.schedule import Schedule
+from .validator import validate
 
 MODES = ("gloo", "nccl", "nccl-single-queue")
 
@@ -73,13 +75,11 @@ def run_lowered(lowered: Schedule, mode: str, costs: CostModel) -> LoweredRun:
     """Replay under ``mode`` with ``costs``; raise InvalidSchedule on a malformed list or a deadlock."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
-    from .validator import validate
-
-    validate(compute_part(lowered))
+    validate(lowered)
     check_structure(lowered)
-    replay = _Replay(lowered, mode, costs)
-    replay.run()
-    return LoweredRun(replay.events, replay.transfers, replay.reductions, replay.finish())
+    run = _NcclRun(lowered, mode, costs)
+    run.run()
+    return LoweredRun(run.events, run.transfers, run.reductions, run.finish())
 
 
 def check_structure(s: Schedule) -> None:
@@ -145,7 +145,9 @@ def _check_outputs(s: Schedule, w: int, actions, sent: set) -> None:
             raise InvalidSchedule(f"its output is never sent to worker {s.placement[message[1]][message[2]]}", w, a)
 
 
-class _Replay:
+class _NcclRun:
+    """The hosts, streams and queues of every worker, stepped until every list completes."""
+
     def __init__(self, s: Schedule, mode: str, costs: CostModel):
         self.s, self.mode, self.costs = s, mode, costs
         self.transfer = costs.transfer_time(s)

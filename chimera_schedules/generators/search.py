@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import math
 
-from .chimera import check, chimera, mb_pipelines, placement
-from .ir import Action, Op, Schedule, with_grad_sync
+from ..analysis.simulator import peak_activations, simulate
+from ..ir.actions import Action, Op
+from ..ir.costs import CostModel
+from ..ir.dataflow import dependencies, producer
+from ..ir.schedule import Schedule
+from ..passes.grad_sync import with_grad_sync
+from ..passes.zero_bubble import split_backward
+from .chimera import check, chimera
 from .listsched import Shape, list_schedule
-from .simulator import CostModel, peak_activations, simulate
-from .zero_bubble import split_backward
+from .placement import mb_pipelines, placement
 
 
 def best_order(stages: int, microbatches: int, costs: CostModel | None = None, pipelines: int = 2,
@@ -123,24 +128,18 @@ class _Model:
         return int(round(t / self.quantum))
 
     def precedences(self) -> None:
-        """Forwards down the pipeline, the input gradient (B or I) back up, W after its I."""
-        back, last = self.ops[1], self.shape.stages - 1
-        for mb, p in enumerate(self.shape.mb_pipeline):
-            row = self.shape.placement[p]
-            for s in range(self.shape.stages):
-                f, fd = self.start[("F", mb, s)]
-                b = self.start[(back, mb, s)][0]
-                if s > 0:
-                    prev, pd = self.start[("F", mb, s - 1)]
-                    self.m.Add(f >= prev + pd + (self.hop if row[s - 1] != row[s] else 0))
-                if s < last:
-                    nxt, nd = self.start[(back, mb, s + 1)]
-                    self.m.Add(b >= nxt + nd + (self.hop if row[s + 1] != row[s] else 0))
-                else:
-                    self.m.Add(b >= f + fd)
-                if "W" in self.ops:
-                    i, i_d = self.start[("I", mb, s)]
-                    self.m.Add(self.start[("W", mb, s)][0] >= i + i_d)
+        """Each action after the results it consumes (the dataflow rule: forwards down the pipeline, the
+        input gradient back up, W after its I), one hop later when they come from another worker. A
+        backward that waits for the next stage's gradient needs no constraint for its own forward,
+        which that gradient already follows (a redundant constraint only slows the solver)."""
+        split, last = "W" in self.ops, self.shape.stages - 1
+        for (op, mb, s), (x, _) in self.start.items():
+            row = self.shape.placement[self.shape.mb_pipeline[mb]]
+            deps = dependencies(Action(Op(op), mb, self.shape.mb_pipeline[mb], s), last)
+            for key in [k for k in deps if k[2] != s] or deps:
+                src = producer(key, split)
+                y, d = self.start[(src.op.value, src.mb, src.stage)]
+                self.m.Add(x >= y + d + (self.hop if row[src.stage] != row[s] else 0))
 
     def fifo(self) -> None:
         """Each pipeline's micro-batches in order at every stage, for every op (a symmetry break)."""

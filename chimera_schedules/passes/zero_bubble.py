@@ -18,20 +18,23 @@ from __future__ import annotations
 import heapq
 from dataclasses import replace
 
-from .ir import Action, Op, Schedule, with_grad_sync
-from .simulator import CostModel, activation_units, dependencies, products
+from ..ir.actions import Action, Op
+from ..ir.costs import CostModel, activation_units
+from ..ir.dataflow import dependencies, products
+from ..ir.schedule import Schedule
+from .grad_sync import with_grad_sync
 
 
 def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Schedule:
     """``schedule`` (with B passes) with every B split into I and a W placed as described above."""
     queues = [[Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
                for a in schedule.compute(w)] for w in range(schedule.num_workers)]
-    orders = _Replay(replace(schedule, workers=tuple(map(tuple, queues))), costs, cap).run()
+    orders = _WeightPlacer(replace(schedule, workers=tuple(map(tuple, queues))), costs, cap).run()
     return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders)),
                                   meta={**schedule.meta, "split_backward": True}))
 
 
-class _Replay:
+class _WeightPlacer:
     """Event-driven: each worker, when free, decides at the time of the latest event it has seen."""
 
     def __init__(self, schedule: Schedule, costs: CostModel, cap: list[float]):

@@ -11,15 +11,17 @@ import dataclasses
 import json
 import sys
 
-from .build import build_spec
-from .errors import InvalidSchedule, ScheduleConfigError, require
-from .ir import Schedule
-from .lowering import lower
-from .nccl_model import MODES, check
+from ..analysis.nccl_model import MODES, check
+from ..analysis.simulator import simulate
+from ..analysis.validator import validate
+from ..ir.costs import CostModel
+from ..ir.errors import ConfigError, InvalidSchedule, require
+from ..ir.schedule import Schedule
+from ..ir.spec import OPTION, SHARED, ScheduleSpec
+from ..passes.lowering import lower
+from ..registry import SCHEDULES, VARIANTS, build_spec, variant
+from .options import add_arguments
 from .render import ascii_timeline, write_picture
-from .simulator import CostModel, simulate
-from .spec import OPTION, SHARED, VARIANTS, ScheduleSpec, add_arguments, variant
-from .validator import validate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 def _options() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     g = common.add_argument_group("schedule")
-    g.add_argument("--schedule", default="chimera", help=OPTION["schedule"].describe() + " (default chimera)")
+    g.add_argument("--schedule", default="chimera", help=OPTION["schedule"].describe() + f": one of {', '.join(SCHEDULES)} (default chimera)")
     g.add_argument("--stages", "-D", type=int, default=4, help=OPTION["stages"].describe() + " (default 4)")
     g.add_argument("--microbatches", "-N", type=int, help=OPTION["microbatches"].describe() + " (default D)")
     add_arguments(g, "cli", ("chunks",) + SHARED)
@@ -101,9 +103,9 @@ def _load(path: str, option: str) -> Schedule:
         with open(path) as f:
             return Schedule.loads(f.read())
     except OSError as e:
-        raise ScheduleConfigError(option, path, f"cannot read: {e.strerror}") from None
+        raise ConfigError(option, path, f"cannot read: {e.strerror}") from None
     except ValueError as e:
-        raise ScheduleConfigError(option, path, f"not a schedule: {e}") from None
+        raise ConfigError(option, path, f"not a schedule: {e}") from None
 
 
 def _schedule(args) -> Schedule:
@@ -128,7 +130,7 @@ def _compare(args) -> list[dict]:
             spec, name = dataclasses.replace(spec, chunks=args.chunks), f"{spec.schedule} v={args.chunks}"
         try:
             row = simulate(build_spec(spec, costs), costs).stats()
-        except ScheduleConfigError as e:
+        except ConfigError as e:
             row = {"skipped": str(e)}
         rows.append({**row, "schedule": name})
     return rows
@@ -140,11 +142,11 @@ def _plan(args) -> int:
     for option in ("workers", "global_batch", "layers", "hidden", "heads", "seq", "vocab"):
         value = getattr(args, option)
         if value <= 0:
-            raise ScheduleConfigError("--" + option.replace("_", "-"), value, "must be positive")
+            raise ConfigError("--" + option.replace("_", "-"), value, "must be positive")
     try:
         profile = Profile.load(args.profile)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ScheduleConfigError("--profile", args.profile, f"not a readable profile: {e}") from None
+        raise ConfigError("--profile", args.profile, f"not a readable profile: {e}") from None
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 2**30)
     shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {args.out}")
             else:
                 print(ascii_timeline(result))
-    except ScheduleConfigError as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except InvalidSchedule as e:

@@ -1,0 +1,22 @@
+"""Chimera's placement of stage copies on workers, and which pipeline each micro-batch takes: shared by
+Chimera's orders, DualPipe's (Chimera's placement with two pipelines) and the search.
+
+With 2f pipelines, down pipeline j (index 2j) puts stage s on worker (s + j D/f) mod D and up pipeline
+j (index 2j+1) on worker (D-1-s + j D/f) mod D. Micro-batches are split in equal contiguous blocks:
+pipeline p gets p N/P .. (p+1) N/P - 1.
+"""
+from __future__ import annotations
+
+
+def placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
+    shift = stages // (pipelines // 2)
+    rows = []
+    for j in range(pipelines // 2):
+        rows.append(tuple((s + j * shift) % stages for s in range(stages)))
+        rows.append(tuple((stages - 1 - s + j * shift) % stages for s in range(stages)))
+    return tuple(rows)
+
+
+def mb_pipelines(microbatches: int, pipelines: int) -> tuple[int, ...]:
+    per = microbatches // pipelines
+    return tuple(m // per for m in range(microbatches))

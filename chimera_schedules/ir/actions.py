@@ -1,0 +1,135 @@
+"""Actions: one step of one pipeline worker, with a string form (``F3p1s2``) and a JSON form.
+
+Unlike torch.distributed.pipelining's ``_Action``, an action names its pipeline as well as its model
+stage, so one model stage can live on several workers (Chimera's down and up pipelines).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Op(str, Enum):
+    """Kinds of action. I and W split a backward into input- and weight-gradient parts (zero-bubble
+    style); a schedule uses either B or the pair I, W for a given pass. R is the gradient all-reduce
+    of one stage copy over its replica group: posted without blocking, completed before the step."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    REDUCE_GRADS = "R"
+    # Communication, added by lowering (lowering.py): each names its process group ("channel").
+    SEND = "SEND"
+    RECV = "RECV"
+    ALLREDUCE = "ALLREDUCE"
+
+
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+P2P_OPS = (Op.SEND, Op.RECV)
+COMM_OPS = (Op.SEND, Op.RECV, Op.ALLREDUCE)
+KINDS = ("act", "grad")  # activations flow to stage + 1, input gradients to stage - 1
+
+_TOKEN = re.compile(r"^([FBIWR])(\d*)p(\d+)s(\d+)$")
+# sA3p0s1>1@p0.act: send the activation of micro-batch 3 for pipeline 0 stage 1 to worker 1 on group
+# p0.act; rG3p0s0<1@p0.grad receives a gradient from worker 1; ARp0s1@stage1 all-reduces a stage copy;
+# "#5" appended puts an operation in batch 5 (posted together with its batch in one batch_isend_irecv).
+_COMM_TOKEN = re.compile(r"^(?:([sr])([AG])(\d+)p(\d+)s(\d+)([<>])(\d+)|AR()p(\d+)s(\d+))@([^#\s]+)(?:#(\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one worker. ``mb`` is -1 for R and ALLREDUCE, which cover every micro-batch of the
+    stage copy. SEND and RECV carry one message: ``kind`` ("act" or "grad") of micro-batch ``mb`` for
+    ``pipeline``, received by ``stage``; ``peer`` is the other worker, ``group`` the process group it
+    travels on, ``batch`` (-1: none) groups a worker's consecutive operations into one batch."""
+
+    op: Op
+    mb: int
+    pipeline: int
+    stage: int
+    peer: int = -1
+    group: str = ""
+    kind: str = ""
+    batch: int = -1
+
+    @property
+    def message(self) -> tuple[str, int, int, int]:
+        """What a SEND or RECV carries: (kind, pipeline, receiving stage, micro-batch)."""
+        return (self.kind, self.pipeline, self.stage, self.mb)
+
+    def __str__(self) -> str:
+        if self.op in P2P_OPS:
+            text = (f"{'s' if self.op is Op.SEND else 'r'}{self.kind[0].upper()}{self.mb}p{self.pipeline}"
+                    f"s{self.stage}{'>' if self.op is Op.SEND else '<'}{self.peer}@{self.group}")
+        elif self.op is Op.ALLREDUCE:
+            text = f"ARp{self.pipeline}s{self.stage}@{self.group}"
+        else:
+            mb = "" if self.op is Op.REDUCE_GRADS else str(self.mb)
+            return f"{self.op.value}{mb}p{self.pipeline}s{self.stage}"
+        return text + (f"#{self.batch}" if self.batch >= 0 else "")
+
+    @classmethod
+    def parse(cls, token: str) -> "Action":
+        """Inverse of ``str``: ``F3p1s2`` is the forward of micro-batch 3, pipeline 1, stage 2."""
+        token = token.strip()
+        if "@" in token:
+            return cls._parse_comm(token)
+        m = _TOKEN.match(token)
+        if not m:
+            raise ValueError(f"not an action token: {token!r} (expected e.g. F3p1s2, Rp0s1 or sA3p0s1>1@p0.act)")
+        op, mb, pipeline, stage = m.groups()
+        if (op == "R") != (mb == ""):
+            raise ValueError(f"not an action token: {token!r} (R has no micro-batch, F/B/I/W need one)")
+        return cls(Op(op), int(mb) if mb else -1, int(pipeline), int(stage))
+
+    @classmethod
+    def _parse_comm(cls, token: str) -> "Action":
+        m = _COMM_TOKEN.match(token)
+        if not m:
+            raise ValueError(f"not a communication token: {token!r} (expected e.g. sA3p0s1>1@p0.act or ARp0s1@stage1)")
+        sr, kind, mb, p, s, arrow, peer, _, ar_p, ar_s, group, batch = m.groups()
+        batch = int(batch) if batch else -1
+        if sr is None:
+            return cls(Op.ALLREDUCE, -1, int(ar_p), int(ar_s), group=group, batch=batch)
+        if (sr == "s") != (arrow == ">"):
+            raise ValueError(f"not a communication token: {token!r} (a send points > to its peer, a receive <)")
+        op = Op.SEND if sr == "s" else Op.RECV
+        return cls(op, int(mb), int(p), int(s), int(peer), group, {"A": "act", "G": "grad"}[kind], batch)
+
+    def to_json(self) -> dict:
+        obj = {"op": self.op.value, "mb": self.mb, "pipeline": self.pipeline, "stage": self.stage}
+        if self.op in P2P_OPS:
+            obj.update(peer=self.peer, group=self.group, kind=self.kind)
+        elif self.op is Op.ALLREDUCE:
+            obj.update(group=self.group)
+            del obj["mb"]
+        if self.batch >= 0:
+            obj["batch"] = self.batch
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Action":
+        op = Op(obj["op"])
+        batch = int(obj.get("batch", -1))
+        if op in P2P_OPS:
+            if obj.get("kind") not in KINDS:
+                raise ValueError(f"{op.value} needs \"kind\": one of {', '.join(KINDS)} (got {obj.get('kind')!r})")
+            return cls(op, int(obj["mb"]), int(obj["pipeline"]), int(obj["stage"]), int(obj["peer"]),
+                       str(obj["group"]), obj["kind"], batch)
+        if op is Op.ALLREDUCE:
+            return cls(op, -1, int(obj["pipeline"]), int(obj["stage"]), group=str(obj["group"]), batch=batch)
+        return cls(op, int(obj.get("mb", -1)), int(obj["pipeline"]), int(obj["stage"]))
+
+
+def F(mb: int, pipeline: int, stage: int) -> Action:
+    return Action(Op.FORWARD, mb, pipeline, stage)
+
+
+def B(mb: int, pipeline: int, stage: int) -> Action:
+    return Action(Op.BACKWARD, mb, pipeline, stage)
+
+
+def R(pipeline: int, stage: int) -> Action:
+    return Action(Op.REDUCE_GRADS, -1, pipeline, stage)

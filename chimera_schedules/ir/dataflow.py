@@ -1,0 +1,101 @@
+"""The dataflow rule, stated once: what each action consumes and produces.
+
+Every pass and analysis that needs to know when an action can run asks here: the simulator's
+replay, the split-backward pass, lowering (which turns cross-worker results into messages), the NCCL
+checker, the list scheduler, the CP-SAT search and the executor.
+
+A result is a key ``(kind, pipeline, stage, mb)``:
+- ``"F"``: the output activation of a forward;
+- ``"G"``: the input gradient a B or I computes (sent upstream);
+- ``"I"``: the input-gradient pass itself, which the same micro-batch's W follows.
+
+A result consumed by another model stage is a message ``(kind, pipeline, receiving stage, mb)``:
+``"act"`` for an activation (to stage + 1), ``"grad"`` for an input gradient (to stage - 1).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .actions import Action, Op
+from .schedule import Schedule
+
+Key = tuple[str, int, int, int]
+Message = tuple[str, int, int, int]
+_BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)  # the passes that compute an input gradient
+
+
+def dependencies(action: Action, last_stage: int) -> list[Key]:
+    """The results an action consumes: a forward the previous stage's output; B or I its own forward
+    and the next stage's input gradient; W its I."""
+    p, s, m = action.pipeline, action.stage, action.mb
+    if action.op is Op.FORWARD:
+        return [("F", p, s - 1, m)] if s > 0 else []
+    if action.op in _BACKWARDS:
+        return [("F", p, s, m)] + ([("G", p, s + 1, m)] if s < last_stage else [])
+    if action.op is Op.BACKWARD_WEIGHT:
+        return [("I", p, s, m)]
+    return []
+
+
+def products(action: Action) -> list[Key]:
+    """The results an action makes."""
+    p, s, m = action.pipeline, action.stage, action.mb
+    if action.op is Op.FORWARD:
+        return [("F", p, s, m)]
+    if action.op is Op.BACKWARD:
+        return [("G", p, s, m)]
+    if action.op is Op.BACKWARD_INPUT:
+        return [("G", p, s, m), ("I", p, s, m)]
+    return []
+
+
+def producer(key: Key, split: bool) -> Action:
+    """The action that makes ``key``; ``split``: the backward runs as I and W."""
+    kind, p, s, m = key
+    op = Op.FORWARD if kind == "F" else Op.BACKWARD_INPUT if split or kind == "I" else Op.BACKWARD
+    return Action(op, m, p, s)
+
+
+def produced_message(schedule: Schedule, action: Action) -> Message | None:
+    """The message a compute action sends to another model stage, or None."""
+    last = schedule.stages_per_pipeline - 1
+    for kind, p, s, m in products(action):
+        if kind == "F" and s < last:
+            return ("act", p, s + 1, m)
+        if kind == "G" and s > 0:
+            return ("grad", p, s - 1, m)
+    return None
+
+
+def consumed_message(schedule: Schedule, action: Action) -> Message | None:
+    """The message a compute action needs from another model stage before it can start, or None."""
+    for kind, p, s, m in dependencies(action, schedule.stages_per_pipeline - 1):
+        if s != action.stage:
+            return ("act" if kind == "F" else "grad", p, action.stage, m)
+    return None
+
+
+def source_worker(schedule: Schedule, message: Message) -> int:
+    """The worker that sends ``message``: the one holding the producing stage."""
+    kind, pipeline, stage, _ = message
+    return schedule.placement[pipeline][stage - 1 if kind == "act" else stage + 1]
+
+
+def describe(key: Key) -> str:
+    kind, p, s, m = key
+    name = {"F": "forward", "G": "input gradient", "I": "input-grad pass"}[kind]
+    return f"{name} of micro-batch {m}, pipeline {p}, stage {s}"
+
+
+def forward_only(lowered: Schedule) -> Schedule:
+    """What evaluation posts: the forwards and their activations, in the same relative order (a
+    subsequence of a consistent order is consistent)."""
+    keep = lambda a: a.op is Op.FORWARD or (a.op in (Op.SEND, Op.RECV) and a.kind == "act")  # noqa: E731
+    return replace(lowered, workers=tuple(tuple(filter(keep, w)) for w in lowered.workers))
+
+
+def compute_part(schedule: Schedule) -> Schedule:
+    """The compute schedule inside a lowered one (ALLREDUCE back to R); a compute schedule itself."""
+    workers = tuple(tuple(Action(Op.REDUCE_GRADS, -1, a.pipeline, a.stage) if a.op is Op.ALLREDUCE else a
+                          for a in w if a.op not in (Op.SEND, Op.RECV)) for w in schedule.workers)
+    return replace(schedule, workers=workers)

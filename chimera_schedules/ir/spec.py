@@ -1,0 +1,78 @@
+"""What a schedule request is, defined once for every front end.
+
+The CLI (``python -m chimera_schedules``) and the trainer (``pretrain_gpt.py``) spell the options
+differently; ``OPTIONS`` holds both spellings with the choices, defaults and help, so neither front end
+repeats them, and an error raised with a field name (``ConfigError("concat", ...)``) can name each
+front end's own flag. Which schedules take which option is the registry's (``registry.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONCATS = ("direct", "doubling", "halving")
+ORDERS = ("paper", "best")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule request. ``stages`` is the pipeline depth D (workers); ``None`` means "not given":
+    ``registry.check`` rejects options the schedule does not take and fills in the defaults of those it
+    does."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int | None = None
+    pipelines: int | None = None
+    concat: str | None = None
+    order: str | None = None
+    split_backward: bool | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """A ScheduleSpec field as each front end spells it. ``trainer_derives`` is set when the trainer's
+    flag only determines the value (micro-batches come from ``--global-batch-size``): it says what the
+    value is, so the trainer's error can explain why the flag it names is wrong."""
+
+    field: str
+    cli: str
+    trainer: str
+    help: str
+    type: type = int  # bool: a switch
+    choices: tuple[str, ...] | None = None
+    default: int | str | None = None  # for the schedules that take it
+    trainer_derives: str = ""
+
+    def describe(self, schedules: tuple[str, ...] = ()) -> str:
+        """The help line: what it is, its choices, the ``schedules`` that take it (if not all) and its
+        default."""
+        notes = [f"{' or '.join(schedules)} only"] if schedules else []
+        notes += [f"default {self.default}"] if self.default is not None else []
+        text = self.help + (f": one of {', '.join(self.choices)}" if self.choices else "")
+        return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+OPTIONS = (
+    Option("schedule", "--schedule", "--pipeline-schedule", "pipeline schedule", str),
+    Option("stages", "--stages", "--pipeline-model-parallel-size", "pipeline depth D = number of workers"),
+    Option("microbatches", "--microbatches", "--global-batch-size", "micro-batches per iteration",
+           trainer_derives="micro-batches per pipeline replica (global batch / (micro-batch size x "
+                           "data-parallel size))"),
+    Option("chunks", "--chunks", "--num-layers-per-virtual-pipeline-stage", "model chunks per worker",
+           default=2, trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
+    Option("pipelines", "--pipelines", "--chimera-pipelines", "pipelines, an even number", default=2),
+    Option("concat", "--concat", "--chimera-concat", "how basic units join for N > D", str, CONCATS, "direct"),
+    Option("order", "--order", "--chimera-order", "order of the actions", str, ORDERS, "paper"),
+    Option("split_backward", "--split-backward", "--split-backward",
+           "split each backward into I (input gradient, sent at once) and W (weight gradients, placed into "
+           "the bubbles), zero-bubble style", bool),
+)
+OPTION = {o.field: o for o in OPTIONS}
+# options both front ends take as they are, added from this table
+SHARED = ("pipelines", "concat", "order", "split_backward")
+
+
+def flags(front_end: str) -> dict[str, str]:
+    """Field -> flag in ``front_end`` ("cli" or "trainer"), for ``ConfigError.message``."""
+    return {o.field: getattr(o, front_end) for o in OPTIONS}

@@ -1,0 +1,28 @@
+"""The gradient-reduction pass: an R for every stage copy, placed as early as its gradients allow."""
+from __future__ import annotations
+
+from ..ir.actions import Op, R
+from ..ir.schedule import Schedule
+
+
+def with_grad_sync(schedule: Schedule) -> Schedule:
+    """Add a gradient reduction for every stage copy a worker holds, right after that copy's last
+    backward (or weight-grad) pass: eager sync, overlapping the worker's remaining work. Copies that
+    already have one keep theirs."""
+    workers = []
+    for w, actions in enumerate(schedule.workers):
+        has_r = {(a.pipeline, a.stage) for a in actions if a.op is Op.REDUCE_GRADS}
+        last = {}
+        for i, a in enumerate(actions):
+            if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                last[(a.pipeline, a.stage)] = i
+        out = []
+        for i, a in enumerate(actions):
+            out.append(a)
+            out.extend(R(p, s) for (p, s), j in last.items() if j == i and (p, s) not in has_r)
+        workers.append(tuple(out))
+    return Schedule(
+        name=schedule.name, stages=schedule.stages, microbatches=schedule.microbatches,
+        placement=schedule.placement, workers=tuple(workers), chunks=schedule.chunks,
+        microbatch_scale=schedule.microbatch_scale, meta=schedule.meta,
+    )

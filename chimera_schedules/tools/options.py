@@ -1,0 +1,52 @@
+"""The schedule options as argparse flags, for the two front ends: the CLI and pretrain_gpt.py's
+Chimera group (added to Megatron-LM's own parser as its extra arguments). Help lines say which
+schedules take an option, from the registry."""
+from __future__ import annotations
+
+from ..ir.spec import OPTION, SHARED
+from ..registry import SCHEDULES, takers
+
+
+def add_arguments(group, front_end: str, fields=SHARED) -> None:
+    """Add these options to an argparse group as ``front_end`` spells them. Each defaults to None so a
+    flag the user did not give stays distinguishable from one given with the default value; the registry
+    rejects the one and fills in the other. Choices are left to the registry too, so a bad value gets the
+    same one-line error as every other rule."""
+    for field in fields:
+        o = OPTION[field]
+        if o.type is bool:
+            group.add_argument(getattr(o, front_end), action="store_const", const=True, help=describe(field))
+        else:
+            group.add_argument(getattr(o, front_end), type=o.type, help=describe(field))
+
+
+def describe(field: str) -> str:
+    """An option's help line, naming the schedules that take it."""
+    return OPTION[field].describe(takers(field))
+
+
+# The trainer's own run-time options beside the schedule's, with no Megatron-LM spelling to follow.
+TRAINER_OPTIONS = (
+    ("--emulate-nccl", {"action": "store_true",
+                        "help": "CPU only: run p2p over gloo under NCCL's rules (in-order streams per pair and group, "
+                                "sends that wait for their receive), to try a layout before a GPU job"}),
+    ("--p2p-host-staging", {"action": "store_true",
+                            "help": "GPU compute, gloo communication through host memory: several ranks on one GPU"}),
+    ("--max-consecutive-nan-iterations", {"type": int, "default": 5,
+                                          "help": "stop after this many iterations in a row with a NaN/Inf loss "
+                                                  "or gradient norm"}),
+    ("--log-memory-per-rank", {"action": "store_true",
+                               "help": "print every rank's model-state bytes after setup, not only the largest"}),
+)
+
+
+def add_trainer_group(parser, megatron_schedules: tuple[str, ...]):
+    """pretrain_gpt.py's Chimera group, added to Megatron-LM's own parser as its extra arguments:
+    --pipeline-schedule (ours, or megatron-core's own), the schedule options and the run-time ones."""
+    group = parser.add_argument_group("Chimera: pipeline schedules and run-time options")
+    group.add_argument(OPTION["schedule"].trainer, choices=SCHEDULES + megatron_schedules,
+                       help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
+    add_arguments(group, "trainer")
+    for flag, kwargs in TRAINER_OPTIONS:
+        group.add_argument(flag, **kwargs)
+    return parser

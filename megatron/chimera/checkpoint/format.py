@@ -1,0 +1,34 @@
+"""What every checkpoint reader shares: the error that names --load, and torch.load's allow-list for
+the classes Megatron-LM's checkpoints pickle."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from chimera_schedules import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used, named by the --load directory and the reason."""
+
+    def __init__(self, root: str, rule: str):
+        super().__init__("--load", root, rule)
+
+
+def safe_globals():
+    """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
+    weights_only unpickler (which runs no code)."""
+    import io
+
+    allowed = [argparse.Namespace, io.BytesIO]
+    with contextlib.suppress(ImportError):
+        from megatron.core.transformer.enums import AttnBackend, ModelType
+
+        allowed += [AttnBackend, ModelType]
+    with contextlib.suppress(ImportError):
+        from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+
+        allowed += [RerunDiagnostic, RerunMode, RerunState]
+    return torch.serialization.safe_globals(allowed)
