@@ -111,78 +111,91 @@ def _case_args(flags, cfg):
     return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + flags, world_size=2)
 
 
+class _Timing:
+    """The benchmark's view of each iteration, through the training loop's hooks: the pipeline span
+    (before the forwards to the reduced gradients), every compute action relative to its start, the
+    bytes each forward saved (warm-up iterations only), and the optimizer's time (reduced gradients to
+    the end of the step: norm, clipping, AdamW and the distributed optimizer's weight all-gather)."""
+
+    def __init__(self, forward_step):
+        from megatron.chimera import Hooks
+
+        timing = self
+
+        class _Hooks(Hooks):
+            def before_iteration(self, trainer, iteration):
+                timing.t0 = time.perf_counter()
+
+            def after_backward(self, trainer, iteration):
+                timing.backward_done = time.perf_counter()
+
+            def on_action(self, action, start, end):
+                timing.record(action, start, end)
+
+        self.hooks, self.forward_step = _Hooks(), forward_step
+        self.t0 = self.backward_done = 0.0
+        self.counting, self.bytes = False, 0
+        self.events, self.saved_bytes = [], {}
+
+    def record(self, action, start, end) -> None:
+        self.events.append((action, start - self.t0, end - self.t0))
+        if action.op.value == "F" and self.counting:
+            self.saved_bytes[(action.pipeline, action.stage, action.mb)] = self.bytes
+
+    def counting_forward_step(self, it, model):
+        """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
+        (a split one most), so the measured iterations run without them."""
+        from torch.autograd.graph import saved_tensors_hooks
+
+        if not self.counting:
+            return self.forward_step(it, model)
+
+        def pack(t):
+            self.bytes += t.numel() * t.element_size()
+            return t
+        self.bytes = 0
+        with saved_tensors_hooks(pack, lambda t: t):
+            return self.forward_step(it, model)
+
+    def step(self, trainer, i: int) -> tuple[float, float, float, list]:
+        """One iteration: (step, pipeline span, optimizer) seconds and its events."""
+        import torch.distributed as dist
+
+        self.events = []
+        dist.barrier()
+        t = time.perf_counter()
+        trainer.train_step(i)
+        end = time.perf_counter()
+        return end - t, self.backward_done - self.t0, end - self.backward_done, self.events
+
+
 def _measure_case(flags, cfg):
     """Train ``cfg["warmup"] + cfg["iters"]`` iterations of one case; rank 0 gets every rank's step and
     pipeline-span times, per-action timestamps and saved bytes of the measured iterations."""
     import torch.distributed as dist
-    from torch.autograd.graph import saved_tensors_hooks
 
-    from megatron.chimera import Trainer
+    from megatron.chimera import Trainer, make_run_plan
     from megatron.chimera.observability.startup import model_state_bytes
     from pretrain_gpt import forward_step
 
     args = _case_args(flags, cfg)
-    events, saved_bytes, state = [], {}, {"bytes": 0, "t0": 0.0}
-
-    def counting_forward_step(it, model):
-        """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
-        (a split one most), so the measured iterations run without them."""
-        if not state["counting"]:
-            return forward_step(it, model)
-
-        def pack(t):
-            state["bytes"] += t.numel() * t.element_size()
-            return t
-        state["bytes"] = 0
-        with saved_tensors_hooks(pack, lambda t: t):
-            return forward_step(it, model)
-
-    def tracer(action, start, end):
-        events.append((action, start - state["t0"], end - state["t0"]))
-        if action.op.value == "F" and state["counting"]:
-            saved_bytes[(action.pipeline, action.stage, action.mb)] = state["bytes"]
-
-    trainer = Trainer(args, counting_forward_step, tracer)
-    inner = trainer.forward_backward
-
-    def timed_forward_backward(**kwargs):
-        state["t0"] = time.perf_counter()
-        out = inner(**kwargs)
-        state["span"] = time.perf_counter() - state["t0"]
-        return out
-
-    trainer.forward_backward = timed_forward_backward
-    inner_step = trainer._step
-
-    def timed_step(*a):  # clipping, AdamW, and the distributed optimizer's weight all-gather
-        t = time.perf_counter()
-        inner_step(*a)
-        state["optimizer"] = time.perf_counter() - t
-
-    trainer._step = timed_step
-    rank = dist.get_rank()
-    steps, spans, optimizer, per_iter_events = [], [], [], []
+    timing = _Timing(forward_step)
+    trainer = Trainer(args, make_run_plan(args), timing.counting_forward_step, timing.hooks)
+    measured = {"steps": [], "spans": [], "optimizer": [], "events": []}
     for i in range(cfg["warmup"] + cfg["iters"]):
-        events.clear()
-        state["counting"] = i < cfg["warmup"]
-        dist.barrier()
-        t = time.perf_counter()
-        trainer.train_step(i)
-        step = time.perf_counter() - t
+        timing.counting = i < cfg["warmup"]
+        step, span, optimizer, events = timing.step(trainer, i)
         if i >= cfg["warmup"]:
-            steps.append(step)
-            spans.append(state["span"])
-            optimizer.append(state["optimizer"])
-            per_iter_events.append(list(events))
+            for key, value in zip(measured, (step, span, optimizer, [(str(a), s, e) for a, s, e in events])):
+                measured[key].append(value)
     # every rank's numbers to rank 0
-    mine = {"steps": steps, "spans": spans, "optimizer": optimizer, "events": [[(str(a), s, e) for a, s, e in it] for it in per_iter_events],
-            "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in saved_bytes.items()},
+    mine = {**measured, "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in timing.saved_bytes.items()},
             "weights": sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters()),
-            "model_state": sum(model_state_bytes(trainer).values())}
+            "model_state": sum(model_state_bytes(trainer).values()), "schedule": trainer.plan.schedule}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()  # idle gloo groups poll: leaked ones would slow every later case
-    return (args, gathered) if rank == 0 else None
+    return (args, gathered) if dist.get_rank() == 0 else None
 
 
 def _merge(rounds: list[list[dict]]) -> list[dict]:
@@ -194,6 +207,7 @@ def _merge(rounds: list[list[dict]]) -> list[dict]:
                        "optimizer": [x for g in per_round for x in g["optimizer"]],
                        "events": [x for g in per_round for x in g["events"]],
                        "saved": per_round[0]["saved"], "weights": per_round[0]["weights"],
+                       "schedule": per_round[0]["schedule"],
                        "model_state": per_round[0]["model_state"]})
     return merged
 
@@ -221,7 +235,7 @@ def _summarize(label, n, args, rounds, cfg, comm):
            "weight_bytes": [g["weights"] for g in gathered], "model_state_bytes": [g["model_state"] for g in gathered],
            "step_overhead_ms": overhead * 1e3,
            "optimizer_ms": statistics.median(max(g["optimizer"][i] for g in gathered) for i in range(iters)) * 1e3}
-    schedule = args.schedule
+    schedule = gathered[0]["schedule"]
     if schedule is not None:
         from chimera_schedules import Action
 

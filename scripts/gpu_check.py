@@ -32,6 +32,7 @@ def layer_times(repeats: int = 20) -> dict:
 
     from chimera_schedules.tools.planner import ModelShape
     from megatron.chimera.config.arguments import parse_args
+    from megatron.chimera.config.run_plan import make_run_plan
     from megatron.chimera.model.chunk import build_chunk
 
     with socket.socket() as s:
@@ -46,7 +47,7 @@ def layer_times(repeats: int = 20) -> dict:
                        "--pipeline-model-parallel-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0"],
                       world_size=1)
     device = torch.device("cuda")
-    chunk = build_chunk(args, 0, device)
+    chunk = build_chunk(args, make_run_plan(args), 0, device)
     layer = chunk.decoder.layers[0]
     x = torch.randn(632, 1, 1280, device=device, requires_grad=True)
     fwd, bwd = [], []

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward  # noqa: E402
 from legacy_lowering import legacy_lower  # noqa: E402
-from megatron.chimera import Trainer, parse_args  # noqa: E402
+from megatron.chimera import Trainer, make_run_plan, parse_args  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -34,11 +34,11 @@ def main() -> None:
     design.add_argument("--design", choices=("lowered", "legacy"), required=True)
     which = design.parse_args().design
     args = parse_args(FLAGS)
-    trainer = Trainer(args, forward_step)
+    trainer = Trainer(args, make_run_plan(args), forward_step)
     if which == "legacy":  # one process group per pipeline, as parallel.py made them then
         groups = {**trainer.transport.groups, "p0": trainer.transport.groups["p0.act"]}
         transport = dataclasses.replace(trainer.transport, groups=groups)
-        trainer.forward_backward = make_forward_backward(legacy_lower(args.schedule), transport, trainer.sync)
+        trainer.forward_backward = make_forward_backward(legacy_lower(trainer.plan.schedule), transport, trainer.sync)
     try:
         trainer.train_step(0)
         result = {"design": which, "completed": True, "error": None}

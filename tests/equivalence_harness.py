@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.chimera import Trainer, parse_args  # noqa: E402
+from megatron.chimera import Trainer, make_run_plan, parse_args  # noqa: E402
 from megatron.chimera.model.chunk import is_gated, tp_shard  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
@@ -206,7 +206,7 @@ def condition_number(trainer, loss: float) -> float | None:
 
 def run_case(flags: list[str], world: int):
     args = parse_args(MODEL + flags, world_size=world)
-    trainer = Trainer(args, forward_step)
+    trainer = Trainer(args, make_run_plan(args), forward_step)
     losses, kappas, consistent = [], [], True
     for i in range(ITERS):
         losses.append(trainer.train_step(i)["lm loss"])

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.chimera import parse_args  # noqa: E402
+from megatron.chimera import make_run_plan, parse_args  # noqa: E402
 from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
 from megatron.chimera.model.chunk import transformer_config  # noqa: E402
 from megatron.chimera.distributed.process_groups import init_distributed  # noqa: E402
@@ -50,7 +50,7 @@ def gpt_model(args):
 @torch.no_grad()
 def batch_loss(model, args, index: int) -> float:
     train, _ = build_datasets(args, *dataset_sizes(args))
-    source = MicrobatchSource(train, args, dp_rank=0, scale=1.0)
+    source = MicrobatchSource(train, args, make_run_plan(args), dp_rank=0)
     total = count = 0.0
     model.eval()
     for mb in range(args.num_microbatches):

@@ -2,6 +2,7 @@
 import pytest
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
@@ -49,16 +50,18 @@ def test_impossible_configuration(capsys, flags, world, needle):
 
 
 def test_split_backward_and_dualpipev_build_their_schedules():
-    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
-                               "--split-backward"], world_size=2)
-    assert args.schedule.name == "chimera-direct-split" and args.schedule.meta["split_backward"]
-    assert {a.op.value for a in args.schedule.compute(0)} == {"F", "I", "W"}
-    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"], world_size=2)
-    assert (args.model_stages, args.schedule.placement) == (4, ((0, 1, 1, 0),))
+    plan = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+                                             "--split-backward"], world_size=2))
+    assert plan.schedule.name == "chimera-direct-split" and plan.split_backward
+    assert {a.op.value for a in plan.schedule.compute(0)} == {"F", "I", "W"}
+    plan = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
+                                    world_size=2))
+    assert (plan.model_stages, plan.schedule.placement) == (4, ((0, 1, 1, 0),))
 
 
 def test_valid_chimera_configuration_builds_its_schedule():
     args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"], world_size=8)
     assert (args.data_parallel_size, args.num_microbatches) == (2, 4)
-    assert args.schedule.name == "chimera-direct" and args.schedule.microbatches == 4
-    assert len(args.schedule.placement) == 2 and args.schedule.meta["order"] == "paper"  # the defaults
+    plan = make_run_plan(args)
+    assert plan.schedule.name == "chimera-direct" and plan.schedule.microbatches == 4
+    assert len(plan.schedule.placement) == 2 and plan.schedule.meta["order"] == "paper"  # the defaults

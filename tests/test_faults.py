@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -95,13 +96,15 @@ def free_port() -> str:
 
 
 def ranks(*argv, env=None):
-    """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us)."""
+    """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us); with ``env``,
+    pretrain_gpt.py with the faults it names injected (fault_hooks.py)."""
     port = free_port()
     procs = []
     for rank in (0, 1):
         e = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, env=e,
+        script = os.path.join("tests", "pretrain_with_faults.py") if env else "pretrain_gpt.py"
+        procs.append(subprocess.Popen([sys.executable, script, *argv], cwd=ROOT, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -147,7 +150,7 @@ def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     from megatron.chimera.distributed.process_groups import setup_parallel
 
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
-    rt = setup_parallel(args, "gloo", torch.device("cpu"))
+    rt = setup_parallel(args, make_run_plan(args), "gloo", torch.device("cpu"))
     groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
               parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
               parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]

@@ -6,6 +6,7 @@ import pytest
 
 from megatron.chimera.config import flag_classes
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,4 +92,4 @@ def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
     args = parse_args(samples + ["--train-samples", "3"], world_size=1)
     assert (args.global_batch_size, args.train_iters) == (1, 3)
     banner = capsys.readouterr().out
-    assert "  schedule ...." not in banner and "  plan ...." not in banner and args.plan is not None
+    assert "  schedule ...." not in banner and "  plan ...." not in banner and make_run_plan(args) is not None

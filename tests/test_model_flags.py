@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import transformer_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
@@ -75,4 +76,4 @@ def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
     assert args.recompute_granularity == "selective"
     vpp = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
                              "--num-virtual-stages-per-pipeline-rank", "2"], world_size=2)
-    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and vpp.schedule.chunks == 2
+    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and make_run_plan(vpp).schedule.chunks == 2

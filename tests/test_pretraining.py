@@ -83,7 +83,8 @@ def test_chimera_checkpoint_loads_into_one_process(uninterrupted, corpus):
 
 def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
     save = tmp_path / "crash"
-    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2"),
+    faulty = [os.path.join("tests", "pretrain_with_faults.py")]  # pretrain_gpt.py with fault_hooks.py
+    proc = run(2, *faulty, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2")[1:],
                env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
     assert proc.returncode != 0
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"

@@ -4,6 +4,7 @@ keeping fewer bytes of activations for the backward pass."""
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import build_chunk
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -17,7 +18,7 @@ def step(flags):
 
     args = parse_args(FLAGS + flags, world_size=1)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    model = build_chunk(args, 0, torch.device("cpu"))
+    model = build_chunk(args, make_run_plan(args), 0, torch.device("cpu"))
     tokens = torch.arange(2 * 64).remainder(128).view(2, 64)
     saved = []
 

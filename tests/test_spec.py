@@ -10,6 +10,7 @@ from chimera_schedules.tools.options import describe
 from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
 from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.arguments import parse_args, schedule_flags
+from megatron.chimera.config.run_plan import make_run_plan
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -58,4 +59,4 @@ def test_check_fills_in_the_defaults_of_the_options_the_schedule_takes():
 def test_the_trainer_builds_each_variant_as_the_library_does(name):
     spec = variant(name, 2, 4)  # global batch 8 / micro-batch 2 = 4 micro-batches on one pipeline
     args = parse_args(MODEL + schedule_flags(spec, num_layers=8), world_size=2)
-    assert args.schedule == build_spec(spec)
+    assert make_run_plan(args).schedule == build_spec(spec)

@@ -29,7 +29,6 @@ from ..ir.actions import Action, B, F
 from ..ir.costs import CostModel
 from ..ir.errors import require
 from ..ir.schedule import Schedule
-from ..ir.spec import CONCATS
 from ..passes.grad_sync import with_grad_sync
 from .listsched import Shape, list_schedule
 from .placement import mb_pipelines, placement
@@ -43,7 +42,6 @@ def check(stages: int, microbatches: int, pipelines: int = 2, concat: str = "dir
             "Chimera needs an even number of pipelines (down and up in pairs)")
     require((stages // 2) % (pipelines // 2) == 0, "pipelines", pipelines,
             f"P/2 must divide D/2 = {stages // 2}")
-    require(concat in CONCATS, "concat", concat, f"must be one of {', '.join(CONCATS)}")
     require(microbatches >= stages and microbatches % stages == 0, "microbatches", microbatches,
             f"Chimera needs a multiple of $stages ({stages}): N = K x D")
     if concat == "doubling":

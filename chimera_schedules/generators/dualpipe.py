@@ -90,8 +90,7 @@ def dualpipe(stages: int, microbatches: int) -> Schedule:
         where = {k: (p, place[p].index(w)) for k, p in pipe.items()}
         slots = _slots(stages // 2, min(w, stages - 1 - w), microbatches // 2)
         orders.append(tuple(_resolve(slots, where, {k: mbs[p] for k, p in pipe.items()})))
-    return with_grad_sync(Schedule("dualpipe", stages, microbatches, place, tuple(orders),
-                                   meta={"split_backward": True}))
+    return with_grad_sync(Schedule("dualpipe", stages, microbatches, place, tuple(orders)))
 
 
 def dualpipev(stages: int, microbatches: int) -> Schedule:
@@ -101,5 +100,4 @@ def dualpipev(stages: int, microbatches: int) -> Schedule:
     every = list(range(microbatches))
     orders = tuple(tuple(_resolve(_slots(stages, w, microbatches), {"E": (0, w), "L": (0, 2 * stages - 1 - w)},
                                   {"E": every, "L": every})) for w in range(stages))
-    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, chunks=2,
-                                   meta={"split_backward": True}))
+    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, chunks=2))

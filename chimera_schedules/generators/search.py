@@ -59,7 +59,7 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
     best = min(candidates, key=lambda c: simulate(c, costs).makespan)  # min keeps the first of equals
     name = "chimera-split-best" if split else "chimera-best"
     return Schedule(name, stages, microbatches, best.placement, best.workers,
-                    meta={"concat": "direct", "order": "best", "cap": cap, "split_backward": split})
+                    meta={"concat": "direct", "order": "best", "cap": cap})
 
 
 def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:

@@ -30,8 +30,7 @@ def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Sc
     queues = [[Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
                for a in schedule.compute(w)] for w in range(schedule.num_workers)]
     orders = _WeightPlacer(replace(schedule, workers=tuple(map(tuple, queues))), costs, cap).run()
-    return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders)),
-                                  meta={**schedule.meta, "split_backward": True}))
+    return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders))))
 
 
 class _WeightPlacer:

@@ -126,13 +126,14 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
 
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
-                          tracer: Callable | None = None) -> Callable:
+                          observer: Callable | None = None) -> Callable:
     """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
-    ``tracer(action, start, end)``, when given, is called after every F and B with perf_counter times
-    (the benchmark measures bubbles from these)."""
+    ``observer(action, start, end)``, when given, is called after every compute action with
+    perf_counter times (the benchmark measures bubbles from these). megatron-core's options that this
+    executor does not implement are refused when set, not ignored."""
     if any(a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
     held = lowered.held(transport.worker)
@@ -142,6 +143,10 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
                          micro_batch_size, decoder_seq_length=None, forward_only=False,
                          collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
                          p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+        _refuse_unimplemented(collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                              adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                              pg_collection=pg_collection, force_all_reduce=force_all_reduce,
+                              decoder_seq_length=decoder_seq_length if decoder_seq_length != seq_length else None)
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
         if len(chunks) != len(held) or len(iterators) != len(held):
@@ -151,18 +156,17 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
             raise ValueError(f"schedule has {lowered.microbatches} micro-batches, called with {num_microbatches}")
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
                    _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only)
-        try:
-            with torch.no_grad() if forward_only else torch.enable_grad():
-                for a in plans[forward_only]:
-                    run.step(a, grad_sync, tracer)
-        finally:
-            run.close()
-        run.messages.drain()
-        if not forward_only:
-            grad_sync.finish()
-        return run.reports
+        return run.execute(plans[forward_only], grad_sync, observer)
 
     return forward_backward
+
+
+def _refuse_unimplemented(**options) -> None:
+    """megatron-core's forward_backward options this executor does not implement, when set."""
+    given = [name for name, value in options.items() if value not in (None, False)]
+    if given:
+        raise NotImplementedError(f"the schedule executor does not implement {', '.join(given)} "
+                                  "(megatron-core's forward_backward options)")
 
 
 def _activation_shape(config, seq_length: int, micro_batch_size: int) -> tuple:
@@ -188,7 +192,7 @@ class _Run:
         self.reports = []
         self.embedded: dict[tuple, torch.Tensor] = {}  # a first stage's embedding output, the I boundary
         self.hooks = [self._watch_embedding(key, c) for key, c in chunk.items()
-                      if key[1] == 0 and not forward_only and _splits(schedule)]
+                      if key[1] == 0 and not forward_only and schedule.split_backward]
 
     def _watch_embedding(self, key, chunk):
         embedding = getattr(chunk, "embedding", None)  # megatron-core's GPTModel
@@ -201,7 +205,20 @@ class _Run:
             if h is not None:
                 h.remove()
 
-    def step(self, a: Action, grad_sync: GradSync, tracer) -> None:
+    def execute(self, actions, grad_sync: GradSync, observer) -> list:
+        """Run this worker's list; the flush waits for every send and, in training, every reduction."""
+        try:
+            with torch.no_grad() if self.forward_only else torch.enable_grad():
+                for a in actions:
+                    self.step(a, grad_sync, observer)
+        finally:
+            self.close()
+        self.messages.drain()
+        if not self.forward_only:
+            grad_sync.finish()
+        return self.reports
+
+    def step(self, a: Action, grad_sync: GradSync, observer) -> None:
         if a.op is Op.RECV:
             self.messages.receive(a)
         elif a.op is Op.SEND:
@@ -211,8 +228,8 @@ class _Run:
         else:
             started = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
                        Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
-            if tracer is not None:
-                tracer(a, started, time.perf_counter())
+            if observer is not None:
+                observer(a, started, time.perf_counter())
 
     def forward(self, a: Action) -> float:
         key, x = (a.pipeline, a.stage), None
@@ -259,7 +276,3 @@ class _Run:
         started = time.perf_counter()
         self.weight_passes.pop((a.pipeline, a.stage, a.mb)).run()
         return started
-
-
-def _splits(schedule: Schedule) -> bool:
-    return any(a.op is Op.BACKWARD_INPUT for w in schedule.workers for a in w)

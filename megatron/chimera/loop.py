@@ -1,9 +1,9 @@
 """The training loop: one iteration is one flush of the pipeline schedule, then one optimizer step.
 
-Our schedules (gpipe, 1f1b, interleaved, chimera) run through the schedule executor; megatron-core's
-own schedules (and no pipelining, the reference) run through ``get_forward_backward_func`` and have
-their gradients reduced afterwards by the same replica sync. The loop does not know which schedule
-it runs beyond that.
+``pretrain`` builds the run plan once (config/run_plan.py) and hands it to the Trainer, which runs the
+plan's forward_backward function: our executor for our schedules, megatron-core's own otherwise. The
+loop does not know which schedule it runs. Tests and benchmarks act through ``hooks``
+(observability/hooks.py), never inside the loop.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from chimera_schedules.ir.channels import stage_group
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
-from .observability.fault_injection import FaultInjection
+from .config.run_plan import make_run_plan
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
+from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
@@ -77,32 +78,51 @@ def _scheduler(args, optimizer):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
-def _p2p(args, backend: str):
-    """gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not (see TorchP2P)."""
+def _transport(args, rt, backend: str) -> Transport:
+    """Where our executor's messages go: this worker's peers, the process group of every channel, and
+    the p2p implementation (gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not,
+    see TorchP2P)."""
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    if args.emulate_nccl:
-        return EmulatedNCCL(timeout)
-    return TorchP2P(None if backend == "nccl" else timeout)
+    p2p = EmulatedNCCL(timeout) if args.emulate_nccl else TorchP2P(None if backend == "nccl" else timeout)
+    groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
+    return Transport(rt.worker, rt.worker_ranks, groups, rt.device, args.params_dtype, p2p, rt.comm_device)
 
 
 class Trainer:
-    """Everything one rank needs to train: model chunks, optimizer, schedule function, data.
-    ``tracer(action, start, end)`` sees every forward and backward of our schedules (benchmarks)."""
+    """Everything one rank needs to train under a run plan: model chunks, optimizer, the iteration's
+    forward_backward function, data. ``hooks`` (observability/hooks.py) see fixed points of each
+    iteration and every compute action of our schedules."""
 
-    def __init__(self, args, forward_step_func, tracer=None, faults: FaultInjection = FaultInjection()):
+    def __init__(self, args, plan, forward_step_func, hooks: Hooks = Hooks()):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        self.args, self.faults = args, faults
+        self.args, self.plan, self.hooks = args, plan, hooks
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
-        self.forward_step_func = forward_step_func
-        self.rt = rt = setup_parallel(args, backend, device)
+        self.rt = setup_parallel(args, plan, backend, device)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         self.timers = make_timers(args)
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+        self._build_model_and_optimizer(forward_step_func, device)
+        self.transport = _transport(args, self.rt, backend) if plan.schedule is not None else None
+        self.forward_backward = plan.runner(self.models, self.transport, self.sync, hooks.on_action)
+        self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
+        self.orders = plan.forward_orders(self.rt.worker)
+        self.timers("model-and-optimizer-setup").stop()
+        print_datetime("after model, optimizer, and learning rate scheduler are built")
+        self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+        train, valid = build_datasets(args, *dataset_sizes(args))
+        self.train_data = MicrobatchSource(train, args, plan, self.rt.dp_rank)
+        self.valid_data = MicrobatchSource(valid, args, plan, self.rt.dp_rank)
+        self.timers("train/valid/test-data-iterators-setup").stop()
+        print_datetime("after dataloaders are built")
+
+    def _build_model_and_optimizer(self, forward_step_func, device) -> None:
+        """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
+        args, rt = self.args, self.rt
         print_building()
-        self.chunks = {key: build_chunk(args, key[1], device) for key in rt.held}
+        self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
         self.tied = not args.untie_embeddings_and_output_weights
@@ -112,32 +132,12 @@ class Trainer:
             self.main = MainParams(self.chunks)
             self.sync = ReplicaGradSync(self.main.by_chunk, rt)
         self.scaler = LossScaler(args) if args.fp16 else None
-        if self.scaler:
-            self.forward_step_func = scaled_loss(self.forward_step_func, self.scaler)
+        self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
         self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), args), lr=args.lr,
                                            weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps)
         _allocate_state(self.optimizer)
         self.scheduler = _scheduler(args, self.optimizer)
-        plan = args.plan
-
-        def make_transport():
-            groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
-            return Transport(rt.worker, rt.worker_ranks, groups, device, args.params_dtype, _p2p(args, backend),
-                             rt.comm_device)
-
-        self.forward_backward, self.transport = plan.runner(self.models, make_transport, self.sync, tracer)
-        self.num_microbatches = plan.microbatches
-        self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
-        self.orders = plan.forward_orders(rt.worker, rt.held)
-        self.timers("model-and-optimizer-setup").stop()
-        print_datetime("after model, optimizer, and learning rate scheduler are built")
-        self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        train, valid = build_datasets(args, *dataset_sizes(args))
-        self.train_data = MicrobatchSource(train, args, rt.dp_rank, args.plan.microbatch_scale)
-        self.valid_data = MicrobatchSource(valid, args, rt.dp_rank, args.plan.microbatch_scale)
-        self.timers("train/valid/test-data-iterators-setup").stop()
-        print_datetime("after dataloaders are built")
 
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
@@ -154,7 +154,7 @@ class Trainer:
             forward_step_func=self.forward_step_func,
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
             model=self.models,
-            num_microbatches=self.num_microbatches,
+            num_microbatches=self.plan.microbatches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.micro_batch_size,
             forward_only=forward_only,
@@ -176,6 +176,7 @@ class Trainer:
         self.main.zero_grad(self.optimizer)
         for m in self.models:
             m.train()
+        self.hooks.before_iteration(self, iteration + 1)
         try:
             loss, norm = self._gradients(iteration)
         except PipelineFault as e:
@@ -197,7 +198,7 @@ class Trainer:
         if self.args.calculate_per_token_loss:
             self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
         timers("forward-backward").stop()
-        self.faults.after_backward(self.rt.rank, iteration + 1, self.main.all())
+        self.hooks.after_backward(self, iteration + 1)
         timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
@@ -257,12 +258,12 @@ class _Board:
             self.writer.flush()
 
 
-def pretrain(args, forward_step_func) -> list[dict]:
+def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
     Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
     checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
     try:
-        return _pretrain(args, forward_step_func)
+        return _pretrain(args, forward_step_func, hooks)
     except (PipelineFault, ConfigError, TrainingStopped) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -302,9 +303,9 @@ class _ExitPolicy:
         return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}" if flags[1] else None
 
 
-def _pretrain(args, forward_step_func) -> list[dict]:
-    faults, exit_policy = FaultInjection.from_environment(), _ExitPolicy(args)
-    trainer = Trainer(args, forward_step_func, faults=faults)
+def _pretrain(args, forward_step_func, hooks: Hooks) -> list[dict]:
+    exit_policy = _ExitPolicy(args)
+    trainer = Trainer(args, make_run_plan(args), forward_step_func, hooks)
     first = _resume(trainer)
     print_model_state(trainer)
     board = _Board(args.tensorboard_dir)
@@ -339,9 +340,8 @@ def _shut_down(trainer) -> None:
 
 
 def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:
-    args, faults = trainer.args, trainer.faults
+    args = trainer.args
     for iteration in range(first, args.train_iters):
-        faults.before_iteration(trainer.rt.rank, iteration + 1)
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
@@ -352,7 +352,7 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
         stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
-        _maybe_save(trainer, progress, stats, done, stop, faults)
+        _maybe_save(trainer, progress, stats, done, stop)
         if stop:
             print_rank_last(f" exiting on {stop} at iteration {done}" + (" after saving it" if args.save else ""))
             return progress.history
@@ -374,14 +374,14 @@ def _resume(trainer) -> int:
     return first
 
 
-def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, faults: FaultInjection) -> None:
+def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; never the
     state of a NaN iteration."""
     from .checkpoint.checkpointing import save_checkpoint
 
     args = trainer.args
     if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
-        folder = save_checkpoint(trainer, done, done * args.global_batch_size, fault_hook=faults.during_save(done))
+        folder = save_checkpoint(trainer, done, done * args.global_batch_size)
         progress.last_saved = done
         print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
 

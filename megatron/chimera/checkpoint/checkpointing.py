@@ -183,7 +183,7 @@ def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
     return argparse.Namespace(**kept)
 
 
-def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=None) -> str:
+def save_checkpoint(trainer, iteration: int, consumed_samples: int) -> str:
     """Collective. Returns the final directory."""
     from megatron.core import dist_checkpointing
 
@@ -205,8 +205,7 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int, fault_hook=N
              "layout": {"schedule": args.pipeline_schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
     _synchronous_writer()
     dist_checkpointing.save(state, tmp)
-    if fault_hook is not None:
-        fault_hook()  # tests: die here, mid-save
+    trainer.hooks.during_save(trainer, iteration)
     dist.barrier()
     if dist.get_rank() == 0:
         _publish(tmp, final, args.save, iteration)

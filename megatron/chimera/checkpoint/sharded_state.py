@@ -57,7 +57,7 @@ def model_state(trainer) -> dict:
     """``{"model0": ..., "model1": ...}``, one entry per chunk this rank holds, as Megatron-LM names
     the chunks of an interleaved model."""
     args = trainer.args
-    per_stage = args.num_layers // args.model_stages
+    per_stage = args.num_layers // trainer.plan.model_stages
     out = {}
     for i, (pipeline, stage) in enumerate(trainer.rt.held):
         chunk = trainer.chunks[(pipeline, stage)]

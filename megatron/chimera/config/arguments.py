@@ -12,14 +12,13 @@ import sys
 
 import torch
 
-from chimera_schedules import ConfigError, ScheduleSpec, build_spec
-from chimera_schedules.registry import check_options
+from chimera_schedules import ConfigError, ScheduleSpec
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
-from chimera_schedules.registry import SCHEDULES
+from chimera_schedules.registry import check_options
 
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
-from .plan import run_plan
+from .run_plan import given_options, model_stages, resolved_schedule, schedule_request
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 
@@ -45,14 +44,11 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def _megatron_validate(args) -> None:
     """validate_args sees the flags as given: with --train-samples, Megatron-LM derives the iteration
-    count only when training starts, so ours (derived earlier, for the schedule) waits aside, as do
-    the schedule and plan objects, which are not settings for its arguments banner."""
+    count only when training starts, so ours (derived earlier, for the schedule) waits aside."""
     derived = args.train_iters if args.train_samples else None
     if derived:
         args.train_iters = None
-    objects = {name: vars(args).pop(name) for name in ("schedule", "plan")}  # not settings: kept off its banner
     megatron_validate(args)
-    vars(args).update(objects)
     if derived:
         args.train_iters = derived
 
@@ -142,36 +138,29 @@ def _validate_run(args) -> None:
 
 
 def _validate_layout(args) -> None:
-    """The schedule's model stages (chunks per rank), the schedule itself and the run's plan."""
-    pp = args.pipeline_model_parallel_size
-    if args.pipeline_schedule is None:
-        args.pipeline_schedule = "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
-    check_options(args.pipeline_schedule, _given(args))
-    chunks = 1
-    if args.pipeline_schedule in ("interleaved", "megatron-interleaved"):
-        v = args.num_layers_per_virtual_pipeline_stage
+    """The schedule's options and rules, and the model stages it cuts --num-layers into (the run plan
+    is built from these, after parsing: ``run_plan.make_run_plan``)."""
+    pp, name = args.pipeline_model_parallel_size, resolved_schedule(args)
+    args.pipeline_schedule = name
+    check_options(name, given_options(args))
+    v = args.num_layers_per_virtual_pipeline_stage
+    if name in ("interleaved", "megatron-interleaved"):
         require(v is not None and v > 0, "--num-layers-per-virtual-pipeline-stage", v,
-                f"--pipeline-schedule {args.pipeline_schedule} needs it")
+                f"--pipeline-schedule {name} needs it")
         require(args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
                 f"PP x it must divide --num-layers ({args.num_layers})")
-        chunks = args.num_layers // (pp * v)
-        if args.pipeline_schedule == "megatron-interleaved":
+        if name == "megatron-interleaved":
             require(pp > 2, "--pipeline-model-parallel-size", pp, "megatron-core's interleaved schedule needs more "
                     "than 2 stages (at 2 its batched p2p pairs activations and gradients on one channel); "
                     "--pipeline-schedule interleaved runs at any depth")
     else:
-        require(args.num_layers_per_virtual_pipeline_stage is None, "--num-layers-per-virtual-pipeline-stage",
-                args.num_layers_per_virtual_pipeline_stage, "applies to the interleaved schedules only")
-    if args.pipeline_schedule == "dualpipev":
-        chunks = 2  # one pipeline folded into a V: each rank holds a stage on the way out and one back
-    require(args.num_layers % (pp * chunks) == 0, "--num-layers", args.num_layers,
-            f"must be divisible by the {pp * chunks} pipeline stages")
-    args.model_stages = pp * chunks
+        require(v is None, "--num-layers-per-virtual-pipeline-stage", v, "applies to the interleaved schedules only")
+    stages = model_stages(args, _schedule_request(args))
+    require(args.num_layers % stages == 0, "--num-layers", args.num_layers,
+            f"must be divisible by the {stages} pipeline stages")
     if args.chimera_concat == "halving":
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
-    args.schedule = _schedule(args, chunks) if pp > 1 and args.pipeline_schedule in SCHEDULES else None
-    args.plan = run_plan(args)
     args.fresh_start = None
     if args.load and _first_launch(args):
         args.fresh_start, args.load = args.load, None
@@ -359,28 +348,17 @@ def _validate_data(args) -> None:
     check_tokenizer_arguments(args, require)
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def _given(args) -> dict:
-    """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
-    return {field: getattr(args, _dest(OPTION[field].trainer)) for field in SHARED}
-
-
-def _schedule(args, chunks: int):
-    """Our executor's schedule. A library error about a value the trainer derives (micro-batches from
-    --global-batch-size) names the flag the user gave, and says what it gives."""
-    spec = ScheduleSpec(args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches,
-                        chunks=chunks if args.pipeline_schedule == "interleaved" else None, **_given(args))
+def _schedule_request(args):
+    """The registry's check of the request. An error about a value the trainer derives (micro-batches
+    from --global-batch-size) names the flag the user gave, and says what it gives."""
     try:
-        return build_spec(spec)
+        return schedule_request(args)
     except ConfigError as e:
         option = OPTION.get(e.option)
         if option is None or not option.trainer_derives:
             raise
         rule = f"gives {e.value} {option.trainer_derives}; {e.rule}"
-        raise ConfigError(option.trainer, getattr(args, _dest(option.trainer)), rule) from None
+        raise ConfigError(option.trainer, getattr(args, option.trainer.lstrip("-").replace("-", "_")), rule) from None
 
 
 def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:

@@ -49,10 +49,10 @@ def build_datasets(args, train_samples: int, valid_samples: int):
 class MicrobatchSource:
     """Turns (iteration, micro-batch) into the right samples of a dataset for this data-parallel rank."""
 
-    def __init__(self, dataset, args, dp_rank: int, scale: float):
+    def __init__(self, dataset, args, plan, dp_rank: int):
         self.dataset, self.dp_rank = dataset, dp_rank
         self.G, self.mbs, self.W = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
-        self.parts = int(round(1 / scale))
+        self.parts = int(round(1 / plan.microbatch_scale))  # halving: each micro-batch in two halves
         self.size = self.mbs // self.parts
 
     def batch(self, iteration: int, mb: int, device) -> dict:

@@ -116,18 +116,17 @@ def init_distributed(backend: str | None, timeout_minutes: float,
     return backend, device
 
 
-def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
-    """Initialise megatron-core's parallel state and the schedule's extra groups (collective:
-    every rank must call it with the same arguments)."""
+def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
+    """Initialise megatron-core's parallel state and the groups the run plan's placement needs
+    (collective: every rank must call it with the same arguments)."""
     from megatron.core import parallel_state
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     world = dist.get_world_size()
     dp = world // (tp * pp)
-    vpp = args.model_stages // pp if args.pipeline_schedule == "megatron-interleaved" else None
     parallel_state.destroy_model_parallel()
     timeout = args.distributed_timeout_minutes
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.virtual_stages,
                                              distributed_timeout_minutes=timeout)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
@@ -135,8 +134,7 @@ def setup_parallel(args, backend: str, device: torch.device) -> Runtime:
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
 
-    placement = args.plan.placement
-    held = [(p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker]
+    placement, held = plan.placement, plan.held(worker)
     rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, placement, held,
                  worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)

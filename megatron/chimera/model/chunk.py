@@ -31,7 +31,7 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
-def _layer_spec(args, device: torch.device):
+def _layer_spec(args, layers: int, device: torch.device):
     """Transformer Engine's spec on a GPU where it is installed (unless --transformer-impl local),
     megatron-core's local spec otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -46,10 +46,10 @@ def _layer_spec(args, device: torch.device):
         except ImportError:
             pass
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return _with_local_norms(spec, args)
+    return _with_local_norms(spec, layers)
 
 
-def _with_local_norms(spec, args):
+def _with_local_norms(spec, layers: int):
     """Without apex the local spec uses torch's norms, which megatron-core refuses with zero-centred
     gamma (--apply-layernorm-1p) and with sequence parallelism. LocalNorm does both; the final norm
     goes in through the block spec."""
@@ -63,7 +63,7 @@ def _with_local_norms(spec, args):
     attention = layer.self_attention.submodules
     if attention.q_layernorm is WrappedTorchNorm:
         attention.q_layernorm = attention.k_layernorm = HeadNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * (args.num_layers // args.model_stages), layer_norm=LocalNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
 
 
 class LocalNorm(torch.nn.Module):
@@ -130,17 +130,18 @@ def transformer_config(args, num_layers: int):
     )
 
 
-def build_chunk(args, stage: int, device: torch.device):
+def build_chunk(args, plan, stage: int, device: torch.device):
+    """Model stage ``stage`` of the run plan's ``model_stages``, as megatron-core's GPTModel."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    layers = args.num_layers // args.model_stages
+    layers = args.num_layers // plan.model_stages
     model = GPTModel(
         transformer_config(args, layers),
-        _layer_spec(args, device),
+        _layer_spec(args, layers, device),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=stage == 0,
-        post_process=stage == args.model_stages - 1,
+        post_process=stage == plan.model_stages - 1,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
@@ -148,7 +149,7 @@ def build_chunk(args, stage: int, device: torch.device):
     )
     model.stage = stage
     init_chunk(model, args, stage * layers)
-    if args.schedule is not None and args.schedule.meta.get("split_backward"):
+    if plan.split_backward:
         _splittable_linears(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
 

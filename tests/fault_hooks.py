@@ -1,5 +1,5 @@
-"""Faults the tests inject, read once from the environment. Every hook does nothing unless its
-variable is set, so the training loop calls them at fixed points and holds no test logic itself.
+"""Faults the tests inject, through the training loop's hooks protocol, read once from the environment
+by ``tests/pretrain_with_faults.py`` (pretrain_gpt.py with these hooks):
 
 - ``CHIMERA_TEST_FAULT="kill|hang RANK@ITERATION"``: that rank dies (SIGKILL), or stays alive but
   silent, at the start of that (1-based) iteration;
@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+
+from megatron.chimera.observability.hooks import Hooks
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    fault: str = ""
-    nan_iterations: frozenset = frozenset()
-    kill_during_save: int = -1
+class FaultInjection(Hooks):
+    def __init__(self, fault: str = "", nan_iterations: frozenset = frozenset(), kill_during_save: int = -1):
+        self.fault, self.nan_iterations, self.kill_during_save = fault, nan_iterations, kill_during_save
 
     @classmethod
     def from_environment(cls) -> FaultInjection:
@@ -26,17 +25,18 @@ class FaultInjection:
         return cls(os.environ.get("CHIMERA_TEST_FAULT", ""), frozenset(int(i) for i in nan.split(",") if i),
                    int(os.environ.get("CHIMERA_TEST_KILL_DURING_SAVE", "-1")))
 
-    def before_iteration(self, rank: int, iteration: int) -> None:
+    def before_iteration(self, trainer, iteration: int) -> None:
+        rank = trainer.rt.rank
         if self.fault == f"kill {rank}@{iteration}":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.fault == f"hang {rank}@{iteration}":
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
 
-    def after_backward(self, rank: int, iteration: int, params) -> None:
-        if iteration in self.nan_iterations and rank == 0:
-            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+    def after_backward(self, trainer, iteration: int) -> None:
+        if iteration in self.nan_iterations and trainer.rt.rank == 0:
+            next(p for p in trainer.main.all() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
-    def during_save(self, iteration: int):
-        """The checkpoint writer's mid-save hook for this iteration, or None."""
-        return (lambda: os.kill(os.getpid(), signal.SIGKILL)) if iteration == self.kill_during_save else None
+    def during_save(self, trainer, iteration: int) -> None:
+        if iteration == self.kill_during_save:
+            os.kill(os.getpid(), signal.SIGKILL)

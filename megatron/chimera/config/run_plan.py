@@ -1,0 +1,135 @@
+"""The run plan: what the parsed flags ask the pipeline to do, built once and passed explicitly to the
+trainer, the process groups, the model builder and the data source.
+
+Parsing only checks that the request can be met (``schedule_request`` and ``model_stages`` are pure
+functions of the flags, and cheap); ``make_run_plan`` then generates the schedule, which for
+``--chimera-order best`` means seconds of CP-SAT search.
+
+Our schedules run through the schedule executor, which posts the gradient reductions itself.
+megatron-core's own schedules and no pipelining run ``get_forward_backward_func`` behind the same
+``runner``, with the gradients reduced afterwards, so nothing downstream asks which kind it has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec, check
+from chimera_schedules.ir.spec import OPTION, SHARED
+from chimera_schedules.passes.lowering import lower
+from chimera_schedules.registry import REGISTRY
+from chimera_schedules.runtime.executor import make_forward_backward
+
+MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """``schedule``: our executor's compute schedule, None for megatron-core's own (``schedule_name``
+    megatron-1f1b or megatron-interleaved, or no pipelining). ``placement[pipeline][stage]``: the worker
+    holding that model stage's copy. ``microbatches`` per iteration of ``microbatch_scale`` times the
+    user's micro-batch (0.5 under Chimera's halving). ``virtual_stages``: megatron-core's interleaved
+    chunks per rank, else None."""
+
+    schedule_name: str
+    schedule: Schedule | None
+    placement: tuple[tuple[int, ...], ...]
+    model_stages: int
+    microbatches: int
+    microbatch_scale: float
+    split_backward: bool
+    virtual_stages: int | None
+
+    def held(self, worker: int) -> list[tuple[int, int]]:
+        """The (pipeline, model stage) copies ``worker`` holds, in placement order."""
+        return [(p, s) for p, row in enumerate(self.placement) for s, w in enumerate(row) if w == worker]
+
+    def forward_orders(self, worker: int) -> list[list[int]]:
+        """Per held chunk, its micro-batches in the order the schedule runs their forwards."""
+        if self.schedule is None:
+            return [list(range(self.microbatches)) for _ in self.held(worker)]
+        actions = self.schedule.workers[worker]
+        return [[a.mb for a in actions if a.op is Op.FORWARD and (a.pipeline, a.stage) == key]
+                for key in self.held(worker)]
+
+    def runner(self, models, transport, grad_sync, observer=None):
+        """The iteration's forward_backward function, megatron-core's keyword signature. ``transport``
+        (ours only) carries the messages; ``observer(action, start, end)`` sees our compute actions."""
+        if self.schedule is not None:
+            return make_forward_backward(lower(self.schedule), transport, grad_sync, observer)
+        return _megatron_core_runner(models, grad_sync, self.virtual_stages)
+
+
+def _megatron_core_runner(models, grad_sync, virtual_stages: int | None):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if virtual_stages:  # how megatron-core's interleaved schedule tells the last virtual stage
+        for m in models:
+            m.config.virtual_pipeline_model_parallel_size = virtual_stages
+    schedule = get_forward_backward_func()
+
+    def forward_backward(**kwargs):
+        reports = schedule(**kwargs)
+        if not kwargs["forward_only"]:
+            grad_sync.reduce_all()  # megatron-core's schedules post no reductions themselves
+        return reports
+
+    return forward_backward
+
+
+def resolved_schedule(args) -> str:
+    """--pipeline-schedule, or Megatron-LM's choice when it is not given."""
+    if args.pipeline_schedule is not None:
+        return args.pipeline_schedule
+    return "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
+
+
+def given_options(args) -> dict:
+    """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
+    return {field: getattr(args, _dest(OPTION[field].trainer)) for field in SHARED}
+
+
+def interleaved_chunks(args) -> int | None:
+    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage gives, if set."""
+    v = args.num_layers_per_virtual_pipeline_stage
+    return args.num_layers // (args.pipeline_model_parallel_size * v) if v else None
+
+
+def schedule_request(args) -> ScheduleSpec | None:
+    """The request our executor's schedule is built from, with its defaults filled in by the registry
+    (which raises ConfigError on a request it cannot meet); None for megatron-core's schedules and for
+    a single stage."""
+    name = resolved_schedule(args)
+    if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
+        return None
+    spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
+                        chunks=interleaved_chunks(args) if "chunks" in REGISTRY[name].options else None,
+                        **given_options(args))
+    return check(spec)
+
+
+def model_stages(args, request: ScheduleSpec | None) -> int:
+    """Model stages per pipeline: PP times the stages per worker and pipeline that the registry gives
+    the schedule (megatron-core's interleaved one: its chunks per rank)."""
+    pp = args.pipeline_model_parallel_size
+    if request is not None:
+        return pp * REGISTRY[request.schedule].virtual_stages(request)
+    return pp * (interleaved_chunks(args) or 1) if resolved_schedule(args) == "megatron-interleaved" else pp
+
+
+def make_run_plan(args) -> RunPlan:
+    """The plan for flags ``parse_args`` accepted: generates the schedule (once per process)."""
+    request = schedule_request(args)
+    stages = model_stages(args, request)
+    name = resolved_schedule(args)
+    if request is None:
+        pp = args.pipeline_model_parallel_size
+        virtual = stages // pp if name == "megatron-interleaved" else None
+        return RunPlan(name, None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0,
+                       False, virtual)
+    schedule = build_spec(request)
+    return RunPlan(name, schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
+                   schedule.split_backward, None)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")

@@ -1,0 +1,21 @@
+"""The training loop's hooks protocol: fixed points where an observer may act, each a no-op here.
+
+Tests inject faults through it (``tests/fault_hooks.py``) and the benchmark times iterations and
+actions with it (``scripts/benchmark.py``), so neither patches the loop and the loop holds no test
+or benchmark logic. Pass an instance to ``pretrain`` or ``Trainer``.
+"""
+from __future__ import annotations
+
+
+class Hooks:
+    def before_iteration(self, trainer, iteration: int) -> None:
+        """Iteration ``iteration`` (1-based) is about to run its forwards and backwards."""
+
+    def after_backward(self, trainer, iteration: int) -> None:
+        """Its gradients are complete and reduced; the optimizer has not run yet."""
+
+    def during_save(self, trainer, iteration: int) -> None:
+        """Every rank has written its part of checkpoint ``iteration``, which is not published yet."""
+
+    def on_action(self, action, start: float, end: float) -> None:
+        """A compute action of our executor ran from ``start`` to ``end`` (``time.perf_counter``)."""
