@@ -30,7 +30,6 @@ def layer_times(repeats: int = 20) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from chimera_schedules.tools.planner import ModelShape
     from megatron.chimera.config.arguments import parse_args
     from megatron.chimera.config.run_plan import make_run_plan
     from megatron.chimera.model.chunk import build_chunk
@@ -48,8 +47,18 @@ def layer_times(repeats: int = 20) -> dict:
                       world_size=1)
     device = torch.device("cuda")
     chunk = build_chunk(args, make_run_plan(args), 0, device)
-    layer = chunk.decoder.layers[0]
-    x = torch.randn(632, 1, 1280, device=device, requires_grad=True)
+    forward, backward = _time_layer(chunk.decoder.layers[0], repeats)
+    path = _write_profile(forward)
+    dist.destroy_process_group()
+    return {"device": torch.cuda.get_device_name(), "forward_s": forward, "backward_s": backward,
+            "transformer_engine": _te(), "profile": path}
+
+
+def _time_layer(layer, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of one layer, timed with CUDA events after 5 warm-ups."""
+    import torch
+
+    x = torch.randn(632, 1, 1280, device="cuda", requires_grad=True)
     fwd, bwd = [], []
     for i in range(repeats + 5):
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -62,8 +71,16 @@ def layer_times(repeats: int = 20) -> dict:
         if i >= 5:
             fwd.append(start.elapsed_time(mid) / 1e3)
             bwd.append(mid.elapsed_time(end) / 1e3)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _write_profile(forward: float) -> str:
+    """A planner profile with this GPU's measured compute; returns its path."""
+    import torch
+
+    from chimera_schedules.tools.planner import ModelShape
+
     shape = ModelShape(64, 1280, 20, 632, 50257)
-    forward = statistics.median(fwd)
     name = torch.cuda.get_device_name().replace(" ", "-").lower()
     with open(os.path.join(ROOT, "profiles", "piz-daint-p100.json")) as f:
         network = json.load(f)
@@ -77,9 +94,7 @@ def layer_times(repeats: int = 20) -> dict:
     path = os.path.join(ROOT, "profiles", f"gpu-{name}-{date.today()}.json")
     with open(path, "w") as f:
         json.dump(profile, f, indent=1)
-    dist.destroy_process_group()
-    return {"device": torch.cuda.get_device_name(), "forward_s": forward, "backward_s": statistics.median(bwd),
-            "transformer_engine": _te(), "profile": path}
+    return path
 
 
 def _te() -> bool:

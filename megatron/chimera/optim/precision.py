@@ -22,7 +22,6 @@ class MainParams:
     def __init__(self, chunks: dict):
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self.by_chunk = {key: [self._main(p) for p in chunk.parameters()] for key, chunk in chunks.items()}
-        self.of = {id(model): main for model, main in self.pairs}
 
     def _main(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if param.dtype == torch.float32:
@@ -33,9 +32,6 @@ class MainParams:
         param.register_post_accumulate_grad_hook(_accumulate_into_main)
         self.pairs.append((param, main))
         return main
-
-    def main_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
-        return self.of.get(id(param), param)
 
     def all(self) -> list[torch.nn.Parameter]:
         return [p for params in self.by_chunk.values() for p in params]
