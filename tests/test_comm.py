@@ -117,7 +117,7 @@ def grid():
     out = []
     for d in (2, 4, 8):
         for n in (d, 2 * d, 4 * d)[:3 if d <= 4 else 2]:  # N = 4D at depth 8 only repeats N = 2D's rules
-            out += [("gpipe", d, n, {}), ("1f1b", d, n, {}), ("interleaved", d, n, {"chunks": 2}),
+            out += [("gpipe", d, n, {}), ("1f1b", d, n, {}), ("interleaved", d, n, {"virtual_stages": 2}),
                     ("chimera", d, n, {}), ("chimera", d, n, {"concat": "halving"})]
             if n % (2 * d) == 0:
                 out.append(("chimera", d, n, {"concat": "doubling"}))
@@ -173,7 +173,7 @@ def test_collectives_posted_in_different_orders_deadlock_only_on_a_single_queue(
     reductions = [a for a in w1 if a.op is Op.ALLREDUCE]
     assert len(reductions) == 2 and len({a.group for a in reductions}) == 2
     reordered = [a for a in w1 if a.op is not Op.ALLREDUCE] + reductions[::-1]
-    swapped = Schedule(name="swapped", stages=2, microbatches=2, placement=lowered.placement,
+    swapped = Schedule(name="swapped", depth=2, microbatches=2, placement=lowered.placement,
                        workers=(lowered.workers[0], tuple(reordered)))
     check(swapped, "nccl")  # independent streams: any order completes
     with pytest.raises(InvalidSchedule, match="single hardware queue"):

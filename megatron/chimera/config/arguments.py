@@ -364,9 +364,9 @@ def _schedule_request(args):
 def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
     """The flags that make the trainer build ``spec`` for a model of ``num_layers``, given a global batch
     that gives its micro-batches (the benchmark runs the registry's variants with these)."""
-    out = ["--pipeline-model-parallel-size", str(spec.stages), "--pipeline-schedule", spec.schedule]
-    if spec.chunks:
-        out += [OPTION["chunks"].trainer, str(num_layers // (spec.stages * spec.chunks))]
+    out = ["--pipeline-model-parallel-size", str(spec.depth), "--pipeline-schedule", spec.schedule]
+    if spec.virtual_stages:
+        out += [OPTION["virtual_stages"].trainer, str(num_layers // (spec.depth * spec.virtual_stages))]
     for field in SHARED:
         value = getattr(spec, field)
         if value is True:

@@ -102,7 +102,7 @@ def schedule_request(args) -> ScheduleSpec | None:
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
-                        chunks=interleaved_chunks(args) if "chunks" in REGISTRY[name].options else None,
+                        virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
                         **given_options(args))
     return check(spec)
 
