@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from chimera_schedules import InvalidSchedule, build, simulate
 from chimera_schedules.tools.cli import main
@@ -18,6 +19,7 @@ from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.analysis.nccl_model import MODES, check
 from chimera_schedules.ir.costs import CostModel
+from chimera_schedules.runtime.executor import Transport, make_forward_backward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from legacy_lowering import legacy_lower  # noqa: E402
@@ -205,3 +207,15 @@ def test_collectives_that_use_the_compute_core_are_not_hidden_behind_compute():
     on_core = simulate(schedule, CostModel(1.0, 2.0, allreduce_latency=1.0, collectives_use_compute=True), "gloo")
     assert on_core.makespan > overlapped.makespan
     assert on_core.busy == overlapped.busy
+
+
+def test_the_executor_refuses_megatron_core_options_it_does_not_implement():
+    """Set, they would be silently ignored; refused before anything runs."""
+    transport = Transport(0, [0, 1], {}, torch.device("cpu"), torch.float32, p2p=None)
+    forward_backward = make_forward_backward(lower(build("1f1b", 2, 2)), transport, grad_sync=None)
+    common = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2, seq_length=8,
+                  micro_batch_size=1)
+    for option, value in (("collect_non_loss_data", True), ("force_all_reduce", True), ("decoder_seq_length", 4),
+                          ("first_val_step", True), ("adjust_tensor_shapes_fn", print)):
+        with pytest.raises(NotImplementedError, match=option):
+            forward_backward(**common, **{option: value})
