@@ -18,7 +18,7 @@ from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
-from .run_plan import given_options, model_stages, resolved_schedule, schedule_request
+from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 
@@ -358,7 +358,7 @@ def _schedule_request(args):
         if option is None or not option.trainer_derives:
             raise
         rule = f"gives {e.value} {option.trainer_derives}; {e.rule}"
-        raise ConfigError(option.trainer, getattr(args, option.trainer.lstrip("-").replace("-", "_")), rule) from None
+        raise ConfigError(option.trainer, getattr(args, flag_dest(option.trainer)), rule) from None
 
 
 def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:

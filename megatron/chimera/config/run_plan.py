@@ -85,7 +85,7 @@ def resolved_schedule(args) -> str:
 
 def given_options(args) -> dict:
     """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
-    return {field: getattr(args, _dest(OPTION[field].trainer)) for field in SHARED}
+    return {field: getattr(args, flag_dest(OPTION[field].trainer)) for field in SHARED}
 
 
 def interleaved_chunks(args) -> int | None:
@@ -131,5 +131,6 @@ def make_run_plan(args) -> RunPlan:
                    schedule.split_backward, None)
 
 
-def _dest(flag: str) -> str:
+def flag_dest(flag: str) -> str:
+    """The namespace attribute argparse stores ``flag`` in."""
     return flag.lstrip("-").replace("-", "_")
