@@ -56,33 +56,33 @@ class Entry:
 def _check_chimera(spec: ScheduleSpec) -> None:
     require(spec.order == "paper" or spec.concat == "direct", "concat", spec.concat,
             "$order best builds its own order for N = K x D; use $concat direct")
-    check_chimera(spec.stages, spec.microbatches, spec.pipelines, spec.concat)
+    check_chimera(spec.depth, spec.microbatches, spec.pipelines, spec.concat)
 
 
 def _generate_chimera(spec: ScheduleSpec, costs: CostModel) -> Schedule:
     if spec.order == "best":
-        return best_order(spec.stages, spec.microbatches, costs, spec.pipelines, split=bool(spec.split_backward))
-    return chimera(spec.stages, spec.microbatches, spec.pipelines, spec.concat, costs)
+        return best_order(spec.depth, spec.microbatches, costs, spec.pipelines, split=bool(spec.split_backward))
+    return chimera(spec.depth, spec.microbatches, spec.pipelines, spec.concat, costs)
 
 
 ENTRIES = (
-    Entry("gpipe", lambda spec, costs: gpipe(spec.stages, spec.microbatches), variants={"gpipe": {}}),
-    Entry("1f1b", lambda spec, costs: one_f_one_b(spec.stages, spec.microbatches), options=("split_backward",),
+    Entry("gpipe", lambda spec, costs: gpipe(spec.depth, spec.microbatches), variants={"gpipe": {}}),
+    Entry("1f1b", lambda spec, costs: one_f_one_b(spec.depth, spec.microbatches), options=("split_backward",),
           variants={"1f1b": {}, "1f1b split": {"split_backward": True}}),
-    Entry("interleaved", lambda spec, costs: interleaved(spec.stages, spec.microbatches, spec.chunks),
-          check=lambda spec: check_interleaved(spec.stages, spec.microbatches, spec.chunks), options=("chunks",),
-          virtual_stages=lambda spec: spec.chunks, variants={"interleaved v=2": {"chunks": 2}}),
+    Entry("interleaved", lambda spec, costs: interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
+          check=lambda spec: check_interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
+          options=("virtual_stages",), virtual_stages=lambda spec: spec.virtual_stages, variants={"interleaved v=2": {"virtual_stages": 2}}),
     Entry("chimera", _generate_chimera, _check_chimera, options=("pipelines", "concat", "order", "split_backward"),
           pipelines=lambda spec: spec.pipelines,
           variants={"chimera direct": {"concat": "direct"}, "chimera doubling": {"concat": "doubling"},
                     "chimera halving": {"concat": "halving"}, "chimera best": {"order": "best"},
                     "chimera split": {"split_backward": True},
                     "chimera split best": {"split_backward": True, "order": "best"}}),
-    Entry("dualpipe", lambda spec, costs: dualpipe(spec.stages, spec.microbatches),
-          lambda spec: check_dualpipe(spec.stages, spec.microbatches), pipelines=lambda spec: 2,
+    Entry("dualpipe", lambda spec, costs: dualpipe(spec.depth, spec.microbatches),
+          lambda spec: check_dualpipe(spec.depth, spec.microbatches), pipelines=lambda spec: 2,
           variants={"dualpipe": {}}),
-    Entry("dualpipev", lambda spec, costs: dualpipev(spec.stages, spec.microbatches),
-          lambda spec: check_dualpipev(spec.stages, spec.microbatches), virtual_stages=lambda spec: 2,
+    Entry("dualpipev", lambda spec, costs: dualpipev(spec.depth, spec.microbatches),
+          lambda spec: check_dualpipev(spec.depth, spec.microbatches), virtual_stages=lambda spec: 2,
           variants={"dualpipev": {}}),
 )
 REGISTRY = {e.name: e for e in ENTRIES}
@@ -97,7 +97,7 @@ def takers(option: str) -> tuple[str, ...]:
 
 def variant(name: str, stages: int, microbatches: int) -> ScheduleSpec:
     """The named variant at depth ``stages`` with ``microbatches`` micro-batches."""
-    return ScheduleSpec(stages=stages, microbatches=microbatches, **VARIANTS[name])
+    return ScheduleSpec(depth=stages, microbatches=microbatches, **VARIANTS[name])
 
 
 def check_options(schedule: str, given: dict) -> None:
@@ -107,7 +107,7 @@ def check_options(schedule: str, given: dict) -> None:
     taken = REGISTRY[schedule].options if schedule in REGISTRY else ()
     for name, value in given.items():
         o = OPTION[name]
-        if value is None or name in ("schedule", "stages", "microbatches"):
+        if value is None or name in ("schedule", "depth", "microbatches"):
             continue
         if o.choices:
             require(value in o.choices, name, value, f"must be one of {', '.join(o.choices)}")
@@ -119,7 +119,7 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
     to generate): the spec with the defaults of the options its schedule takes filled in."""
     require(spec.schedule in REGISTRY, "schedule", spec.schedule, f"must be one of {', '.join(SCHEDULES)}")
     check_options(spec.schedule, dataclasses.asdict(spec))
-    require(spec.stages >= 1, "stages", spec.stages, "must be at least 1")
+    require(spec.depth >= 1, "depth", spec.depth, "must be at least 1")
     require(spec.microbatches >= 1, "microbatches", spec.microbatches, "must be at least 1")
     entry = REGISTRY[spec.schedule]
     spec = dataclasses.replace(spec, **{name: OPTION[name].default for name in entry.options
@@ -135,7 +135,7 @@ def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     result = REGISTRY[spec.schedule].generate(spec, costs)
     if spec.split_backward and not result.split_backward:  # a generator may split its own backward
         # never more live micro-batches than the unsplit schedule's most loaded worker holds
-        result = split_backward(result, costs, [max(peak_activations(result))] * spec.stages)
+        result = split_backward(result, costs, [max(peak_activations(result))] * spec.depth)
     validate(result)
     return result
 

@@ -4,7 +4,7 @@ as in the paper) for pipeline depth D from 4 to 64 and up to 2,048 workers, unde
     python scripts/scale_projection.py --profile profiles/piz-daint-p100.json
 
 A prediction, not a measurement: it rests on the profile's numbers and on the planner's cost model
-(chimera_schedules/planner.py), whose schedule simulator is checked against real runs by
+(chimera_schedules/tools/planner.py), whose schedule simulator is checked against real runs by
 scripts/benchmark.py. Writes docs/scale_projection.{md,json,png} (with ``--batch-per-worker K`` other
 than 1: docs/scale_projection_batchK.*).
 """

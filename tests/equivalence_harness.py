@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.chimera import Trainer, make_run_plan, parse_args  # noqa: E402
+from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args  # noqa: E402
 from megatron.chimera.model.chunk import is_gated, tp_shard  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
@@ -204,14 +204,38 @@ def condition_number(trainer, loss: float) -> float | None:
     return sum((p.double() * p.grad.double()).abs().sum().item() for p in params) / abs(loss)
 
 
+class HookRecorder(Hooks):
+    """What the hooks protocol shows the benchmark and the fault tests: each iteration begun and its
+    backward finished, in order, and every compute action our executor runs."""
+
+    def __init__(self):
+        self.seen, self.actions = [], 0
+
+    def before_iteration(self, trainer, iteration):
+        self.seen.append(("before", iteration))
+
+    def after_backward(self, trainer, iteration):
+        self.seen.append(("after", iteration))
+
+    def on_action(self, action, start, end):
+        self.actions += 1
+
+    def saw_everything(self, plan, worker: int) -> bool:
+        actions = len(plan.schedule.compute(worker)) * ITERS if plan.schedule is not None else 0
+        return self.seen == [(when, i + 1) for i in range(ITERS) for when in ("before", "after")] and \
+            self.actions == actions
+
+
 def run_case(flags: list[str], world: int):
     args = parse_args(MODEL + flags, world_size=world)
-    trainer = Trainer(args, make_run_plan(args), forward_step)
+    hooks = HookRecorder()
+    trainer = Trainer(args, make_run_plan(args), forward_step, hooks)
     losses, kappas, consistent = [], [], True
     for i in range(ITERS):
         losses.append(trainer.train_step(i)["lm loss"])
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         consistent &= copies_identical(trainer)
+    trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
     untouched = evaluation_is_side_effect_free(trainer)
     eval_loss = trainer.evaluate(0)
     kappa = None if None in kappas else max(kappas)
@@ -246,6 +270,7 @@ def main() -> None:
             "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
+            "hooks_saw_everything": trainer.hooks_saw_everything,
         }
         trainer.close()
         if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from chimera_schedules import InvalidSchedule, build, simulate
 from chimera_schedules.tools.cli import main
@@ -18,6 +19,7 @@ from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.analysis.nccl_model import MODES, check
 from chimera_schedules.ir.costs import CostModel
+from chimera_schedules.runtime.executor import Transport, make_forward_backward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from legacy_lowering import legacy_lower  # noqa: E402
@@ -117,7 +119,7 @@ def grid():
     out = []
     for d in (2, 4, 8):
         for n in (d, 2 * d, 4 * d)[:3 if d <= 4 else 2]:  # N = 4D at depth 8 only repeats N = 2D's rules
-            out += [("gpipe", d, n, {}), ("1f1b", d, n, {}), ("interleaved", d, n, {"chunks": 2}),
+            out += [("gpipe", d, n, {}), ("1f1b", d, n, {}), ("interleaved", d, n, {"virtual_stages": 2}),
                     ("chimera", d, n, {}), ("chimera", d, n, {"concat": "halving"})]
             if n % (2 * d) == 0:
                 out.append(("chimera", d, n, {"concat": "doubling"}))
@@ -173,7 +175,7 @@ def test_collectives_posted_in_different_orders_deadlock_only_on_a_single_queue(
     reductions = [a for a in w1 if a.op is Op.ALLREDUCE]
     assert len(reductions) == 2 and len({a.group for a in reductions}) == 2
     reordered = [a for a in w1 if a.op is not Op.ALLREDUCE] + reductions[::-1]
-    swapped = Schedule(name="swapped", stages=2, microbatches=2, placement=lowered.placement,
+    swapped = Schedule(name="swapped", depth=2, microbatches=2, placement=lowered.placement,
                        workers=(lowered.workers[0], tuple(reordered)))
     check(swapped, "nccl")  # independent streams: any order completes
     with pytest.raises(InvalidSchedule, match="single hardware queue"):
@@ -205,3 +207,15 @@ def test_collectives_that_use_the_compute_core_are_not_hidden_behind_compute():
     on_core = simulate(schedule, CostModel(1.0, 2.0, allreduce_latency=1.0, collectives_use_compute=True), "gloo")
     assert on_core.makespan > overlapped.makespan
     assert on_core.busy == overlapped.busy
+
+
+def test_the_executor_refuses_megatron_core_options_it_does_not_implement():
+    """Set, they would be silently ignored; refused before anything runs."""
+    transport = Transport(0, [0, 1], {}, torch.device("cpu"), torch.float32, p2p=None)
+    forward_backward = make_forward_backward(lower(build("1f1b", 2, 2)), transport, grad_sync=None)
+    common = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2, seq_length=8,
+                  micro_batch_size=1)
+    for option, value in (("collect_non_loss_data", True), ("force_all_reduce", True), ("decoder_seq_length", 4),
+                          ("first_val_step", True), ("adjust_tensor_shapes_fn", print)):
+        with pytest.raises(NotImplementedError, match=option):
+            forward_backward(**common, **{option: value})

@@ -76,4 +76,4 @@ def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
     assert args.recompute_granularity == "selective"
     vpp = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
                              "--num-virtual-stages-per-pipeline-rank", "2"], world_size=2)
-    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and make_run_plan(vpp).schedule.chunks == 2
+    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and make_run_plan(vpp).schedule.virtual_stages == 2

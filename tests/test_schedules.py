@@ -24,7 +24,7 @@ def test_bubble_ratios_at_unit_cost(d, n):
 def test_every_generated_schedule_is_valid(d, n):
     names = ["gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera halving"]
     names += ["chimera doubling"] if (n // d) % 2 == 0 else []
-    specs = [variant(name, d, n) for name in names] + [ScheduleSpec("interleaved", d, n, chunks=3)]
+    specs = [variant(name, d, n) for name in names] + [ScheduleSpec("interleaved", d, n, virtual_stages=3)]
     specs += [ScheduleSpec("chimera", d, n, pipelines=p) for p in (4, 8) if (d // 2) % (p // 2) == 0]
     for spec in specs:
         validate(build_spec(spec))  # build_spec validates too; be explicit
@@ -100,7 +100,7 @@ def test_four_pipelines_leave_d_over_f_minus_two_bubbles():
 
 @pytest.mark.parametrize("d,n,v", [(4, 8, 2), (4, 16, 4), (8, 16, 2), (8, 32, 3)])
 def test_interleaved_matches_megatrons_bubble_fraction(d, n, v):
-    result = simulate(build("interleaved", d, n, chunks=v), PAPER)
+    result = simulate(build("interleaved", d, n, virtual_stages=v), PAPER)
     for busy, idle in zip(result.busy, result.idle):
         assert idle / busy == pytest.approx((d - 1) / (v * n))
     assert result.weight_units == [1] * d
@@ -175,7 +175,7 @@ def test_dualpipe_rules_name_the_option():
 
 def test_dualpipev_folds_one_pipeline_into_a_v():
     s = build("dualpipev", 2, 4)
-    assert (s.placement, s.chunks, s.pipelines) == (((0, 1, 1, 0),), 2, 1)
+    assert (s.placement, s.virtual_stages, s.pipelines) == (((0, 1, 1, 0),), 2, 1)
     assert " ".join(map(str, s.compute(0))) == (
         "F0p0s0 F1p0s0 F2p0s0 F0p0s3 I0p0s3 W0p0s3 F1p0s3 F3p0s0 B1p0s3 F2p0s3 B0p0s0 B2p0s3 F3p0s3 "
         "B1p0s0 B3p0s3 I2p0s0 W2p0s0 I3p0s0 W3p0s0")

@@ -7,6 +7,7 @@ import pytest
 from chimera_schedules import ConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
 from chimera_schedules.tools.cli import _options as cli_parser
 from chimera_schedules.tools.options import describe
+from chimera_schedules.registry import REGISTRY
 from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
 from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.arguments import parse_args, schedule_flags
@@ -51,7 +52,7 @@ def test_an_error_names_each_front_ends_own_flags():
 def test_check_fills_in_the_defaults_of_the_options_the_schedule_takes():
     assert check(ScheduleSpec("chimera", 4, 4)) == ScheduleSpec("chimera", 4, 4, pipelines=2, concat="direct",
                                                                  order="paper")
-    assert check(ScheduleSpec("interleaved", 4, 4)) == ScheduleSpec("interleaved", 4, 4, chunks=2)
+    assert check(ScheduleSpec("interleaved", 4, 4)) == ScheduleSpec("interleaved", 4, 4, virtual_stages=2)
     assert check(ScheduleSpec("1f1b", 4, 4)) == ScheduleSpec("1f1b", 4, 4)
 
 
@@ -60,3 +61,14 @@ def test_the_trainer_builds_each_variant_as_the_library_does(name):
     spec = variant(name, 2, 4)  # global batch 8 / micro-batch 2 = 4 micro-batches on one pipeline
     args = parse_args(MODEL + schedule_flags(spec, num_layers=8), world_size=2)
     assert make_run_plan(args).schedule == build_spec(spec)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if "best" not in n])  # best: seconds of search
+def test_each_registry_entry_states_what_its_generator_builds(name):
+    """What the trainer reads from the registry before a schedule exists (model stages per worker and
+    pipeline, copies per worker) is what the generator then builds."""
+    spec = check(variant(name, 4, 8))
+    entry, schedule = REGISTRY[spec.schedule], build_spec(spec)
+    assert (schedule.virtual_stages, schedule.pipelines) == (entry.virtual_stages(spec), entry.pipelines(spec))
+    assert {len(schedule.held(w)) for w in range(schedule.depth)} == {entry.chunks_per_worker(spec)}
+    assert schedule.split_backward == bool(spec.split_backward) or spec.schedule in ("dualpipe", "dualpipev")

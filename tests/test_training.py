@@ -80,6 +80,11 @@ def test_evaluation_leaves_gradients_and_optimizer_state_untouched(results, case
     assert results[case]["eval_untouched"]
 
 
+def test_the_hooks_see_every_iteration_and_every_action(results):
+    """The hooks protocol, which the benchmark and the fault tests rely on, under every schedule."""
+    assert [case for case in CASES if not results[case]["hooks_saw_everything"]] == []
+
+
 def readme_main_command() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         first_block = re.search(r"```bash\n(.*?)\n```", f.read(), re.S).group(1)

@@ -35,10 +35,10 @@ class SimResult:
         s = self.schedule
         return {
             "schedule": s.name,
-            "stages": s.stages,
+            "stages": s.depth,
             "microbatches": s.microbatches,
             "pipelines": s.pipelines,
-            "chunks": s.chunks,
+            "chunks": s.virtual_stages,
             "makespan": _num(self.makespan),
             "bubble_ratio": round(self.bubble_ratio, 6),
             "busy": [_num(b) for b in self.busy],
@@ -126,7 +126,7 @@ def timeline_result(schedule: Schedule, events: list[Event], makespan: float, pe
         bubble_ratio=sum(idle) / (makespan * workers) if makespan > 0 else 0.0,
         peak_activations=peaks,
         stage_copies=copies,
-        weight_units=[c / schedule.chunks for c in copies],
+        weight_units=[c / schedule.virtual_stages for c in copies],
         transfers=sorted(transfers, key=lambda e: (e.worker, e.start)),
     )
 

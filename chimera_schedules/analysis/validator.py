@@ -39,11 +39,11 @@ def validate(schedule: Schedule) -> None:
 
 
 def _check_shape(s: Schedule) -> None:
-    if s.stages < 1 or s.microbatches < 1 or s.chunks < 1:
-        raise InvalidSchedule(f"stages, microbatches and chunks must be positive "
-                              f"(got {s.stages}, {s.microbatches}, {s.chunks})")
-    if s.num_workers != s.stages:
-        raise InvalidSchedule(f"{s.num_workers} worker lists for {s.stages} stages: need one per worker")
+    if s.depth < 1 or s.microbatches < 1 or s.virtual_stages < 1:
+        raise InvalidSchedule(f"depth, microbatches and virtual stages must be positive "
+                              f"(got {s.depth}, {s.microbatches}, {s.virtual_stages})")
+    if s.num_workers != s.depth:
+        raise InvalidSchedule(f"{s.num_workers} worker lists for {s.depth} stages: need one per worker")
     for p, row in enumerate(s.placement):
         if len(row) != s.stages_per_pipeline:
             raise InvalidSchedule(f"placement of pipeline {p} has {len(row)} stages, "

@@ -9,23 +9,23 @@ from ..passes.grad_sync import with_grad_sync
 
 
 def _single_pipeline(name: str, stages: int, microbatches: int, orders: list[list[Action]],
-                     chunks: int = 1) -> Schedule:
-    placement = (tuple(s % stages for s in range(stages * chunks)),)
+                     virtual_stages: int = 1) -> Schedule:
+    placement = (tuple(s % stages for s in range(stages * virtual_stages)),)
     return with_grad_sync(Schedule(name, stages, microbatches, placement,
-                                   tuple(tuple(o) for o in orders), chunks=chunks))
+                                   tuple(tuple(o) for o in orders), virtual_stages=virtual_stages))
 
 
 def _check_common(stages: int, microbatches: int) -> None:
-    require(stages >= 1, "stages", stages, "must be at least 1")
+    require(stages >= 1, "depth", stages, "must be at least 1")
     require(microbatches >= 1, "microbatches", microbatches, "must be at least 1")
 
 
-def check_interleaved(stages: int, microbatches: int, chunks: int) -> None:
+def check_interleaved(stages: int, microbatches: int, virtual_stages: int) -> None:
     """Every rule an interleaved request must meet, each naming its option."""
     _check_common(stages, microbatches)
-    require(chunks >= 1, "chunks", chunks, "must be at least 1")
+    require(virtual_stages >= 1, "virtual_stages", virtual_stages, "must be at least 1")
     require(microbatches % stages == 0, "microbatches", microbatches,
-            f"interleaved 1F1B needs a multiple of $stages ({stages})")
+            f"interleaved 1F1B needs a multiple of $depth ({stages})")
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -51,26 +51,26 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return _single_pipeline("1f1b", stages, microbatches, orders)
 
 
-def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
+def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     """Megatron's interleaved 1F1B: the k-th forward of a worker runs chunk (k // D) % v on micro-batch
     (k // (D v)) D + k % D; backwards walk the chunks in reverse. Warm-up: 2 (D-1-w) + (v-1) D."""
-    check_interleaved(stages, microbatches, chunks)
-    total = microbatches * chunks
+    check_interleaved(stages, microbatches, virtual_stages)
+    total = microbatches * virtual_stages
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // stages) % chunks
+        chunk = (k // stages) % virtual_stages
         if backward:
-            chunk = chunks - 1 - chunk
-        return chunk, (k // (stages * chunks)) * stages + k % stages
+            chunk = virtual_stages - 1 - chunk
+        return chunk, (k // (stages * virtual_stages)) * stages + k % stages
 
     orders = []
     for w in range(stages):
-        if chunks == 1:
+        if virtual_stages == 1:
             warmup = min(stages - 1 - w, total)
         elif microbatches == stages:  # as Megatron: no steady state, everything is warm-up
             warmup = total
         else:
-            warmup = min(2 * (stages - 1 - w) + (chunks - 1) * stages, total)
+            warmup = min(2 * (stages - 1 - w) + (virtual_stages - 1) * stages, total)
 
         def fwd(k):
             c, m = unit(k, False)
@@ -85,4 +85,4 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
             order += [fwd(warmup + i), bwd(i)]
         order += [bwd(k) for k in range(total - warmup, total)]
         orders.append(order)
-    return _single_pipeline("interleaved", stages, microbatches, orders, chunks=chunks)
+    return _single_pipeline("interleaved", stages, microbatches, orders, virtual_stages=virtual_stages)

@@ -36,14 +36,14 @@ from .placement import mb_pipelines, placement
 
 def check(stages: int, microbatches: int, pipelines: int = 2, concat: str = "direct") -> None:
     """Every rule a Chimera request must meet, each naming its option."""
-    require(stages >= 2 and stages % 2 == 0, "stages", stages,
+    require(stages >= 2 and stages % 2 == 0, "depth", stages,
             "Chimera needs an even number of stages (at least 2)")
     require(pipelines >= 2 and pipelines % 2 == 0, "pipelines", pipelines,
             "Chimera needs an even number of pipelines (down and up in pairs)")
     require((stages // 2) % (pipelines // 2) == 0, "pipelines", pipelines,
             f"P/2 must divide D/2 = {stages // 2}")
     require(microbatches >= stages and microbatches % stages == 0, "microbatches", microbatches,
-            f"Chimera needs a multiple of $stages ({stages}): N = K x D")
+            f"Chimera needs a multiple of $depth ({stages}): N = K x D")
     if concat == "doubling":
         require((microbatches // stages) % 2 == 0, "microbatches", microbatches,
                 f"forward doubling pairs basic units: needs a multiple of 2 x D = {2 * stages}")

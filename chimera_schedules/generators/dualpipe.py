@@ -35,15 +35,15 @@ from .placement import mb_pipelines, placement
 
 
 def check(stages: int, microbatches: int) -> None:
-    require(stages >= 2 and stages % 2 == 0, "stages", stages, "DualPipe needs an even number of stages (at least 2)")
+    require(stages >= 2 and stages % 2 == 0, "depth", stages, "DualPipe needs an even number of stages (at least 2)")
     require(microbatches % 2 == 0 and microbatches >= 2 * stages, "microbatches", microbatches,
-            f"DualPipe needs an even number of at least 2 x $stages ({2 * stages})")
+            f"DualPipe needs an even number of at least 2 x $depth ({2 * stages})")
 
 
 def check_v(stages: int, microbatches: int) -> None:
-    require(stages >= 1, "stages", stages, "must be at least 1")
+    require(stages >= 1, "depth", stages, "must be at least 1")
     require(microbatches >= 2 * stages, "microbatches", microbatches,
-            f"DualPipeV needs at least 2 x $stages ({2 * stages})")
+            f"DualPipeV needs at least 2 x $depth ({2 * stages})")
 
 
 def _slots(half: int, h: int, m: int) -> list[tuple[str, str]]:
@@ -100,4 +100,4 @@ def dualpipev(stages: int, microbatches: int) -> Schedule:
     every = list(range(microbatches))
     orders = tuple(tuple(_resolve(_slots(stages, w, microbatches), {"E": (0, w), "L": (0, 2 * stages - 1 - w)},
                                   {"E": every, "L": every})) for w in range(stages))
-    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, chunks=2))
+    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, virtual_stages=2))

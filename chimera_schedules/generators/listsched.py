@@ -22,16 +22,16 @@ class Shape:
     """What a list schedule needs to know about the pipelines: placement and each micro-batch's
     pipeline (micro-batches of one pipeline enter stage 0 in increasing order)."""
 
-    stages: int
+    depth: int
     microbatches: int
     placement: tuple[tuple[int, ...], ...]
     mb_pipeline: tuple[int, ...]
-    chunks: int = 1
+    virtual_stages: int = 1
     microbatch_scale: float = 1.0
 
     def empty(self, name: str) -> Schedule:
-        return Schedule(name, self.stages, self.microbatches, self.placement,
-                        tuple(() for _ in range(self.stages)), self.chunks, self.microbatch_scale)
+        return Schedule(name, self.depth, self.microbatches, self.placement,
+                        tuple(() for _ in range(self.depth)), self.virtual_stages, self.microbatch_scale)
 
 
 # A rule ranks a candidate, smaller first: (action, time its inputs arrived) -> key.
@@ -62,7 +62,7 @@ class _ListScheduler:
     def __init__(self, shape: Shape, costs: CostModel, rule: Rule, cap: float | None):
         self.shape, self.costs, self.rule, self.cap = shape, costs, rule, cap
         self.probe = shape.empty("list")
-        self.last = shape.stages * shape.chunks - 1
+        self.last = shape.depth * shape.virtual_stages - 1
         self.transfer = costs.transfer_time(self.probe)
         self.inputs: dict[int, list[int]] = {}  # pipeline -> its micro-batches in the order they enter
         for m, p in enumerate(shape.mb_pipeline):
@@ -74,10 +74,10 @@ class _ListScheduler:
                     for key in dependencies(a, self.last):
                         self.consumers.setdefault(key, []).append(a)
         self.done: dict[tuple, tuple[int, float]] = {}  # result -> (worker, end)
-        self.ready: list[dict[Action, float]] = [dict() for _ in range(shape.stages)]  # action -> inputs here
-        self.free, self.live = [0.0] * shape.stages, [0.0] * shape.stages
+        self.ready: list[dict[Action, float]] = [dict() for _ in range(shape.depth)]  # action -> inputs here
+        self.free, self.live = [0.0] * shape.depth, [0.0] * shape.depth
         self.stage_live: dict[tuple[int, int], int] = {}
-        self.orders: list[list[Action]] = [[] for _ in range(shape.stages)]
+        self.orders: list[list[Action]] = [[] for _ in range(shape.depth)]
         self.running: list[tuple[float, int, Action]] = []  # (end, worker, action)
 
     def run(self) -> list[list[Action]] | None:
@@ -85,7 +85,7 @@ class _ListScheduler:
             self._offer(F(self.inputs[p].pop(0), p, 0), 0.0)
         remaining, now = 2 * self.shape.microbatches * (self.last + 1), 0.0
         while remaining:
-            for w in range(self.shape.stages):
+            for w in range(self.shape.depth):
                 if self.free[w] <= now:
                     self._start_first(w, now)
             upcoming = [end for end, _, _ in self.running] + [t for r in self.ready for t in r.values() if t > now]
@@ -104,7 +104,7 @@ class _ListScheduler:
     def _allowed(self, w: int, a: Action) -> bool:
         """A backward always; a forward within its stage's 1F1B limit and the worker's cap."""
         return a.op.value == "B" or (
-            self.stage_live.get((a.pipeline, a.stage), 0) < self.shape.stages - a.stage // self.shape.chunks and
+            self.stage_live.get((a.pipeline, a.stage), 0) < self.shape.depth - a.stage // self.shape.virtual_stages and
             (self.cap is None or self.live[w] + activation_units(self.probe, a) <= self.cap + 1e-9))
 
     def _start_first(self, w: int, now: float) -> None:

@@ -63,7 +63,7 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
 
 
 def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:
-    return with_grad_sync(Schedule("chimera-best", shape.stages, shape.microbatches, shape.placement,
+    return with_grad_sync(Schedule("chimera-best", shape.depth, shape.microbatches, shape.placement,
                                    tuple(map(tuple, orders))))
 
 
@@ -75,7 +75,7 @@ def _solve(shape: Shape, costs: CostModel, cap: float, seed: Schedule, effort: f
     model = _Model(cp_model.CpModel(), shape, costs, ops, simulate(seed, costs).makespan)
     model.precedences()
     model.fifo()
-    for w in range(shape.stages):
+    for w in range(shape.depth):
         model.m.AddNoOverlap(model.per_worker[w])
         model.m.AddCumulative(model.alive[w], [1] * len(model.alive[w]), int(math.floor(cap + 1e-9)))
     model.m.Minimize(model.makespan)
@@ -89,7 +89,7 @@ def _solve(shape: Shape, costs: CostModel, cap: float, seed: Schedule, effort: f
     solver.parameters.max_deterministic_time = effort
     if solver.Solve(model.m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    orders = [[] for _ in range(shape.stages)]
+    orders = [[] for _ in range(shape.depth)]
     for (op, mb, s), (x, _) in model.start.items():
         p = shape.mb_pipeline[mb]
         orders[shape.placement[p][s]].append((solver.Value(x), Action(Op(op), mb, p, s)))
@@ -110,8 +110,8 @@ class _Model:
         self.quantum = min(positive) / 8 if positive else 1.0
         self.hop = self.ticks(transfer)
         horizon = self.ticks(seed_makespan) + 1
-        self.start, self.per_worker = {}, [[] for _ in range(shape.stages)]
-        self.alive = [[] for _ in range(shape.stages)]
+        self.start, self.per_worker = {}, [[] for _ in range(shape.depth)]
+        self.alive = [[] for _ in range(shape.depth)]
         self.makespan = m.NewIntVar(0, horizon, "makespan")
         for mb, p in enumerate(shape.mb_pipeline):
             for s, w in enumerate(shape.placement[p]):
@@ -132,7 +132,7 @@ class _Model:
         input gradient back up, W after its I), one hop later when they come from another worker. A
         backward that waits for the next stage's gradient needs no constraint for its own forward,
         which that gradient already follows (a redundant constraint only slows the solver)."""
-        split, last = "W" in self.ops, self.shape.stages - 1
+        split, last = "W" in self.ops, self.shape.depth - 1
         for (op, mb, s), (x, _) in self.start.items():
             row = self.shape.placement[self.shape.mb_pipeline[mb]]
             deps = dependencies(Action(Op(op), mb, self.shape.mb_pipeline[mb], s), last)
@@ -146,6 +146,6 @@ class _Model:
         for p in set(self.shape.mb_pipeline):
             mbs = [mb for mb, q in enumerate(self.shape.mb_pipeline) if q == p]
             for x, y in zip(mbs, mbs[1:]):
-                for s in range(self.shape.stages):
+                for s in range(self.shape.depth):
                     for op in self.ops:
                         self.m.Add(self.start[(op, x, s)][0] < self.start[(op, y, s)][0])

@@ -20,7 +20,7 @@ class Op(str, Enum):
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
     REDUCE_GRADS = "R"
-    # Communication, added by lowering (lowering.py): each names its process group ("channel").
+    # Communication, added by lowering (passes/lowering.py): each names its process group ("channel").
     SEND = "SEND"
     RECV = "RECV"
     ALLREDUCE = "ALLREDUCE"

@@ -56,7 +56,7 @@ class CostModel:
     @staticmethod
     def _per_stage(value, schedule: Schedule, action: Action) -> float:
         if isinstance(value, (int, float)):
-            return value / schedule.chunks
+            return value / schedule.virtual_stages
         return value[action.stage]
 
     def transfer_time(self, schedule: Schedule) -> float:
@@ -66,7 +66,7 @@ class CostModel:
         r = copies * self.data_parallel
         if r <= 1:
             return 0.0
-        volume = self.grad_bytes / schedule.chunks
+        volume = self.grad_bytes / schedule.virtual_stages
         return 2 * math.log2(r) * self.allreduce_latency + 2 * (r - 1) / r * volume / self.allreduce_bandwidth
 
 
@@ -81,4 +81,4 @@ class Event:
 def activation_units(schedule: Schedule, action: Action) -> float:
     """Activation memory of one action's micro-batch in one model stage, in units of one full
     micro-batch through one 1F1B stage (M_a in the paper)."""
-    return schedule.microbatch_scale / schedule.chunks
+    return schedule.microbatch_scale / schedule.virtual_stages

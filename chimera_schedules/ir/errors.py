@@ -13,7 +13,7 @@ class ConfigError(ValueError):
     checkpoint that does not fit the model, ...).
 
     ``option`` names what carries the offending value: a ScheduleSpec field (``"concat"``) when the
-    schedule library raises it, whose ``rule`` may name other fields as ``$stages``; else a front end's
+    schedule library raises it, whose ``rule`` may name other fields as ``$depth``; else a front end's
     own flag (``"--out"``). Each front end prints ``message`` with its flags, so the user reads the flag
     they typed; ``str()`` speaks the CLI's."""
 

@@ -5,11 +5,12 @@ executor only read it. Unlike torch.distributed.pipelining's IR, an action names
 as its stage, so one model stage can live on several workers (Chimera's down and up pipelines).
 
 Vocabulary:
-- worker: a pipeline rank, 0..D-1 (D = ``stages``).
-- pipeline: one copy of the whole model split into ``stages * chunks`` model stages. 1F1B has one,
-  Chimera two (down and up) or 2f.
-- model stage: a contiguous slice of layers. With ``chunks`` v > 1 (interleaved) a worker holds v of
-  them per pipeline, each 1/v of a 1F1B stage.
+- worker: a pipeline rank, 0..D-1 (D = ``depth``).
+- pipeline: one copy of the whole model split into ``depth * virtual_stages`` model stages. 1F1B has
+  one, Chimera two (down and up) or 2f.
+- model stage: a contiguous slice of layers. With ``virtual_stages`` v > 1 (interleaved) a worker
+  holds v of them per pipeline, each 1/v of a 1F1B stage.
+- chunk: the model module that holds one stage copy on a worker (Megatron's "model chunk").
 - placement[pipeline][stage] = the worker that holds that copy of that stage.
 """
 from __future__ import annotations
@@ -25,17 +26,20 @@ from .actions import COMM_OPS, COMPUTE_OPS, P2P_OPS, Action, Op
 class Schedule:
     """Per worker, the ordered actions of one training iteration (one flush).
 
-    ``microbatch_scale`` is the size of an IR micro-batch relative to the user's micro-batch: 0.5 for
-    backward halving, which runs twice as many half-size micro-batches. Costs and activation memory
-    scale with it.
+    ``depth`` is the number of workers D, ``virtual_stages`` the model stages each worker holds per
+    pipeline (v: interleaved's chunks, 2 for DualPipeV), so a pipeline has ``stages_per_pipeline`` =
+    D x v model stages, which an action's ``stage`` indexes. ``microbatch_scale`` is the size of an IR
+    micro-batch relative to the user's micro-batch: 0.5 for backward halving, which runs twice as many
+    half-size micro-batches. Costs and activation memory scale with it. The JSON form keeps the keys
+    ``stages`` (= depth) and ``chunks`` (= virtual stages).
     """
 
     name: str
-    stages: int
+    depth: int
     microbatches: int
     placement: tuple[tuple[int, ...], ...]
     workers: tuple[tuple[Action, ...], ...]
-    chunks: int = 1
+    virtual_stages: int = 1
     microbatch_scale: float = 1.0
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -49,7 +53,7 @@ class Schedule:
 
     @property
     def stages_per_pipeline(self) -> int:
-        return self.stages * self.chunks
+        return self.depth * self.virtual_stages
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, stage) copies this worker holds, in placement order."""
@@ -75,10 +79,10 @@ class Schedule:
     def to_json(self) -> dict:
         return {
             "name": self.name,
-            "stages": self.stages,
+            "stages": self.depth,
             "microbatches": self.microbatches,
             "pipelines": self.pipelines,
-            "chunks": self.chunks,
+            "chunks": self.virtual_stages,
             "microbatch_scale": self.microbatch_scale,
             "placement": [list(row) for row in self.placement],
             "workers": [[a.to_json() for a in actions] for actions in self.workers],
@@ -105,11 +109,11 @@ class Schedule:
             placement = infer_placement(workers, stages * chunks)
         return cls(
             name=str(obj.get("name", "custom")),
-            stages=stages,
+            depth=stages,
             microbatches=microbatches,
             placement=tuple(tuple(int(w) for w in row) for row in placement),
             workers=workers,
-            chunks=chunks,
+            virtual_stages=chunks,
             microbatch_scale=float(obj.get("microbatch_scale", 1.0)),
             meta=dict(obj.get("meta", {})),
         )

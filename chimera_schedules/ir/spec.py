@@ -15,14 +15,14 @@ ORDERS = ("paper", "best")
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """One schedule request. ``stages`` is the pipeline depth D (workers); ``None`` means "not given":
-    ``registry.check`` rejects options the schedule does not take and fills in the defaults of those it
-    does."""
+    """One schedule request. ``depth`` is the pipeline depth D (workers); ``virtual_stages`` the model
+    stages per worker and pipeline (interleaved's v). ``None`` means "not given": ``registry.check``
+    rejects options the schedule does not take and fills in the defaults of those it does."""
 
     schedule: str
-    stages: int
+    depth: int
     microbatches: int
-    chunks: int | None = None
+    virtual_stages: int | None = None
     pipelines: int | None = None
     concat: str | None = None
     order: str | None = None
@@ -55,12 +55,12 @@ class Option:
 
 OPTIONS = (
     Option("schedule", "--schedule", "--pipeline-schedule", "pipeline schedule", str),
-    Option("stages", "--stages", "--pipeline-model-parallel-size", "pipeline depth D = number of workers"),
+    Option("depth", "--stages", "--pipeline-model-parallel-size", "pipeline depth D = number of workers"),
     Option("microbatches", "--microbatches", "--global-batch-size", "micro-batches per iteration",
            trainer_derives="micro-batches per pipeline replica (global batch / (micro-batch size x "
                            "data-parallel size))"),
-    Option("chunks", "--chunks", "--num-layers-per-virtual-pipeline-stage", "model chunks per worker",
-           default=2, trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
+    Option("virtual_stages", "--chunks", "--num-layers-per-virtual-pipeline-stage",
+           "model chunks per worker (virtual stages)", default=2, trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
     Option("pipelines", "--pipelines", "--chimera-pipelines", "pipelines, an even number", default=2),
     Option("concat", "--concat", "--chimera-concat", "how basic units join for N > D", str, CONCATS, "direct"),
     Option("order", "--order", "--chimera-order", "order of the actions", str, ORDERS, "paper"),

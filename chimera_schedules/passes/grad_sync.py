@@ -22,7 +22,7 @@ def with_grad_sync(schedule: Schedule) -> Schedule:
             out.extend(R(p, s) for (p, s), j in last.items() if j == i and (p, s) not in has_r)
         workers.append(tuple(out))
     return Schedule(
-        name=schedule.name, stages=schedule.stages, microbatches=schedule.microbatches,
-        placement=schedule.placement, workers=tuple(workers), chunks=schedule.chunks,
+        name=schedule.name, depth=schedule.depth, microbatches=schedule.microbatches,
+        placement=schedule.placement, workers=tuple(workers), virtual_stages=schedule.virtual_stages,
         microbatch_scale=schedule.microbatch_scale, meta=schedule.meta,
     )

@@ -1,6 +1,6 @@
 """Run a lowered schedule on real processes, as a megatron-core forward_backward function.
 
-The executor interprets this worker's lowered list (lowering.py) and knows nothing of which
+The executor interprets this worker's lowered list (passes/lowering.py) and knows nothing of which
 schedule made it or which channel a message takes:
 - RECV: post a receive into a fresh buffer on the group the action names;
 - F: take the input (a posted receive, waited for only now, or a local hand-over), run

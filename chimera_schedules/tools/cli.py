@@ -31,18 +31,39 @@ class _Parser(argparse.ArgumentParser):
 
 def _options() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    g = common.add_argument_group("schedule")
-    g.add_argument("--schedule", default="chimera", help=OPTION["schedule"].describe() + f": one of {', '.join(SCHEDULES)} (default chimera)")
-    g.add_argument("--stages", "-D", type=int, default=4, help=OPTION["stages"].describe() + " (default 4)")
+    _schedule_options(common.add_argument_group("schedule"))
+    _cost_options(common.add_argument_group("costs (time units are arbitrary; bytes and bytes per unit)"))
+    parser = _Parser(prog="python -m chimera_schedules", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    show = sub.add_parser("show", parents=[common], help="ASCII timeline, or a picture with --out")
+    show.add_argument("--out", help="write FILE.png, FILE.svg or FILE.json (Perfetto trace) instead")
+    stats = sub.add_parser("stats", parents=[common], help="makespan, bubbles, memory per worker")
+    stats.add_argument("--json", action="store_true")
+    export = sub.add_parser("export", parents=[common], help="the schedule in its JSON form")
+    export.add_argument("--out", help="write to this file instead of standard output")
+    check = sub.add_parser("validate", parents=[common], help="exit 1 with the reason if invalid")
+    check.add_argument("path", nargs="?", metavar="FILE", help="a schedule JSON file (else the options')")
+    compare = sub.add_parser("compare", parents=[common], help="every schedule side by side for D and N")
+    compare.add_argument("--json", action="store_true")
+    _planner_options(sub.add_parser("plan", help="rank layouts (D, W, B, N, schedule) by predicted iteration time"))
+    return parser
+
+
+def _schedule_options(g) -> None:
+    g.add_argument("--schedule", default="chimera",
+                   help=OPTION["schedule"].describe() + f": one of {', '.join(SCHEDULES)} (default chimera)")
+    g.add_argument("--stages", "-D", type=int, default=4, help=OPTION["depth"].describe() + " (default 4)")
     g.add_argument("--microbatches", "-N", type=int, help=OPTION["microbatches"].describe() + " (default D)")
-    add_arguments(g, "cli", ("chunks",) + SHARED)
+    add_arguments(g, "cli", ("virtual_stages",) + SHARED)
     g.add_argument("--file", help="read the schedule from this JSON file instead of generating it")
     g.add_argument("--lowered", action="store_true",
                    help="with its communication: SEND/RECV/ALLREDUCE actions, lowered as the trainer does")
     g.add_argument("--comm", choices=MODES, help="replay the communication under these rules (implies "
                    "--lowered): validate proves it completes (exit 1 names the wait-for cycle), show and "
                    "stats price it")
-    c = common.add_argument_group("costs (time units are arbitrary; bytes and bytes per unit)")
+
+
+def _cost_options(c) -> None:
     c.add_argument("--forward-time", type=float, default=1.0, help="forward of one stage (default 1)")
     c.add_argument("--backward-time", type=float, default=2.0, help="backward of one stage (default 2)")
     c.add_argument("--weight-time", type=float,
@@ -56,19 +77,8 @@ def _options() -> argparse.ArgumentParser:
     c.add_argument("--grad-bytes", type=float, default=0.0, help="gradient bytes of one stage")
     c.add_argument("--data-parallel", type=int, default=1, help="data-parallel width W")
 
-    parser = _Parser(prog="python -m chimera_schedules", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    show = sub.add_parser("show", parents=[common], help="ASCII timeline, or a picture with --out")
-    show.add_argument("--out", help="write FILE.png, FILE.svg or FILE.json (Perfetto trace) instead")
-    stats = sub.add_parser("stats", parents=[common], help="makespan, bubbles, memory per worker")
-    stats.add_argument("--json", action="store_true")
-    export = sub.add_parser("export", parents=[common], help="the schedule in its JSON form")
-    export.add_argument("--out", help="write to this file instead of standard output")
-    check = sub.add_parser("validate", parents=[common], help="exit 1 with the reason if invalid")
-    check.add_argument("path", nargs="?", metavar="FILE", help="a schedule JSON file (else the options')")
-    compare = sub.add_parser("compare", parents=[common], help="every schedule side by side for D and N")
-    compare.add_argument("--json", action="store_true")
-    planner = sub.add_parser("plan", help="rank layouts (D, W, B, N, schedule) by predicted iteration time")
+
+def _planner_options(planner) -> None:
     planner.add_argument("--workers", type=int, required=True)
     planner.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
     planner.add_argument("--layers", type=int, required=True)
@@ -84,7 +94,6 @@ def _options() -> argparse.ArgumentParser:
                          help="main weights and AdamW state sharded over each stage's replica group")
     planner.add_argument("--top", type=int, default=10)
     planner.add_argument("--json", action="store_true")
-    return parser
 
 
 def _costs(args) -> CostModel:
@@ -114,7 +123,7 @@ def _schedule(args) -> Schedule:
         schedule = _load(path, "FILE" if getattr(args, "path", None) else "--file")
         validate(schedule)
         return schedule
-    spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, chunks=args.chunks,
+    spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,
                         split_backward=args.split_backward)
     return build_spec(spec, _costs(args))
@@ -126,8 +135,8 @@ def _compare(args) -> list[dict]:
     rows = []
     for name in VARIANTS:
         spec = variant(name, d, n)
-        if spec.chunks and args.chunks:
-            spec, name = dataclasses.replace(spec, chunks=args.chunks), f"{spec.schedule} v={args.chunks}"
+        if spec.virtual_stages and args.chunks:
+            spec, name = dataclasses.replace(spec, virtual_stages=args.chunks), f"{spec.schedule} v={args.chunks}"
         try:
             row = simulate(build_spec(spec, costs), costs).stats()
         except ConfigError as e:

@@ -38,8 +38,8 @@ def label(result: SimResult, e: Event) -> str:
 
 def _title(result: SimResult) -> str:
     s = result.schedule
-    return (f"{s.name}: D={s.stages} N={s.microbatches} P={s.pipelines}"
-            + (f" v={s.chunks}" if s.chunks > 1 else "")
+    return (f"{s.name}: D={s.depth} N={s.microbatches} P={s.pipelines}"
+            + (f" v={s.virtual_stages}" if s.virtual_stages > 1 else "")
             + f" | makespan {result.makespan:g} | bubble ratio {result.bubble_ratio:.3f}")
 
 
@@ -74,7 +74,7 @@ def ascii_timeline(result: SimResult) -> str:
 
 
 def _posting_order(result: SimResult) -> list[str]:
-    """For a lowered schedule: what each worker posts, in order (tokens as in ir.py)."""
+    """For a lowered schedule: what each worker posts, in order (tokens as in ir/actions.py)."""
     s = result.schedule
     if not s.lowered:
         return []

@@ -18,7 +18,7 @@ from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
-from .run_plan import given_options, model_stages, resolved_schedule, schedule_request
+from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 
@@ -358,15 +358,15 @@ def _schedule_request(args):
         if option is None or not option.trainer_derives:
             raise
         rule = f"gives {e.value} {option.trainer_derives}; {e.rule}"
-        raise ConfigError(option.trainer, getattr(args, option.trainer.lstrip("-").replace("-", "_")), rule) from None
+        raise ConfigError(option.trainer, getattr(args, flag_dest(option.trainer)), rule) from None
 
 
 def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
     """The flags that make the trainer build ``spec`` for a model of ``num_layers``, given a global batch
     that gives its micro-batches (the benchmark runs the registry's variants with these)."""
-    out = ["--pipeline-model-parallel-size", str(spec.stages), "--pipeline-schedule", spec.schedule]
-    if spec.chunks:
-        out += [OPTION["chunks"].trainer, str(num_layers // (spec.stages * spec.chunks))]
+    out = ["--pipeline-model-parallel-size", str(spec.depth), "--pipeline-schedule", spec.schedule]
+    if spec.virtual_stages:
+        out += [OPTION["virtual_stages"].trainer, str(num_layers // (spec.depth * spec.virtual_stages))]
     for field in SHARED:
         value = getattr(spec, field)
         if value is True:

@@ -85,7 +85,7 @@ def resolved_schedule(args) -> str:
 
 def given_options(args) -> dict:
     """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
-    return {field: getattr(args, _dest(OPTION[field].trainer)) for field in SHARED}
+    return {field: getattr(args, flag_dest(OPTION[field].trainer)) for field in SHARED}
 
 
 def interleaved_chunks(args) -> int | None:
@@ -102,7 +102,7 @@ def schedule_request(args) -> ScheduleSpec | None:
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
-                        chunks=interleaved_chunks(args) if "chunks" in REGISTRY[name].options else None,
+                        virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
                         **given_options(args))
     return check(spec)
 
@@ -131,5 +131,6 @@ def make_run_plan(args) -> RunPlan:
                    schedule.split_backward, None)
 
 
-def _dest(flag: str) -> str:
+def flag_dest(flag: str) -> str:
+    """The namespace attribute argparse stores ``flag`` in."""
     return flag.lstrip("-").replace("-", "_")

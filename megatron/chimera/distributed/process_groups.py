@@ -3,7 +3,7 @@
 megatron-core owns tensor- and data-parallel groups and its own (down-direction) pipeline group.
 On top of it, derived from the schedule's placement for any schedule:
 - the p2p groups the lowered schedule names: per pipeline one for activations and one for
-  gradients (lowering.py explains why two), ranks in stage order;
+  gradients (chimera_schedules/ir/channels.py explains why two), ranks in stage order;
 - one replica group per model stage: every rank holding a copy of it, in any pipeline and any
   data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
 - the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
