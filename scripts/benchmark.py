@@ -111,62 +111,58 @@ def _case_args(flags, cfg):
     return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + flags, world_size=2)
 
 
-class _Timing:
-    """The benchmark's view of each iteration, through the training loop's hooks: the pipeline span
-    (before the forwards to the reduced gradients), every compute action relative to its start, the
-    bytes each forward saved (warm-up iterations only), and the optimizer's time (reduced gradients to
-    the end of the step: norm, clipping, AdamW and the distributed optimizer's weight all-gather)."""
+def _timing(forward_step):
+    """The benchmark's view of each iteration, through the training loop's hooks protocol: the pipeline
+    span (from its first action to its flush), every compute action relative to its start, the bytes
+    each forward saved (warm-up iterations only), and the time after the flush: the loss all-reduce,
+    the gradient norm, clipping, AdamW and the distributed optimizer's weight all-gather."""
+    from megatron.chimera import Hooks
 
-    def __init__(self, forward_step):
-        from megatron.chimera import Hooks
+    class Timing(Hooks):
+        def __init__(self):
+            self.t0 = self.flushed = 0.0
+            self.counting, self.bytes = False, 0
+            self.events, self.saved_bytes = [], {}
 
-        timing = self
+        def before_iteration(self, trainer, iteration):
+            self.t0 = time.perf_counter()
 
-        class _Hooks(Hooks):
-            def before_iteration(self, trainer, iteration):
-                timing.t0 = time.perf_counter()
+        def after_backward(self, trainer, iteration):
+            self.flushed = time.perf_counter()
 
-            def after_backward(self, trainer, iteration):
-                timing.backward_done = time.perf_counter()
+        def on_action(self, action, start, end):
+            self.events.append((action, start - self.t0, end - self.t0))
+            if action.op.value == "F" and self.counting:
+                self.saved_bytes[(action.pipeline, action.stage, action.mb)] = self.bytes
 
-            def on_action(self, action, start, end):
-                timing.record(action, start, end)
+        def counting_forward_step(self, it, model):
+            """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
+            (a split one most), so the measured iterations run without them."""
+            from torch.autograd.graph import saved_tensors_hooks
 
-        self.hooks, self.forward_step = _Hooks(), forward_step
-        self.t0 = self.backward_done = 0.0
-        self.counting, self.bytes = False, 0
-        self.events, self.saved_bytes = [], {}
+            if not self.counting:
+                return forward_step(it, model)
 
-    def record(self, action, start, end) -> None:
-        self.events.append((action, start - self.t0, end - self.t0))
-        if action.op.value == "F" and self.counting:
-            self.saved_bytes[(action.pipeline, action.stage, action.mb)] = self.bytes
+            def pack(t):
+                self.bytes += t.numel() * t.element_size()
+                return t
+            self.bytes = 0
+            with saved_tensors_hooks(pack, lambda t: t):
+                return forward_step(it, model)
 
-    def counting_forward_step(self, it, model):
-        """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
-        (a split one most), so the measured iterations run without them."""
-        from torch.autograd.graph import saved_tensors_hooks
+        def step(self, trainer, i: int) -> dict:
+            """One iteration's step, pipeline-span and after-flush seconds, and its events."""
+            import torch.distributed as dist
 
-        if not self.counting:
-            return self.forward_step(it, model)
+            self.events = []
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step(i)
+            end = time.perf_counter()
+            return {"steps": end - start, "spans": self.flushed - self.t0, "optimizer": end - self.flushed,
+                    "events": [(str(a), s, e) for a, s, e in self.events]}
 
-        def pack(t):
-            self.bytes += t.numel() * t.element_size()
-            return t
-        self.bytes = 0
-        with saved_tensors_hooks(pack, lambda t: t):
-            return self.forward_step(it, model)
-
-    def step(self, trainer, i: int) -> tuple[float, float, float, list]:
-        """One iteration: (step, pipeline span, optimizer) seconds and its events."""
-        import torch.distributed as dist
-
-        self.events = []
-        dist.barrier()
-        t = time.perf_counter()
-        trainer.train_step(i)
-        end = time.perf_counter()
-        return end - t, self.backward_done - self.t0, end - self.backward_done, self.events
+    return Timing()
 
 
 def _measure_case(flags, cfg):
@@ -179,14 +175,14 @@ def _measure_case(flags, cfg):
     from pretrain_gpt import forward_step
 
     args = _case_args(flags, cfg)
-    timing = _Timing(forward_step)
-    trainer = Trainer(args, make_run_plan(args), timing.counting_forward_step, timing.hooks)
+    timing = _timing(forward_step)
+    trainer = Trainer(args, make_run_plan(args), timing.counting_forward_step, timing)
     measured = {"steps": [], "spans": [], "optimizer": [], "events": []}
     for i in range(cfg["warmup"] + cfg["iters"]):
         timing.counting = i < cfg["warmup"]
-        step, span, optimizer, events = timing.step(trainer, i)
+        times = timing.step(trainer, i)
         if i >= cfg["warmup"]:
-            for key, value in zip(measured, (step, span, optimizer, [(str(a), s, e) for a, s, e in events])):
+            for key, value in times.items():
                 measured[key].append(value)
     # every rank's numbers to rank 0
     mine = {**measured, "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in timing.saved_bytes.items()},

@@ -44,12 +44,16 @@ def measure(schedule: str, depth: int, dp: int, flags: list[str]) -> dict:
 
 def predicted(schedule: str, depth: int, dp: int, precision: str) -> float:
     """The planner's model state of the busiest worker (stage copies of equal size, embeddings split)."""
+    from chimera_schedules import check
+    from chimera_schedules.ir.spec import ScheduleSpec
+    from chimera_schedules.registry import REGISTRY
     from chimera_schedules.tools.planner import ModelShape, Precision, model_state_bytes
 
     m = dict(zip(MODEL[::2], MODEL[1::2]))
     shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),
                        int(m["--seq-length"]), int(m["--vocab-size"]))
-    pipelines = 2 if schedule == "chimera" else 1
+    spec = check(ScheduleSpec(schedule, depth, depth))
+    pipelines = REGISTRY[schedule].pipelines(spec)  # the stage copies each worker holds
     params = (shape.layers // depth) * shape.params_per_layer + shape.embedding_params / depth
     sharded = precision != "fp32"
     return model_state_bytes(params, pipelines, pipelines * dp, Precision(sharded, sharded))["total"]

@@ -103,6 +103,8 @@ def test_hand_written_files_are_checked_by_the_rules(capsys, tmp_path):
     del unsent["workers"][0][1]
     code, _, err = run(capsys, "validate", "--comm", "gloo", write(tmp_path, unsent))
     assert code == 1 and "never sent" in err
+    code, _, err = run(capsys, "validate", write(tmp_path, late))  # without --comm: the rules still apply
+    assert code == 1 and "no RECV of its input" in err
 
 
 @pytest.mark.parametrize("name, d, n", [("1f1b", 2, 4), ("chimera", 4, 8)])

@@ -35,3 +35,17 @@ def test_torchrun_of_the_repo_script_trains_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert len(re.findall(r"iteration\s+\d+/\s*2 \|.* lm loss: \S+ \|", proc.stdout)) == 2
     assert os.listdir(tmp_path) == []  # nothing written where the user stood
+
+
+def test_a_built_package_holds_every_module(tmp_path):
+    """A wheel or a plain ``pip install .`` carries every sub-package (an editable install would not show a
+    missing one)."""
+    build = tmp_path / "build"
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)], cwd=ROOT,
+                          env=OUTSIDE_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for package in ("chimera_schedules", os.path.join("megatron", "chimera")):
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    assert (build / os.path.relpath(os.path.join(folder, name), ROOT)).is_file(), name

@@ -1,10 +1,11 @@
 """Time-weighted replay of a schedule: makespan, bubbles, activation and weight memory.
 
-``simulate`` is the one place that tells a lowered schedule from a compute one. A compute schedule is
-replayed by ``replay.py`` (each message a fixed delay: latency + bytes / bandwidth, free on the same
-worker); a lowered one under NCCL's rules by ``nccl_model.py``. A gradient reduction (R) is posted without blocking; the collective of a stage starts once every
-copy has posted it and the workers' collective channels are free, and an iteration ends when the
-last compute and the last reduction are done (the flush).
+``simulate`` is the one place in the library that tells a lowered schedule from a compute one. A
+compute schedule is replayed by ``replay.py`` (each message a fixed delay: latency + bytes / bandwidth,
+free on the same worker); a lowered one under NCCL's rules by ``nccl_model.py``. A gradient reduction
+(R) is posted without blocking; the collective of a stage starts once every copy has posted it and the
+workers' collective channels are free, and an iteration ends when the last compute and the last
+reduction are done (the flush).
 """
 from __future__ import annotations
 

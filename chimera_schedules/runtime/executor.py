@@ -11,7 +11,7 @@ schedule made it or which channel a message takes:
 - SEND: post the send of a kept output or input gradient;
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
-Evaluation runs the forward-only part of the same list (``lowering.forward_only``).
+Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
 No action synchronises the host with the device.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from ..analysis.nccl_model import MODES, check
+from ..analysis.nccl_model import MODES, check, check_structure
 from ..analysis.simulator import simulate
 from ..analysis.validator import validate
 from ..ir.costs import CostModel
@@ -122,6 +122,8 @@ def _schedule(args) -> Schedule:
     if path:
         schedule = _load(path, "FILE" if getattr(args, "path", None) else "--file")
         validate(schedule)
+        if schedule.lowered:  # a file may hold either kind: a lowered one's communication must be whole too
+            check_structure(schedule)
         return schedule
     spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,

@@ -93,7 +93,7 @@ def model_state_bytes(params: float, copies: int, replicas: int, precision: Prec
 
 @dataclass
 class Candidate:
-    schedule: str  # a name in spec.VARIANTS
+    schedule: str  # a name in registry.VARIANTS
     depth: int
     width: int
     micro_batch: int
@@ -110,7 +110,7 @@ class Candidate:
 
 
 PLANNED = ("gpipe", "1f1b", "chimera direct", "chimera doubling", "1f1b split", "chimera split",
-           "dualpipe")  # names in spec.VARIANTS
+           "dualpipe")  # names in registry.VARIANTS
 
 
 def family(name: str) -> str:

@@ -148,9 +148,9 @@ class Trainer:
         self.forward_backward = None
         release_groups(self.rt)
 
-    def _run(self, source, iteration: int, forward_only: bool) -> tuple[float, float]:
-        """(global-batch loss, its token count)."""
-        reports = self.forward_backward(
+    def _pipeline(self, source, iteration: int, forward_only: bool) -> list:
+        """One flush of the plan's schedule over the global batch; the last stages' loss reports."""
+        return self.forward_backward(
             forward_step_func=self.forward_step_func,
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
             model=self.models,
@@ -159,7 +159,6 @@ class Trainer:
             micro_batch_size=self.micro_batch_size,
             forward_only=forward_only,
         )
-        return self._merged_loss(reports)
 
     def _merged_loss(self, reports) -> tuple[float, float]:
         """The global-batch loss from every rank that ran a last stage (both ends of every pipeline,
@@ -176,11 +175,12 @@ class Trainer:
         self.main.zero_grad(self.optimizer)
         for m in self.models:
             m.train()
-        self.hooks.before_iteration(self, iteration + 1)
         try:
             loss, norm = self._gradients(iteration)
         except PipelineFault as e:
             raise PipelineFault(f"{e} (iteration {iteration + 1})") from None
+        except NotImplementedError:  # a configuration the executor refuses: not a failed peer
+            raise
         except RuntimeError as e:  # a collective failed: a peer died or timed out
             raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
                                 f"{str(e).splitlines()[0][:200]}") from None
@@ -194,11 +194,13 @@ class Trainer:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
         timers = self.timers
         timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-        loss, tokens = self._run(self.train_data, iteration, forward_only=False)
+        self.hooks.before_iteration(self, iteration + 1)
+        reports = self._pipeline(self.train_data, iteration, forward_only=False)
+        self.hooks.after_backward(self, iteration + 1)
+        loss, tokens = self._merged_loss(reports)
         if self.args.calculate_per_token_loss:
             self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
         timers("forward-backward").stop()
-        self.hooks.after_backward(self, iteration + 1)
         timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
@@ -236,8 +238,8 @@ class Trainer:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
             m.eval()
-        losses = [self._run(self.valid_data, eval_round * self.args.eval_iters + i, forward_only=True)[0]
-                  for i in range(self.args.eval_iters)]
+        losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * self.args.eval_iters + i,
+                                                   forward_only=True))[0] for i in range(self.args.eval_iters)]
         return sum(losses) / len(losses)
 
 

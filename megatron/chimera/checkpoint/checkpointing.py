@@ -136,7 +136,6 @@ COMMON_FILES = ("common.pt", ".metadata")
 def read_common(folder: str, fmt: str, root: str) -> dict:
     """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
     if fmt == "torch":
-
         return legacy_common(folder, root)
     from megatron.core import dist_checkpointing
 
@@ -268,7 +267,6 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     args = trainer.args
     folder, fmt = find_checkpoint(args.load)
     if fmt == "torch":
-
         common = load_legacy(trainer, folder, args.load)
         trainer.main.copy_from_model()
     else:

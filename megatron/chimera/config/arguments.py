@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from chimera_schedules import ConfigError, ScheduleSpec
+from chimera_schedules import ConfigError, ScheduleSpec, check
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
@@ -155,9 +155,12 @@ def _validate_layout(args) -> None:
                     "--pipeline-schedule interleaved runs at any depth")
     else:
         require(v is None, "--num-layers-per-virtual-pipeline-stage", v, "applies to the interleaved schedules only")
-    stages = model_stages(args, _schedule_request(args))
+    request = schedule_request(args)
+    stages = model_stages(args, request)
     require(args.num_layers % stages == 0, "--num-layers", args.num_layers,
             f"must be divisible by the {stages} pipeline stages")
+    if request is not None:
+        _check_request(args, request)
     if args.chimera_concat == "halving":
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
@@ -348,11 +351,11 @@ def _validate_data(args) -> None:
     check_tokenizer_arguments(args, require)
 
 
-def _schedule_request(args):
+def _check_request(args, request: ScheduleSpec) -> None:
     """The registry's check of the request. An error about a value the trainer derives (micro-batches
     from --global-batch-size) names the flag the user gave, and says what it gives."""
     try:
-        return schedule_request(args)
+        check(request)
     except ConfigError as e:
         option = OPTION.get(e.option)
         if option is None or not option.trainer_derives:

@@ -18,9 +18,9 @@ import torch
 from chimera_schedules.tools.options import add_trainer_group
 
 from .flag_classes import VALUES, flag_class
+from .run_plan import MEGATRON_SCHEDULES
 
 PROG = "pretrain_gpt.py"
-MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 # Megatron-LM flags whose values we take from a wider type: every value Megatron-LM takes means the
 # same; a fraction of a minute bounds a wait in seconds (how the fault tests see a silent rank quickly).
 WIDER = {"--distributed-timeout-minutes": float}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec, check
+from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
@@ -24,20 +24,19 @@ MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 
 @dataclass(frozen=True)
 class RunPlan:
-    """``schedule``: our executor's compute schedule, None for megatron-core's own (``schedule_name``
-    megatron-1f1b or megatron-interleaved, or no pipelining). ``placement[pipeline][stage]``: the worker
-    holding that model stage's copy. ``microbatches`` per iteration of ``microbatch_scale`` times the
-    user's micro-batch (0.5 under Chimera's halving). ``virtual_stages``: megatron-core's interleaved
-    chunks per rank, else None."""
+    """``schedule``: our executor's compute schedule, None for megatron-core's own (megatron-1f1b or
+    megatron-interleaved, or no pipelining). ``placement[pipeline][stage]``: the worker holding that model
+    stage's copy. ``microbatches`` per iteration of ``microbatch_scale`` times the user's micro-batch
+    (0.5 under Chimera's halving). ``megatron_virtual_stages``: megatron-core's interleaved schedule's
+    chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``)."""
 
-    schedule_name: str
     schedule: Schedule | None
     placement: tuple[tuple[int, ...], ...]
     model_stages: int
     microbatches: int
     microbatch_scale: float
     split_backward: bool
-    virtual_stages: int | None
+    megatron_virtual_stages: int | None
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, model stage) copies ``worker`` holds, in placement order."""
@@ -56,7 +55,7 @@ class RunPlan:
         (ours only) carries the messages; ``observer(action, start, end)`` sees our compute actions."""
         if self.schedule is not None:
             return make_forward_backward(lower(self.schedule), transport, grad_sync, observer)
-        return _megatron_core_runner(models, grad_sync, self.virtual_stages)
+        return _megatron_core_runner(models, grad_sync, self.megatron_virtual_stages)
 
 
 def _megatron_core_runner(models, grad_sync, virtual_stages: int | None):
@@ -95,21 +94,21 @@ def interleaved_chunks(args) -> int | None:
 
 
 def schedule_request(args) -> ScheduleSpec | None:
-    """The request our executor's schedule is built from, with its defaults filled in by the registry
-    (which raises ConfigError on a request it cannot meet); None for megatron-core's schedules and for
-    a single stage."""
+    """The request our executor's schedule is built from, as the flags give it (the registry checks it
+    and fills in its defaults); None for megatron-core's schedules and for a single stage."""
     name = resolved_schedule(args)
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
                         virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
                         **given_options(args))
-    return check(spec)
+    return spec
 
 
 def model_stages(args, request: ScheduleSpec | None) -> int:
     """Model stages per pipeline: PP times the stages per worker and pipeline that the registry gives
-    the schedule (megatron-core's interleaved one: its chunks per rank)."""
+    the schedule (megatron-core's interleaved one: its chunks per rank). Known before the request is
+    checked, so a --num-layers that does not divide is named first."""
     pp = args.pipeline_model_parallel_size
     if request is not None:
         return pp * REGISTRY[request.schedule].virtual_stages(request)
@@ -120,14 +119,13 @@ def make_run_plan(args) -> RunPlan:
     """The plan for flags ``parse_args`` accepted: generates the schedule (once per process)."""
     request = schedule_request(args)
     stages = model_stages(args, request)
-    name = resolved_schedule(args)
     if request is None:
         pp = args.pipeline_model_parallel_size
-        virtual = stages // pp if name == "megatron-interleaved" else None
-        return RunPlan(name, None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0,
-                       False, virtual)
+        virtual = stages // pp if resolved_schedule(args) == "megatron-interleaved" else None
+        return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
+                       virtual)
     schedule = build_spec(request)
-    return RunPlan(name, schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
+    return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
                    schedule.split_backward, None)
 
 

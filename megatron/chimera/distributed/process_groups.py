@@ -126,7 +126,7 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
     dp = world // (tp * pp)
     parallel_state.destroy_model_parallel()
     timeout = args.distributed_timeout_minutes
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.virtual_stages,
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
                                              distributed_timeout_minutes=timeout)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 class Hooks:
     def before_iteration(self, trainer, iteration: int) -> None:
-        """Iteration ``iteration`` (1-based) is about to run its forwards and backwards."""
+        """Iteration ``iteration`` (1-based) is about to run its pipeline: its forwards and backwards."""
 
     def after_backward(self, trainer, iteration: int) -> None:
-        """Its gradients are complete and reduced; the optimizer has not run yet."""
+        """Its pipeline has flushed: gradients complete and reduced, loss not yet gathered, optimizer not
+        run yet."""
 
     def during_save(self, trainer, iteration: int) -> None:
         """Every rank has written its part of checkpoint ``iteration``, which is not published yet."""
