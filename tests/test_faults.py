@@ -95,16 +95,16 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def ranks(*argv, env=None):
+def ranks(*argv, env=None, per_rank=((), ())):
     """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us); with ``env``,
-    pretrain_gpt.py with the faults it names injected (fault_hooks.py)."""
+    pretrain_gpt.py with the faults it names injected (fault_hooks.py). ``per_rank``: flags one rank adds."""
     port = free_port()
     procs = []
     for rank in (0, 1):
         e = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
         script = os.path.join("tests", "pretrain_with_faults.py") if env else "pretrain_gpt.py"
-        procs.append(subprocess.Popen([sys.executable, script, *argv], cwd=ROOT, env=e,
+        procs.append(subprocess.Popen([sys.executable, script, *argv, *per_rank[rank]], cwd=ROOT, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -114,6 +114,16 @@ CHIMERA2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
             "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
             "--lr-decay-style", "constant", "--distributed-timeout-minutes", "2"]
+
+
+def test_ranks_that_built_different_schedules_fail_in_one_line_before_training():
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "2", per_rank=((), ("--chimera-concat", "doubling")))
+    (out0, err0), (out1, err1) = p0.communicate(timeout=120), p1.communicate(timeout=120)
+    assert (p0.returncode, p1.returncode) == (1, 1)
+    lines = [line for line in (err0 + err1).splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(lines) == 1 and re.fullmatch(r"pretrain_gpt.py: error: --pipeline-schedule=chimera: the ranks built "
+                                            r"different schedules \(ranks 0 built \w+; ranks 1 built \w+\): .*", lines[0])
+    assert not re.search(r"iteration\s+\d+/", out0 + out1)  # nothing trained
 
 
 def test_a_killed_rank_ends_the_other_with_a_clear_message():

@@ -108,3 +108,6 @@ def test_readme_main_command_trains_chimera_with_decreasing_loss(tmp_path):
     valid = [float(v) for v in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", proc.stdout)]
     assert len(valid) == 2 and valid[1] < valid[0]
     assert (tmp_path / "demo" / "latest_checkpointed_iteration.txt").read_text() == "20"
+    proof = r" > schedule chimera-direct \(D=4, N=8, \w+ on every rank\): its training and forward-only lists " \
+            r"complete under NCCL's rules \(nccl-single-queue\), proven in \d+\.\d\d s"
+    assert len(re.findall(proof, proc.stdout)) == 1

@@ -34,8 +34,9 @@ from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
+from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .optim.precision import LossScaler, MainParams, scaled_loss
-from .observability.startup import print_building, print_model_state, print_parameter_counts
+from .observability.startup import print_building, print_model_state, print_parameter_counts, print_schedule_proof
 from .observability.timing import ITERATION, SETUP, make_timers, print_times
 
 
@@ -100,6 +101,7 @@ class Trainer:
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
         self.rt = setup_parallel(args, plan, backend, device)
+        print_schedule_proof(plan, agree_on_schedule(plan, args.pipeline_schedule))
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         self.timers = make_timers(args)
@@ -267,7 +269,8 @@ def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     try:
         return _pretrain(args, forward_step_func, hooks)
     except (PipelineFault, ConfigError, TrainingStopped) as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        if not isinstance(e, ScheduleMismatch) or dist.get_rank() == 0:  # a mismatch is raised on every rank
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # peers may be gone: no collective clean-up that could hang
 

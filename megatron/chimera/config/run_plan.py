@@ -11,15 +11,21 @@ megatron-core's own schedules and no pipelining run ``get_forward_backward_func`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
+from chimera_schedules.analysis.nccl_model import check
+from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import make_forward_backward
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+# The one sound acceptance mode (NCCL_MODEL.md): every operation blocks its device's queue until it
+# completes, so lists that finish here finish whatever hardware queues alias or communicators merge.
+PROOF_MODE = "nccl-single-queue"
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,8 @@ class RunPlan:
     megatron-interleaved, or no pipelining). ``placement[pipeline][stage]``: the worker holding that model
     stage's copy. ``microbatches`` per iteration of ``microbatch_scale`` times the user's micro-batch
     (0.5 under Chimera's halving). ``megatron_virtual_stages``: megatron-core's interleaved schedule's
-    chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``)."""
+    chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``).
+    ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``."""
 
     schedule: Schedule | None
     placement: tuple[tuple[int, ...], ...]
@@ -37,6 +44,8 @@ class RunPlan:
     microbatch_scale: float
     split_backward: bool
     megatron_virtual_stages: int | None
+    lowered: Schedule | None = None
+    proof_seconds: float | None = None
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, model stage) copies ``worker`` holds, in placement order."""
@@ -53,8 +62,8 @@ class RunPlan:
     def runner(self, models, transport, grad_sync, observer=None):
         """The iteration's forward_backward function, megatron-core's keyword signature. ``transport``
         (ours only) carries the messages; ``observer(action, start, end)`` sees our compute actions."""
-        if self.schedule is not None:
-            return make_forward_backward(lower(self.schedule), transport, grad_sync, observer)
+        if self.lowered is not None:
+            return make_forward_backward(self.lowered, transport, grad_sync, observer)
         return _megatron_core_runner(models, grad_sync, self.megatron_virtual_stages)
 
 
@@ -125,8 +134,18 @@ def make_run_plan(args) -> RunPlan:
         return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
                        virtual)
     schedule = build_spec(request)
+    lowered, seconds = _proven(lower(schedule))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
-                   schedule.split_backward, None)
+                   schedule.split_backward, None, lowered, seconds)
+
+
+def _proven(lowered: Schedule) -> tuple[Schedule, float]:
+    """The lowered lists, training and forward-only (evaluation's), replayed under NCCL's rules before
+    any process group exists; raises InvalidSchedule naming the wait-for cycle if they would hang."""
+    start = time.perf_counter()
+    check(lowered, PROOF_MODE)
+    check(forward_only(lowered), PROOF_MODE)
+    return lowered, time.perf_counter() - start
 
 
 def flag_dest(flag: str) -> str:

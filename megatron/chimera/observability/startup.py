@@ -1,9 +1,12 @@
 """Megatron-LM's startup output, so a user's log parsers find it (its validate_args prints the arguments
 banner): "building GPT model ...", the parameter count of every model chunk (for Chimera, one line per stage copy), and the
-bytes of model state each rank holds."""
+bytes of model state each rank holds; and ours: the line saying the schedule's communication was proven."""
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from ..config.run_plan import PROOF_MODE
+
 
 def print_building() -> None:
     if dist.get_rank() == 0:
@@ -19,6 +22,17 @@ def print_parameter_counts(chunks: dict, rt) -> None:
         copy = f" (pipeline {pipeline}, stage {stage})" if len(rt.placement) > 1 or len(chunks) > 1 else ""
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({rt.tp_rank}, {rt.worker}): "
               f"{count}{copy}", flush=True)
+
+
+def print_schedule_proof(plan, digest: str) -> None:
+    """Once, by rank 0: what was proven before iteration 1, how long it took, and the schedule every
+    rank agreed on."""
+    if dist.get_rank() != 0 or plan.lowered is None:
+        return
+    s = plan.lowered
+    print(f" > schedule {s.name} (D={s.depth}, N={s.microbatches}, {digest} on every rank): its training and "
+          f"forward-only lists complete under NCCL's rules ({PROOF_MODE}), proven in {plan.proof_seconds:.2f} s",
+          flush=True)
 
 
 FIELDS = ("parameters", "main parameters", "gradients", "optimizer")
