@@ -77,3 +77,37 @@ def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
     vpp = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
                              "--num-virtual-stages-per-pipeline-rank", "2"], world_size=2)
     assert vpp.num_layers_per_virtual_pipeline_stage == 1 and make_run_plan(vpp).schedule.virtual_stages == 2
+
+
+def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_layer_spec():
+    """Transformer Engine's layout: its input norm fused into linear_qkv (marked sequence_parallel by TE),
+    its own q/k norms (unmarked: megatron-core matches them by name), a row-parallel bias."""
+    from types import SimpleNamespace
+
+    from megatron.chimera.model.chunk import mark_tensor_parallel_sums
+
+    marked_by_te = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": True,
+                    "decoder.layers.0.self_attention.linear_proj.bias": True,
+                    "decoder.layers.0.self_attention.q_layernorm.weight": False,
+                    "decoder.layers.0.self_attention.k_layernorm.weight": False,
+                    "decoder.layers.0.mlp.linear_fc1.weight": False}
+    model = torch.nn.Module()
+    for name, sequence_parallel in marked_by_te.items():
+        *path, leaf = name.split(".")
+        module = model
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.ones(2)))
+        getattr(module, leaf).sequence_parallel = sequence_parallel
+
+    def marks(sequence_parallel, qk_layernorm):
+        mark_tensor_parallel_sums(model, SimpleNamespace(sequence_parallel=sequence_parallel, qk_layernorm=qk_layernorm))
+        return {name.split(".", 3)[3] for name, p in model.named_parameters() if p.sums_over_tensor_parallel}
+
+    assert marks(True, True) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias",
+                                 "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+    assert marks(False, True) == {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+    assert marks(True, False) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias"}
+    assert marks(False, False) == set()

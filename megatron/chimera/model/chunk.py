@@ -68,8 +68,8 @@ def _with_local_norms(spec, layers: int):
 
 class LocalNorm(torch.nn.Module):
     """LayerNorm or RMSNorm over the hidden size, with megatron-core's parameter names. Zero-centred
-    gamma stores gamma - 1. Under sequence parallelism the parameters are marked, so their gradients
-    are summed over the tensor-parallel group (each rank saw part of the sequence)."""
+    gamma stores gamma - 1. Under sequence parallelism the parameters are marked ``sequence_parallel``,
+    as megatron-core's own norms mark theirs (``mark_tensor_parallel_sums`` reads the mark)."""
 
     spans_sequence_split = True
 
@@ -80,7 +80,6 @@ class LocalNorm(torch.nn.Module):
         self.bias = None if config.normalization == "RMSNorm" else torch.nn.Parameter(torch.zeros(hidden_size))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel and self.spans_sequence_split
-            param.sums_over_tensor_parallel = param.sequence_parallel or not self.spans_sequence_split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered else self.weight
@@ -91,7 +90,7 @@ class LocalNorm(torch.nn.Module):
 
 class HeadNorm(LocalNorm):
     """Query and key norms: per head, inside attention, where every rank has the whole sequence but
-    only its tensor-parallel share of the heads, so their gradients are summed over the group (as
+    only its tensor-parallel share of the heads (their gradients are summed over the group by name, as
     megatron-core's finalize_model_grads does for q_layernorm and k_layernorm)."""
 
     spans_sequence_split = False
@@ -148,10 +147,23 @@ def build_chunk(args, plan, stage: int, device: torch.device):
         rotary_base=args.rotary_base,
     )
     model.stage = stage
+    mark_tensor_parallel_sums(model, model.config)
     init_chunk(model, args, stage * layers)
     if plan.split_backward:
         _splittable_linears(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
+
+
+def mark_tensor_parallel_sums(model, config) -> None:
+    """Mark the parameters whose gradients are summed over the tensor-parallel group, by what they are,
+    whatever the layer spec (local, Transformer Engine): megatron-core's finalize_model_grads rule.
+    Under sequence parallelism, those its layers mark ``sequence_parallel`` (norms, row-parallel
+    biases: each rank saw part of the sequence); with --qk-layernorm, the query and key norms, matched
+    by name (each rank normalised only its heads)."""
+    for name, param in model.named_parameters():
+        param.sums_over_tensor_parallel = bool(
+            (config.sequence_parallel and getattr(param, "sequence_parallel", False))
+            or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
 
 
 def _splittable_linears(model) -> None:

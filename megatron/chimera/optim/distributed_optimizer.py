@@ -201,8 +201,7 @@ class ShardedMainParams:
         has the same pieces (same shapes, same shard index)."""
         from megatron.core import parallel_state
 
-        grads = [p.grad for p in self.all() if getattr(p.source, "sequence_parallel", False)
-                 or getattr(p.source, "sums_over_tensor_parallel", False)]
+        grads = [p.grad for p in self.all() if getattr(p.source, "sums_over_tensor_parallel", False)]
         if grads and self.rt.tp > 1:
             flat = torch.cat(grads)
             self.rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())

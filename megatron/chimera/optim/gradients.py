@@ -70,8 +70,8 @@ class ReplicaGradSync:
         group, as megatron-core's finalize_model_grads does."""
         from megatron.core import parallel_state
 
-        grads = [p.grad for c in self.chunks.values() for p in c if p.grad is not None
-                 and (getattr(p, "sequence_parallel", False) or getattr(p, "sums_over_tensor_parallel", False))]
+        grads = [p.grad for c in self.chunks.values() for p in c
+                 if p.grad is not None and getattr(p, "sums_over_tensor_parallel", False)]
         if grads and self.rt.tp > 1:
             flat = _flatten_dense_tensors(grads)
             self.rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
