@@ -65,3 +65,22 @@ def test_valid_chimera_configuration_builds_its_schedule():
     plan = make_run_plan(args)
     assert plan.schedule.name == "chimera-direct" and plan.schedule.microbatches == 4
     assert len(plan.schedule.placement) == 2 and plan.schedule.meta["order"] == "paper"  # the defaults
+
+
+def test_split_backward_with_transformer_engine_layers_is_refused_on_a_gpu(monkeypatch, capsys):
+    """Where the layers would be Transformer Engine's (a GPU with TE installed, Megatron-LM's default
+    --transformer-impl), --split-backward is refused in one line naming --transformer-impl."""
+    import torch
+
+    from megatron.chimera.model import chunk
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
+    split = MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--split-backward"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(split, world_size=2)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("pretrain_gpt.py: error: --transformer-impl=transformer_engine: Transformer Engine's fused")
+    assert chunk.uses_transformer_engine(parse_args(MODEL, world_size=1), "cuda")
+    assert not chunk.uses_transformer_engine(parse_args(MODEL + ["--transformer-impl", "local"], world_size=1), "cuda")

@@ -21,6 +21,7 @@ from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
+from ..model.chunk import uses_transformer_engine
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
             "micro_batch_size", "lr")
@@ -130,6 +131,9 @@ def _validate_run(args) -> None:
             "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    require(not (args.split_backward and uses_transformer_engine(args, device_type)), "--transformer-impl", args.transformer_impl, "Transformer Engine's fused linears compute the input and "
+            "weight gradients together, which --split-backward separates: give --transformer-impl local")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,
                 "--recompute-granularity full needs uniform or block")

@@ -13,6 +13,7 @@ output projections of attention and MLP, ones and zeros for norms, zeros for bia
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import zlib
@@ -31,20 +32,23 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
+def uses_transformer_engine(args, device_type: str) -> bool:
+    """Transformer Engine's layers on a GPU where it is installed, unless --transformer-impl local."""
+    return device_type == "cuda" and args.transformer_impl == "transformer_engine" and _transformer_engine_installed()
+
+
+def _transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _layer_spec(args, layers: int, device: torch.device):
-    """Transformer Engine's spec on a GPU where it is installed (unless --transformer-impl local),
-    megatron-core's local spec otherwise."""
+    """Transformer Engine's spec where ``uses_transformer_engine``, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if device.type == "cuda" and args.transformer_impl == "transformer_engine":
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    if uses_transformer_engine(args, device.type):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            import transformer_engine  # noqa: F401
-
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-        except ImportError:
-            pass
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     return _with_local_norms(spec, layers)
 
