@@ -185,14 +185,22 @@ def compare_weights(weights: dict, reference: dict, tp: int, args) -> tuple[floa
 
 
 def evaluation_is_side_effect_free(trainer) -> bool:
-    grads = [None if p.grad is None else p.grad.clone() for m in trainer.models for p in m.parameters()]
-    state = {k: v.clone() for s in trainer.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
+    """Evaluation changes no gradient, the model's or the main ones the optimizer steps (the
+    distributed optimizer's live only there), and no optimizer state. With no gradient there to change
+    the check would prove nothing, so that fails too."""
+    before = [t.clone() for t in _training_state(trainer)]
+    has_grads = any(p.grad is not None for p in trainer.main.all())
     trainer.evaluate(0)
-    after = [None if p.grad is None else p.grad for m in trainer.models for p in m.parameters()]
-    same_grads = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                     for a, b in zip(grads, after))
-    state_after = {k: v for s in trainer.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
-    return same_grads and all(torch.equal(state[k], state_after[k]) for k in state)
+    after = _training_state(trainer)
+    return has_grads and len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _training_state(trainer) -> list[torch.Tensor]:
+    """Every gradient and optimizer-state tensor, in a fixed order."""
+    params = [p for m in trainer.models for p in m.parameters()] + list(trainer.main.all())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return grads + state
 
 
 def condition_number(trainer, loss: float) -> float | None:

@@ -56,18 +56,28 @@ class MicrobatchSource:
         self.size = self.mbs // self.parts
 
     def batch(self, iteration: int, mb: int, device) -> dict:
+        """One micro-batch on ``device``. On a GPU it is stacked in pinned host memory and copied without
+        blocking the host, so building it never waits for the compute stream."""
         step, part = divmod(mb, self.parts)
         start = iteration * self.G + (step * self.W + self.dp_rank) * self.mbs + part * self.size
         samples = [self.dataset[i] for i in range(start, start + self.size)]
-        return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+        pinned = device.type == "cuda"
+        return {k: _stacked(samples, k, pinned).to(device, non_blocking=pinned) for k in samples[0]}
+
+
+def _stacked(samples: list[dict], key: str, pinned: bool) -> torch.Tensor:
+    stacked = torch.stack([s[key] for s in samples])
+    return stacked.pin_memory() if pinned else stacked
 
 
 def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):
-    """One iterator per chunk; None for chunks in the middle of the pipeline (they need no data)."""
+    """One iterator per chunk over its micro-batches of this iteration, all built (and on a GPU their
+    copies issued) before the schedule runs, so no forward waits for data or syncs the host; None for
+    chunks in the middle of the pipeline (they need no data)."""
     out = []
     for order, chunk in zip(orders, chunks):
         if chunk.pre_process or chunk.post_process:
-            out.append(source.batch(iteration, m, device) for m in order)
+            out.append(iter([source.batch(iteration, m, device) for m in order]))
         else:
             out.append(None)
     return out

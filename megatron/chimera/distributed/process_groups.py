@@ -41,13 +41,13 @@ class Runtime:
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
-    comm_device: torch.device | None = None  # host staging: collectives and p2p through the CPU
+    comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
 
     def all_reduce(self, tensor: torch.Tensor, group=None, async_op: bool = False):
         """dist.all_reduce, through host memory when staging; returns a handle with wait() if async."""
         if self.comm_device is None:
             return dist.all_reduce(tensor, group=group, async_op=async_op)
-        host = tensor.to(self.comm_device)
+        host = tensor.to(self.comm_device, copy=True)
         work = dist.all_reduce(host, group=group, async_op=async_op)
         staged = _Staged(work, host, tensor)
         if not async_op:
@@ -59,7 +59,7 @@ class Runtime:
         in-place reduce-scatter); returns a handle with wait()."""
         if self.comm_device is None:
             return dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
-        host = flat.to(self.comm_device)
+        host = flat.to(self.comm_device, copy=True)
         start = shard.data_ptr() - flat.data_ptr()
         host_shard = host[start // flat.element_size():][:shard.numel()]
         return _Staged(dist.reduce_scatter_single(host_shard, host, group=group, async_op=True), host_shard, shard)
@@ -67,7 +67,7 @@ class Runtime:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
         if self.comm_device is None:
             return dist.all_gather_single(full, shard, group=group, async_op=async_op)
-        host = full.to(self.comm_device)
+        host = full.to(self.comm_device, copy=True)
         staged = _Staged(dist.all_gather_single(host, shard.to(self.comm_device), group=group, async_op=async_op),
                          host, full)
         if not async_op:
