@@ -24,36 +24,49 @@ def _grads(params) -> list[torch.Tensor]:
     return [p.grad for p in params]
 
 
+def _gradient_buffer(params) -> torch.Tensor | None:
+    """One fp32 buffer for these parameters' gradients, each ``.grad`` a view into it."""
+    if not params:
+        return None
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = buffer[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return buffer
+
+
 class ReplicaGradSync:
     """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over the
     group the lowered schedule names, its stage's replica group (eager sync, while the worker computes
-    on); ``finish`` waits for them, then
-    sums the tied word embedding over all of its copies (input embeddings and output layers)."""
+    on); ``finish`` waits for them, then sums the tied word embedding over all of its copies (input
+    embeddings and output layers).
+
+    Each stage copy's gradients live in one persistent fp32 buffer: the main parameters' ``.grad`` are
+    views into it (autograd and the fp16/bf16 hook accumulate in place, and the optimizer zeroes in
+    place), so the reduction runs on the buffer itself, with no second copy."""
 
     def __init__(self, chunks: dict, runtime):
         self.chunks, self.rt = chunks, runtime
         tied = runtime.embedding_group is not None
         self.shared = [p for c in chunks.values() for p in c if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in self.shared}
-        self.params = {key: [p for p in c if id(p) not in shared_ids] for key, c in chunks.items()}
+        self.buffers = {key: _gradient_buffer([p for p in c if id(p) not in shared_ids]) for key, c in chunks.items()}
         self.pending: list = []
 
     def start(self, pipeline: int, stage: int, group) -> None:
-        grads = _grads(self.params[(pipeline, stage)])
-        if not grads:
+        buffer = self.buffers[(pipeline, stage)]
+        if buffer is None:
             return
-        flat = _flatten_dense_tensors(grads)
-        work = self.rt.all_reduce(flat, group=group, async_op=True) if group is not None else None
-        self.pending.append((work, flat, grads))
+        work = self.rt.all_reduce(buffer, group=group, async_op=True) if group is not None else None
+        self.pending.append((work, buffer))
 
     def finish(self) -> None:
-        for work, flat, grads in self.pending:
+        for work, buffer in self.pending:
             if work is not None:
                 work.wait()
             if self.rt.dp > 1:
-                flat /= self.rt.dp
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+                buffer /= self.rt.dp
         self.pending.clear()
         self._sum_sequence_parallel()
         if self.shared:

@@ -62,7 +62,8 @@ class MainParams:
         """Nothing is ever pending: the optimizer steps the weights in place or copies them at once."""
 
     def zero_grad(self, optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        """In place: the gradients are views into the replica sync's persistent buffers."""
+        optimizer.zero_grad(set_to_none=False)
 
     def grad_norm(self, runtime, tied: bool) -> float:
         return global_grad_norm(self.by_chunk, runtime, tied)
