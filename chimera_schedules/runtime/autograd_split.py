@@ -87,6 +87,12 @@ class WeightPass:
         self.restarts = []  # frees the graph and the kept gradients
 
 
+def graph_root(output: torch.Tensor):
+    """Where a backward from ``output`` starts: its node's edge, so the gradient is checked against the
+    shape the node produced, not the output's data, which the executor releases once it is sent."""
+    return GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else output
+
+
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: torch.Tensor | None,
                    params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightPass]:
     """I: the gradient of ``boundary`` (the stage input, or the first stage's embedding output), and
@@ -109,7 +115,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: to
                 handles.append(node.register_prehook(lambda grads, r=restart: r.grads.update(enumerate(grads))))
     _check_disjoint(restarts)
     try:
-        (dx,) = torch.autograd.grad(output, boundary, grad, retain_graph=True)
+        (dx,) = torch.autograd.grad(graph_root(output), boundary, grad, retain_graph=True)
     finally:
         for h in handles:
             h.remove()

@@ -8,7 +8,8 @@ schedule made it or which channel a message takes:
 - B: backward from the loss or the received output gradient, keep the input gradient;
 - I and W: the two halves of a B (autograd_split.py): I keeps the input gradient, W later computes
   the same micro-batch's weight gradients;
-- SEND: post the send of a kept output or input gradient;
+- SEND: post the send of a kept output or input gradient; a sent activation's own data is released
+  at once (the backward needs only its graph), and completed sends are dropped after every action;
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from ..ir.actions import Action, Op
 from ..ir.dataflow import consumed_message, forward_only, produced_message
 from ..ir.schedule import Schedule
-from .autograd_split import backward_input
+from .autograd_split import backward_input, graph_root
 
 
 class PipelineFault(RuntimeError):
@@ -77,8 +78,24 @@ class _Messages:
             self.kept[message] = tensor
 
     def send(self, a: Action) -> None:
-        tensor = self.kept.pop(a.message).detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
+        """Post the send. An activation's own data is then released (Megatron's deallocate_output_tensor):
+        the send holds what it needs, and the backward needs only the output's graph."""
+        kept = self.kept.pop(a.message)
+        tensor = kept.detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
         self.sends.append((self.t.p2p.isend(tensor, self.t.ranks[a.peer], self.t.groups[a.group]), tensor, a))
+        if a.kind == "act" and kept.grad_fn is not None and kept._base is None:
+            kept.data = torch.empty((1,), dtype=kept.dtype, device=kept.device)
+
+    def reap(self) -> None:
+        """Drop the sends that have completed (a query that does not block), so their tensors are freed
+        as soon as they are delivered rather than at the flush."""
+        pending = []
+        for send in self.sends:
+            if self.t.p2p.done(send[0]):
+                self._delivered(send[0], send[2])
+            else:
+                pending.append(send)
+        self.sends = pending
 
     def take(self, message: tuple) -> torch.Tensor:
         """The input a compute action needs: its posted receive (waited for now) or a local output."""
@@ -94,12 +111,15 @@ class _Messages:
 
     def drain(self) -> None:
         for work, _, a in self.sends:
-            try:
-                self.t.p2p.wait(work)
-            except RuntimeError as e:
-                raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) could not deliver the "
-                                    f"{_describe(a, self.t)}: {_first_line(e)}") from None
+            self._delivered(work, a)
         self.sends.clear()
+
+    def _delivered(self, work, a: Action) -> None:
+        try:
+            self.t.p2p.wait(work)
+        except RuntimeError as e:
+            raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) could not deliver the "
+                                f"{_describe(a, self.t)}: {_first_line(e)}") from None
 
 
 def _describe(a: Action, t: Transport) -> str:
@@ -230,6 +250,7 @@ class _Run:
                        Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
             if observer is not None:
                 observer(a, started, time.perf_counter())
+        self.messages.reap()
 
     def forward(self, a: Action) -> float:
         key, x = (a.pipeline, a.stage), None
@@ -254,7 +275,7 @@ class _Run:
         if a.stage < self.last:
             grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
         started = time.perf_counter()
-        torch.autograd.backward(output, grad_tensors=grad)
+        torch.autograd.backward(graph_root(output) if grad is not None else output, grad_tensors=grad)
         if a.stage > 0:
             self.messages.keep(produced_message(self.s, a), x.grad)
         return started

@@ -35,6 +35,11 @@ class TorchP2P:
         else:
             work.wait(self.timeout)
 
+    @staticmethod
+    def done(work) -> bool:
+        """Whether the operation has completed, without blocking (a failure is raised by ``wait``)."""
+        return work.is_completed()
+
     def close(self) -> None:
         pass
 
@@ -66,6 +71,10 @@ class EmulatedNCCL:
                                f"the {work.kind} with rank {work.rank} (the peer's stream never reached its partner)")
         if work.error is not None:
             raise RuntimeError(f"emulated NCCL: {work.error}")
+
+    @staticmethod
+    def done(work: "_Pending") -> bool:
+        return work.done.is_set()
 
     def close(self) -> None:
         """End the stream threads (they hold their process groups)."""
