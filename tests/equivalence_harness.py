@@ -214,10 +214,11 @@ def condition_number(trainer, loss: float) -> float | None:
 
 class HookRecorder(Hooks):
     """What the hooks protocol shows the benchmark and the fault tests: each iteration begun and its
-    backward finished, in order, and every compute action our executor runs."""
+    backward finished, in order, every compute action our executor runs (timed after the flush), and
+    every action it posts, with what it holds then."""
 
     def __init__(self):
-        self.seen, self.actions = [], 0
+        self.seen, self.actions, self.posted, self.kinds = [], 0, 0, set()
 
     def before_iteration(self, trainer, iteration):
         self.seen.append(("before", iteration))
@@ -228,10 +229,16 @@ class HookRecorder(Hooks):
     def on_action(self, action, start, end):
         self.actions += 1
 
+    def after_action(self, action, held):
+        self.posted += 1
+        self.kinds.update(held())
+
     def saw_everything(self, plan, worker: int) -> bool:
         actions = len(plan.schedule.compute(worker)) * ITERS if plan.schedule is not None else 0
+        posted = len(plan.lowered.workers[worker]) * ITERS if plan.lowered is not None else 0
+        kinds = {"receive buffers", "unsent", "in flight", "stage inputs", "kept for W"} if posted else set()
         return self.seen == [(when, i + 1) for i in range(ITERS) for when in ("before", "after")] and \
-            self.actions == actions
+            self.actions == actions and self.posted == posted and self.kinds == kinds
 
 
 def run_case(flags: list[str], world: int):

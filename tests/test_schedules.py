@@ -92,6 +92,19 @@ def test_activation_peaks_and_weight_copies():
     assert simulate(build("gpipe", 4, 8)).peak_activations == [8] * 4
 
 
+def test_activation_peaks_in_bytes_count_what_i_keeps_for_w():
+    """Per-stage sizes replace the unit; a split backward's I adds what it keeps, freed with W."""
+    from chimera_schedules.analysis.simulator import peak_activations
+
+    plain = build("1f1b", 2, 4)
+    assert peak_activations(plain, [10, 30]) == [20, 30]
+    split = build_spec(variant("1f1b split", 2, 4))
+    units = peak_activations(split)
+    assert peak_activations(split, [10, 10]) == [10 * u for u in units]
+    kept = peak_activations(split, [10, 10], [4, 4])
+    assert all(k > b for k, b in zip(kept, peak_activations(split, [10, 10])))
+
+
 def test_four_pipelines_leave_d_over_f_minus_two_bubbles():
     result = simulate(chimera(8, 8, pipelines=4, costs=UNIT), UNIT)
     assert result.idle == [8 // 2 - 2] * 8

@@ -10,6 +10,7 @@ reduction are done (the flush).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..ir.actions import Op
 from ..ir.costs import CostModel, Event, activation_units
@@ -70,20 +71,32 @@ def _reduce_windows(schedule: Schedule, costs: CostModel, posts: dict) -> list[E
     return windows
 
 
-def peak_activations(schedule: Schedule) -> list[float]:
+def peak_activations(schedule: Schedule, stage_bytes: Sequence[float] | None = None,
+                     kept_for_w: Sequence[float] | None = None) -> list[float]:
     """Per worker, the most micro-batch activations alive at once: allocated by F, freed by B, or with
     a split backward by W, not I (the executor keeps the micro-batch's autograd graph, and with it every
     saved activation, from I until W; the weight gradients need the layer inputs, and torch cannot free
-    the rest of a graph it still has to run)."""
+    the rest of a graph it still has to run). In units of M_a (``activation_units``), or in bytes when
+    ``stage_bytes[s]`` gives what one of the schedule's micro-batches keeps in model stage s. I also
+    keeps, until W, the gradient arriving at each weight's operation: ``kept_for_w[s]`` bytes of it per
+    micro-batch in stage s (not counted when not given)."""
+    def size(a) -> float:
+        return activation_units(schedule, a) if stage_bytes is None else stage_bytes[a.stage]
+
+    def kept(a) -> float:
+        return 0.0 if kept_for_w is None else kept_for_w[a.stage]
+
+    grows = {Op.FORWARD: size, Op.BACKWARD_INPUT: kept}
+    shrinks = {Op.BACKWARD: size, Op.BACKWARD_WEIGHT: lambda a: size(a) + kept(a)}
     peaks = []
     for w in range(schedule.num_workers):
         live = peak = 0.0
         for a in schedule.workers[w]:
-            if a.op is Op.FORWARD:
-                live += activation_units(schedule, a)
+            if a.op in grows:
+                live += grows[a.op](a)
                 peak = max(peak, live)
-            elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
-                live -= activation_units(schedule, a)
+            elif a.op in shrinks:
+                live -= shrinks[a.op](a)
         peaks.append(peak)
     return peaks
 

@@ -13,11 +13,11 @@ schedule made it or which channel a message takes:
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
-No action synchronises the host with the device.
+No action synchronises the host with the device: an observer's action times are device times
+(clock.py), read once after the flush.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -28,6 +28,7 @@ from ..ir.actions import Action, Op
 from ..ir.dataflow import consumed_message, forward_only, produced_message
 from ..ir.schedule import Schedule
 from .autograd_split import backward_input, graph_root
+from .clock import Clock
 
 
 class PipelineFault(RuntimeError):
@@ -40,6 +41,20 @@ class GradSync(Protocol):
 
     def finish(self) -> None:
         """Complete every reduction started this iteration (and any that span several copies)."""
+
+
+class Observer(Protocol):
+    """What a benchmark or a memory measurement sees of a run (the trainer's hooks implement it)."""
+
+    def after_action(self, action: Action, held: Callable[[], list]) -> None:
+        """``action`` was just posted or run on the host; ``held()`` gives the tensors the executor holds
+        now, by why: "receive buffers", "unsent" outputs and gradients, sends "in flight", saved "stage
+        inputs", and the gradients a split backward has "kept for W". autograd's saved tensors are not
+        among them."""
+
+    def on_action(self, action: Action, start: float, end: float) -> None:
+        """A compute action ran from ``start`` to ``end`` (perf_counter seconds; device time on a GPU).
+        Called for every compute action of the iteration, in order, after its flush."""
 
 
 @dataclass(frozen=True)
@@ -146,14 +161,14 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
 
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
-                          observer: Callable | None = None) -> Callable:
+                          observer: Observer | None = None) -> Callable:
     """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
-    ``observer(action, start, end)``, when given, is called after every compute action with
-    perf_counter times (the benchmark measures bubbles from these). megatron-core's options that this
-    executor does not implement are refused when set, not ignored."""
+    ``observer`` (the Observer protocol), when given, sees every action as it is posted and every
+    compute action's device time after the flush. megatron-core's options that this executor does not
+    implement are refused when set, not ignored."""
     if any(a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
     held = lowered.held(transport.worker)
@@ -175,7 +190,8 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
         if num_microbatches != lowered.microbatches:
             raise ValueError(f"schedule has {lowered.microbatches} micro-batches, called with {num_microbatches}")
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
-                   _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only)
+                   _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only,
+                   Clock(transport.device, enabled=observer is not None))
         return run.execute(plans[forward_only], grad_sync, observer)
 
     return forward_backward
@@ -200,10 +216,12 @@ def _activation_shape(config, seq_length: int, micro_batch_size: int) -> tuple:
 class _Run:
     """The state of one call: chunks, data, messages, saved activations, loss reports."""
 
-    def __init__(self, schedule, transport, chunk, data, forward_step_func, shape, num_microbatches, forward_only):
+    def __init__(self, schedule, transport, chunk, data, forward_step_func, shape, num_microbatches, forward_only,
+                 clock: Clock):
         self.s, self.t, self.chunk, self.data = schedule, transport, chunk, data
         self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
         self.forward_only = forward_only
+        self.clock = clock
         self.messages = _Messages(transport, shape)
         self.per_token = getattr(next(iter(chunk.values())).config, "calculate_per_token_loss", False)
         self.last = schedule.stages_per_pipeline - 1
@@ -225,20 +243,46 @@ class _Run:
             if h is not None:
                 h.remove()
 
-    def execute(self, actions, grad_sync: GradSync, observer) -> list:
-        """Run this worker's list; the flush waits for every send and, in training, every reduction."""
+    def execute(self, actions, grad_sync: GradSync, observer: Observer | None) -> list:
+        """Run this worker's list; the flush waits for every send and, in training, every reduction.
+        The observer's action times are read after it, once."""
+        timeline = []
+        self.clock.begin()
         try:
             with torch.no_grad() if self.forward_only else torch.enable_grad():
                 for a in actions:
-                    self.step(a, grad_sync, observer)
+                    ran = self.step(a, grad_sync)
+                    if ran is not None:
+                        timeline.append((a, ran, self.clock.stamp()))
+                    if observer is not None:
+                        observer.after_action(a, self.held)
         finally:
             self.close()
         self.messages.drain()
         if not self.forward_only:
             grad_sync.finish()
+        if observer is not None:
+            self._report(timeline, observer)
         return self.reports
 
-    def step(self, a: Action, grad_sync: GradSync, observer) -> None:
+    def _report(self, timeline: list, observer: Observer) -> None:
+        seconds = self.clock.seconds([stamp for _, start, end in timeline for stamp in (start, end)])
+        for i, (a, _, _) in enumerate(timeline):
+            observer.on_action(a, seconds[2 * i], seconds[2 * i + 1])
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this run holds now, by why (the Observer protocol's ``held``)."""
+        m = self.messages
+        return {"receive buffers": [buf for _, buf, _ in m.posted.values()],
+                "unsent": list(m.kept.values()) + list(self.embedded.values()),
+                "in flight": [t for _, t, _ in m.sends],
+                "stage inputs": [t for saved in self.saved.values() for t in saved if t is not None],
+                "kept for W": [g for w in self.weight_passes.values() for r in w.restarts for g in r.grads.values()
+                               if g is not None]}
+
+    def step(self, a: Action, grad_sync: GradSync):
+        """Post or run one action; a compute action returns the stamp of its start."""
+        started = None
         if a.op is Op.RECV:
             self.messages.receive(a)
         elif a.op is Op.SEND:
@@ -248,16 +292,15 @@ class _Run:
         else:
             started = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
                        Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
-            if observer is not None:
-                observer(a, started, time.perf_counter())
         self.messages.reap()
+        return started
 
     def forward(self, a: Action) -> float:
         key, x = (a.pipeline, a.stage), None
         if a.stage > 0:
             x = self.messages.take(consumed_message(self.s, a))
             x.requires_grad_(not self.forward_only)  # arrives in the transport dtype
-        started = time.perf_counter()  # compute only: waiting for the input is a bubble
+        started = self.clock.stamp()  # compute only: waiting for the input is a bubble
         self.chunk[key].set_input_tensor(x)
         output, loss_func = self.forward_step_func(self.data[key], self.chunk[key])
         if a.stage == self.last:
@@ -274,7 +317,7 @@ class _Run:
         grad = None
         if a.stage < self.last:
             grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
-        started = time.perf_counter()
+        started = self.clock.stamp()
         torch.autograd.backward(graph_root(output) if grad is not None else output, grad_tensors=grad)
         if a.stage > 0:
             self.messages.keep(produced_message(self.s, a), x.grad)
@@ -286,7 +329,7 @@ class _Run:
         grad = None
         if a.stage < self.last:
             grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
-        started = time.perf_counter()
+        started = self.clock.stamp()
         params = [p for p in self.chunk[key].parameters() if p.requires_grad]
         dx, self.weight_passes[(*key, a.mb)] = backward_input(output, grad, boundary, params)
         if a.stage > 0:
@@ -294,6 +337,6 @@ class _Run:
         return started
 
     def backward_weight(self, a: Action) -> float:
-        started = time.perf_counter()
+        started = self.clock.stamp()
         self.weight_passes.pop((a.pipeline, a.stage, a.mb)).run()
         return started

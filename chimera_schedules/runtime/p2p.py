@@ -37,7 +37,10 @@ class TorchP2P:
 
     @staticmethod
     def done(work) -> bool:
-        """Whether the operation has completed, without blocking (a failure is raised by ``wait``)."""
+        """Whether the operation has completed, without blocking (a failure is raised by ``wait``). On
+        NCCL this queries the operation's CUDA event. torch's gloo p2p work reports completion only
+        once waited for, so on gloo sends are held until the flush; the emulated NCCL transport
+        (``--emulate-nccl``) reports them as they complete."""
         return work.is_completed()
 
     def close(self) -> None:

@@ -108,7 +108,8 @@ class Trainer:
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         self._build_model_and_optimizer(forward_step_func, device)
         self.transport = _transport(args, self.rt, backend) if plan.schedule is not None else None
-        self.forward_backward = plan.runner(self.models, self.transport, self.sync, hooks.on_action)
+        self.forward_backward = plan.runner(self.models, self.transport, self.sync,
+                                              hooks if hooks.observes_actions() else None)
         self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
         self.orders = plan.forward_orders(self.rt.worker)
         self.timers("model-and-optimizer-setup").stop()

@@ -61,7 +61,8 @@ class RunPlan:
 
     def runner(self, models, transport, grad_sync, observer=None):
         """The iteration's forward_backward function, megatron-core's keyword signature. ``transport``
-        (ours only) carries the messages; ``observer(action, start, end)`` sees our compute actions."""
+        (ours only) carries the messages; ``observer`` (the executor's Observer protocol: the trainer's
+        hooks) sees our actions."""
         if self.lowered is not None:
             return make_forward_backward(self.lowered, transport, grad_sync, observer)
         return _megatron_core_runner(models, grad_sync, self.megatron_virtual_stages)

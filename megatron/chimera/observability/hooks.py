@@ -8,6 +8,12 @@ from __future__ import annotations
 
 
 class Hooks:
+    def observes_actions(self) -> bool:
+        """Whether a subclass watches our executor's actions. Only then does the trainer hand it to the
+        executor, which then stamps every compute action (CUDA events on a GPU, read after the flush)."""
+        mine = type(self)
+        return mine.after_action is not Hooks.after_action or mine.on_action is not Hooks.on_action
+
     def before_iteration(self, trainer, iteration: int) -> None:
         """Iteration ``iteration`` (1-based) is about to run its pipeline: its forwards and backwards."""
 
@@ -18,5 +24,10 @@ class Hooks:
     def during_save(self, trainer, iteration: int) -> None:
         """Every rank has written its part of checkpoint ``iteration``, which is not published yet."""
 
+    def after_action(self, action, held) -> None:
+        """Our executor just posted or ran ``action``; ``held()`` gives the tensors it holds now, by why
+        (chimera_schedules/runtime/executor.py, the Observer protocol)."""
+
     def on_action(self, action, start: float, end: float) -> None:
-        """A compute action of our executor ran from ``start`` to ``end`` (``time.perf_counter``)."""
+        """A compute action of our executor ran from ``start`` to ``end`` (``time.perf_counter``
+        seconds; device time on a GPU, read once after the iteration's flush)."""
