@@ -145,7 +145,7 @@ def _timing(forward_step):
 
             def pack(t):
                 self.bytes += t.numel() * t.element_size()
-                return t
+                return t.detach()  # not ``t``: a saved output would hold its own node in a cycle
             self.bytes = 0
             with saved_tensors_hooks(pack, lambda t: t):
                 return forward_step(it, model)
