@@ -36,7 +36,7 @@ def main() -> None:
     args = parse_args(FLAGS)
     trainer = Trainer(args, make_run_plan(args), forward_step)
     if which == "legacy":  # one process group per pipeline, as parallel.py made them then
-        groups = {**trainer.transport.groups, "p0": trainer.transport.groups["p0.act"]}
+        groups = {**trainer.transport.groups, "p0": trainer.transport.groups["down"]}
         transport = dataclasses.replace(trainer.transport, groups=groups)
         trainer.forward_backward = make_forward_backward(legacy_lower(trainer.plan.schedule), transport, trainer.sync)
     try:

@@ -148,7 +148,9 @@ def test_every_generated_schedule_lowered_passes_every_mode():
 def test_lowering_names_channels_per_direction_and_bounds_posted_receives():
     lowered = lower(build("chimera", 4, 8))
     groups = {a.group for w in lowered.workers for a in w if a.op in (Op.SEND, Op.RECV)}
-    assert groups == {"p0.act", "p0.grad", "p1.act", "p1.grad"}
+    assert groups == {"down", "up"}
+    assert all(a.group == ("down" if (a.peer > w) == (a.op is Op.SEND) else "up")
+               for w, actions in enumerate(lowered.workers) for a in actions if a.op in (Op.SEND, Op.RECV))
     assert all(a.group == f"stage{a.stage}" for w in lowered.workers for a in w if a.op is Op.ALLREDUCE)
     lowered = lower(build("gpipe", 4, 16))  # every receive could be posted at once without the bound
     for actions in lowered.workers:

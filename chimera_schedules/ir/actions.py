@@ -32,8 +32,8 @@ COMM_OPS = (Op.SEND, Op.RECV, Op.ALLREDUCE)
 KINDS = ("act", "grad")  # activations flow to stage + 1, input gradients to stage - 1
 
 _TOKEN = re.compile(r"^([FBIWR])(\d*)p(\d+)s(\d+)$")
-# sA3p0s1>1@p0.act: send the activation of micro-batch 3 for pipeline 0 stage 1 to worker 1 on group
-# p0.act; rG3p0s0<1@p0.grad receives a gradient from worker 1; ARp0s1@stage1 all-reduces a stage copy;
+# sA3p0s1>1@down: send the activation of micro-batch 3 for pipeline 0 stage 1 to worker 1 on group
+# down; rG3p0s0<1@up receives a gradient from worker 1; ARp0s1@stage1 all-reduces a stage copy;
 # "#5" appended puts an operation in batch 5 (posted together with its batch in one batch_isend_irecv).
 _COMM_TOKEN = re.compile(r"^(?:([sr])([AG])(\d+)p(\d+)s(\d+)([<>])(\d+)|AR()p(\d+)s(\d+))@([^#\s]+)(?:#(\d+))?$")
 
@@ -78,7 +78,7 @@ class Action:
             return cls._parse_comm(token)
         m = _TOKEN.match(token)
         if not m:
-            raise ValueError(f"not an action token: {token!r} (expected e.g. F3p1s2, Rp0s1 or sA3p0s1>1@p0.act)")
+            raise ValueError(f"not an action token: {token!r} (expected e.g. F3p1s2, Rp0s1 or sA3p0s1>1@down)")
         op, mb, pipeline, stage = m.groups()
         if (op == "R") != (mb == ""):
             raise ValueError(f"not an action token: {token!r} (R has no micro-batch, F/B/I/W need one)")
@@ -88,7 +88,7 @@ class Action:
     def _parse_comm(cls, token: str) -> "Action":
         m = _COMM_TOKEN.match(token)
         if not m:
-            raise ValueError(f"not a communication token: {token!r} (expected e.g. sA3p0s1>1@p0.act or ARp0s1@stage1)")
+            raise ValueError(f"not a communication token: {token!r} (expected e.g. sA3p0s1>1@down or ARp0s1@stage1)")
         sr, kind, mb, p, s, arrow, peer, _, ar_p, ar_s, group, batch = m.groups()
         batch = int(batch) if batch else -1
         if sr is None:

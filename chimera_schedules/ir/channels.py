@@ -1,25 +1,22 @@
 """Channel names: the process group each lowered communication action names.
 
-- ``p{P}.act`` carries pipeline P's activations (to stage + 1), ``p{P}.grad`` its input gradients
-  (to stage - 1): one group per direction and pipeline, so a large gradient never queues behind an
-  activation on NCCL's per-pair stream (NCCL_MODEL.md rule 1);
+- ``down`` carries every message from a worker to a higher one, ``up`` every message to a lower one,
+  whatever its pipeline or kind. Each group then carries one direction per pair of workers, so a
+  message never waits on NCCL's per-pair stream (NCCL_MODEL.md rule 1) behind one going the other
+  way, and each neighbour pair costs two p2p communicators, not one per pipeline and kind: Chimera's
+  down-pipeline activations share ``down`` with its up-pipeline gradients (4 communicators per
+  interior rank instead of 8). Both ends post a channel's messages in one global order (lowering).
 - ``stage{S}`` is model stage S's replica group (every copy, every data-parallel rank).
 Lowering names them; the trainer creates a process group for each.
 """
 
-
-def act_group(pipeline: int) -> str:
-    return f"p{pipeline}.act"
+P2P_GROUPS = ("down", "up")
 
 
-def grad_group(pipeline: int) -> str:
-    return f"p{pipeline}.grad"
+def p2p_group(src: int, dst: int) -> str:
+    """The channel of a message from worker ``src`` to worker ``dst``."""
+    return P2P_GROUPS[0] if dst > src else P2P_GROUPS[1]
 
 
 def stage_group(stage: int) -> str:
     return f"stage{stage}"
-
-
-def message_group(kind: str, pipeline: int) -> str:
-    """The channel of a message of ``kind`` ("act" or "grad")."""
-    return act_group(pipeline) if kind == "act" else grad_group(pipeline)

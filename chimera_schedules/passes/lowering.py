@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..analysis.replay import replay
 from ..ir.actions import Action, Op
-from ..ir.channels import message_group, stage_group
+from ..ir.channels import p2p_group, stage_group
 from ..ir.costs import CostModel
 from ..ir.dataflow import consumed_message, produced_message
 from ..ir.schedule import Schedule
@@ -50,7 +50,7 @@ class _Message:
 
     def action(self, op: Op) -> Action:
         peer = self.dst if op is Op.SEND else self.src
-        return Action(op, self.mb, self.pipeline, self.stage, peer, message_group(self.kind, self.pipeline), self.kind)
+        return Action(op, self.mb, self.pipeline, self.stage, peer, p2p_group(self.src, self.dst), self.kind)
 
     def order(self, time: float) -> tuple:
         return (time, 0, self.src, self.dst, _KIND_RANK[self.kind], self.pipeline, self.stage, self.mb)

@@ -35,8 +35,10 @@ from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
+from .distributed.warmup import warm_up_communicators
 from .optim.precision import LossScaler, MainParams, scaled_loss
-from .observability.startup import print_building, print_model_state, print_parameter_counts, print_schedule_proof
+from .observability.startup import (print_building, print_model_state, print_parameter_counts,
+                                    print_schedule_proof, print_warm_up)
 from .observability.timing import ITERATION, SETUP, make_timers, print_times
 
 
@@ -110,6 +112,9 @@ class Trainer:
         self.transport = _transport(args, self.rt, backend) if plan.schedule is not None else None
         self.forward_backward = plan.runner(self.models, self.transport, self.sync,
                                               hooks if hooks.observes_actions() else None)
+        started = time.perf_counter()
+        warmed = warm_up_communicators(self.rt, self.transport, plan.lowered, self.tied)
+        print_warm_up(warmed, time.perf_counter() - started, self.rt)
         self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
         self.orders = plan.forward_orders(self.rt.worker)
         self.timers("model-and-optimizer-setup").stop()

@@ -2,8 +2,8 @@
 
 megatron-core owns tensor- and data-parallel groups and its own (down-direction) pipeline group.
 On top of it, derived from the schedule's placement for any schedule:
-- the p2p groups the lowered schedule names: per pipeline one for activations and one for
-  gradients (chimera_schedules/ir/channels.py explains why two), ranks in stage order;
+- the p2p groups the lowered schedule names: one for messages to a higher worker, one for messages
+  to a lower one (chimera_schedules/ir/channels.py says why), ranks in worker order;
 - one replica group per model stage: every rank holding a copy of it, in any pipeline and any
   data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
 - the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chimera_schedules.ir.channels import act_group, grad_group
+from chimera_schedules.ir.channels import P2P_GROUPS
 
 
 @dataclass
@@ -144,11 +144,10 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
     new_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
     for t in range(tp):
         for d in range(dp):
-            for p, row in enumerate(placement):
-                for name in (act_group(p), grad_group(p)):
-                    group = new_group(list(dict.fromkeys(rank_of(t, d, row[s]) for s in range(stages))))
-                    if (t, d) == (tp_rank, dp_rank):
-                        rt.p2p_groups[name] = group
+            for name in P2P_GROUPS:
+                group = new_group([rank_of(t, d, w) for w in range(pp)])
+                if (t, d) == (tp_rank, dp_rank):
+                    rt.p2p_groups[name] = group
         for s in range(stages):
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
             group = new_group(ranks) if len(ranks) > 1 else None

@@ -3,6 +3,7 @@ banner): "building GPT model ...", the parameter count of every model chunk (for
 bytes of model state each rank holds; and ours: the line saying the schedule's communication was proven."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..config.run_plan import PROOF_MODE
@@ -33,6 +34,16 @@ def print_schedule_proof(plan, digest: str) -> None:
     print(f" > schedule {s.name} (D={s.depth}, N={s.microbatches}, {digest} on every rank): its training and "
           f"forward-only lists complete under NCCL's rules ({PROOF_MODE}), proven in {plan.proof_seconds:.2f} s",
           flush=True)
+
+
+def print_warm_up(warmed, seconds: float, rt) -> None:
+    """Once, by rank 0: the communicators created before iteration 1, the most on any rank
+    (collective: every rank calls it)."""
+    counts = torch.tensor([warmed.collectives, warmed.pairs], device=rt.comm_device or rt.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f" > communicators created before iteration 1: up to {int(counts[0])} collective groups and "
+              f"{int(counts[1])} p2p pairs per rank, in {seconds:.2f} s", flush=True)
 
 
 FIELDS = ("parameters", "main parameters", "gradients", "optimizer")
