@@ -111,3 +111,7 @@ def test_readme_main_command_trains_chimera_with_decreasing_loss(tmp_path):
     proof = r" > schedule chimera-direct \(D=4, N=8, \w+ on every rank\): its training and forward-only lists " \
             r"complete under NCCL's rules \(nccl-single-queue\), proven in \d+\.\d\d s"
     assert len(re.findall(proof, proc.stdout)) == 1
+    # Chimera D=4, tied embedding: the world, two replica groups, the embedding group; end workers
+    # talk to one neighbour on two channels, interior ones to two
+    warm = r" > communicators created before iteration 1: up to 4 collective groups and 4 p2p pairs per rank, in"
+    assert len(re.findall(warm, proc.stdout)) == 1
