@@ -37,6 +37,9 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          # Biases off: the key bias has an exactly-zero true gradient, and AdamW turns its rounding noise
          # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
          "--disable-bias-linear"]
+MIXTRAL = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+           "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "allgather"]
 VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weights"],
             "rope": ["--position-embedding-type", "rope"],
             # Llama's architecture flags as Megatron-LM's Llama recipes spell them (biases are off for all)
@@ -46,7 +49,18 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
             "qk-layernorm": ["--qk-layernorm", "--normalization", "RMSNorm"],  # LayerNorm's key bias has zero gradient
             # Megatron-LM's --fp16, its loss scale low enough that no iteration overflows
             "fp16": ["--fp16", "--initial-loss-scale", "4096"],
-            "bf16": ["--bf16"]}  # Megatron-LM's: bf16 weights, fp32 main weights and gradients, no loss scale
+            "bf16": ["--bf16"],  # Megatron-LM's: bf16 weights, fp32 main weights and gradients, no loss scale
+            # Mixtral's MoE flags as Megatron-LM's Mixtral recipe spells them, scaled down (no token dropped)
+            "mixtral": MIXTRAL,
+            # the same with a capacity: tokens past it are dropped, the same ones in every layout
+            "mixtral-capacity": MIXTRAL + ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
+            # DeepSeek's: first layer dense, a shared expert, sigmoid routing, group-limited top-k
+            "deepseek-style": ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+                               "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]+[1]*7",
+                               "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                               "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                               "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
+                               "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]}
 
 
 # How close a layout must come to the one-process reference: (losses, whole model's weights, worst
@@ -111,6 +125,10 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
         out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                                                         "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
+        out["mixtral chimera D=2"] = ("mixtral", schedule_cases(2)["chimera direct D=2"])
+        out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
+        out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
+        out["deepseek-style chimera split D=2"] = ("deepseek-style", schedule_cases(2)["chimera split D=2"])
         return out
     chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
     chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
@@ -145,6 +163,10 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                                                           "--pipeline-schedule", "megatron-interleaved",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
+        "mixtral chimera D=4": ("mixtral", chimera4),
+        "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
+        "mixtral chimera D=2 DP=2": ("mixtral", chimera2),
+        "deepseek-style chimera D=4": ("deepseek-style", chimera4),
     })
     return out
 

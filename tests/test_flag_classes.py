@@ -35,7 +35,8 @@ def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert exit_info.value.code == 0
     assert all(o in text for o in megatron_options())
-    assert "[refused here: mixture-of-experts models are not supported yet]" in text
+    assert "[refused here: context parallelism is not supported yet (1 only)]" in text
+    assert "[honoured here for allgather only]" in text
     assert "--pipeline-schedule" in text and "--chimera-concat" in text
 
 
@@ -45,8 +46,14 @@ def test_flag_table_is_generated_from_the_classes():
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["--num-experts", "8"], "--num-experts=8: mixture-of-experts models are not supported yet"),
-    (["--moe-router-topk", "4"], "--moe-router-topk=4: mixture-of-experts models are not supported yet"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size=2: this part of mixture-of-experts training is not supported yet"),
+    (["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"],
+     "--moe-token-dispatcher-type=alltoall: pretrain_gpt.py runs allgather only"),
+    (["--num-experts", "8", "--moe-router-load-balancing-type", "global_aux_loss"],
+     "--moe-router-load-balancing-type=global_aux_loss: pretrain_gpt.py runs aux_loss, seq_aux_loss, none only"),
+    (["--num-experts", "8", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),
+    (["--num-experts", "8", "--moe-layer-freq", "[0,1]"], "--moe-layer-freq=[0, 1]: must give one entry per layer (4)"),
     (["--fp8-format", "hybrid"], "--fp8-format=hybrid: FP8 and FP4 need Transformer Engine on a GPU"),
     (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
     (["--no-save-optim"], "--no-save-optim=True: a checkpoint option this trainer does not implement"),

@@ -33,6 +33,7 @@ from .optim.gradients import ReplicaGradSync
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
+from .model.moe import prepare_flush
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
@@ -158,6 +159,7 @@ class Trainer:
 
     def _pipeline(self, source, iteration: int, forward_only: bool) -> list:
         """One flush of the plan's schedule over the global batch; the last stages' loss reports."""
+        prepare_flush(self.models[0].config, self.plan.microbatches, self.rt.device)
         return self.forward_backward(
             forward_step_func=self.forward_step_func,
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),

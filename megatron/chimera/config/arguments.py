@@ -206,6 +206,19 @@ def _validate_architecture(args) -> None:
                 groups, f"must divide --num-attention-heads ({args.num_attention_heads})")
         require(groups % tp == 0, "--num-query-groups", groups,
                 f"must be a multiple of --tensor-model-parallel-size ({tp})")
+    if args.num_experts is not None:
+        _validate_experts(args)
+
+
+def _validate_experts(args) -> None:
+    """Mixture of experts: the layer pattern covers the model, and what is not supported yet says so."""
+    freq = args.moe_layer_freq
+    require(not isinstance(freq, list) or len(freq) == args.num_layers, "--moe-layer-freq", freq,
+            f"must give one entry per layer ({args.num_layers})")
+    require(not args.fp16, "--fp16", True, "with --num-experts is not supported yet (the auxiliary losses are not "
+            "loss-scaled): give --bf16")
+    require(args.tensor_model_parallel_size == 1 or args.sequence_parallel, "--sequence-parallel", False,
+            "is required with --num-experts and tensor parallelism (megatron-core's rule for MoE layers)")
 
 
 def _require_documents(args, prefix: str) -> None:

@@ -44,6 +44,11 @@ HONOURED = _flags("""
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
     --tokenizer-model --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
     --no-barrier-with-level-1-timing
+    --num-experts --moe-ffn-hidden-size --moe-router-topk --moe-layer-freq --moe-router-load-balancing-type
+    --moe-aux-loss-coeff --moe-z-loss-coeff --moe-token-dispatcher-type --moe-router-score-function
+    --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
+    --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
+    --moe-pad-expert-input-to-capacity
 """)
 
 NO_EFFECT = {
@@ -160,30 +165,25 @@ REFUSED = {
         --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
         --hybrid-override-pattern
     """),
-    'mixture-of-experts models are not supported yet': _flags("""
+    ('this part of mixture-of-experts training is not supported yet (expert parallelism, grouped GEMMs, '
+     'expert-bias balancing, per-layer MoE logging, other dispatchers than allgather)'): _flags("""
         --expert-model-parallel-size --expert-tensor-parallel-size --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
-        --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream
-        --moe-shared-expert-intermediate-size --moe-shared-expert-gate --moe-shared-expert-overlap
-        --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size --moe-ffn-hidden-size
-        --moe-router-topk --moe-enable-routing-replay --moe-router-padding-for-quantization
-        --moe-router-padding-for-fp8 --moe-router-num-groups --moe-router-group-topk --moe-router-pre-softmax
-        --moe-router-topk-scaling-factor --moe-router-score-function --moe-router-dtype
+        --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
+        --moe-shared-expert-overlap --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
+        --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8
         --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-quantile-balancing-ema
         --moe-router-force-load-balancing --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
-        --moe-grouped-gemm --moe-single-grouped-weight --moe-single-grouped-bias --moe-z-loss-coeff
-        --moe-input-jitter-eps --moe-token-dispatcher-type --moe-enable-deepep --moe-flex-dispatcher-backend
-        --moe-permute-fusion-into-hybridep --moe-hybridep-pad-uneven-dispatch-inputs --moe-per-layer-logging
-        --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
-        --moe-pad-experts-for-cuda-graph-inference --moe-token-drop-policy --moe-layer-recompute
-        --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size
-        --moe-flex-dispatcher-num-sms --moe-deepep-num-sms --moe-hybridep-num-sms
-        --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
-        --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape --moe-ncclep-zero-copy
-        --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
+        --moe-grouped-gemm --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
+        --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
+        --moe-hybridep-pad-uneven-dispatch-inputs --moe-per-layer-logging
+        --moe-pad-experts-for-cuda-graph-inference --moe-layer-recompute --moe-permute-fusion
+        --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-flex-dispatcher-num-sms
+        --moe-deepep-num-sms --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute
+        --moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape
+        --moe-ncclep-zero-copy --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
         --moe-paged-stash-page-size --moe-paged-stash-buffer-size-factor-cuda
-        --moe-paged-stash-buffer-size-factor-cpu --num-experts --moe-layer-freq --moe-use-upcycling
-        --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-upcycling-granularity
+        --moe-paged-stash-buffer-size-factor-cpu --moe-use-upcycling --moe-upcycling-granularity
         --moe-routing-trace-path --moe-routing-trace-max-training-iters --moe-routing-trace-capture-logits
         --moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights
     """),
@@ -413,6 +413,9 @@ REFUSED = {
 # Megatron-LM would accept and we do not).
 VALUES = {
     "--optimizer": ("adam",),
+    "--moe-token-dispatcher-type": ("allgather",),
+    "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "none"),
+    "--moe-router-score-function": ("softmax", "sigmoid"),
     "--dataloader-type": (None, "single"),
     "--transformer-impl": ("transformer_engine", "local"),
     "--ckpt-format": ("torch_dist", "torch"),

@@ -113,7 +113,8 @@ def enforce_classes(args, parser: argparse.ArgumentParser, argv: list[str]) -> N
         if kind == "refused" and value != defaults[action.dest]:
             fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {reason}")
         allowed = VALUES.get(_long(action))
-        if allowed and value not in allowed:
+        values = value if isinstance(value, list) else [value]  # a flag with nargs="+" holds a list
+        if allowed and any(v not in allowed for v in values):
             fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {PROG} runs "
                  f"{', '.join(str(v) for v in allowed if v)} only")
 

@@ -28,6 +28,12 @@ ARCHITECTURE = ("ffn_hidden_size", "kv_channels", "normalization", "layernorm_ep
                 "qk_layernorm", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
                 "apply_residual_connection_post_layernorm", "rotary_interleaved", "attention_backend",
                 "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "calculate_per_token_loss")
+# Mixture-of-experts fields, under the same name in Megatron-LM's arguments and TransformerConfig
+MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+       "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_router_score_function", "moe_router_pre_softmax",
+       "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype",
+       "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor", "moe_token_drop_policy",
+       "moe_pad_expert_input_to_capacity")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
@@ -41,33 +47,54 @@ def _transformer_engine_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _layer_spec(args, layers: int, device: torch.device):
-    """Transformer Engine's spec where ``uses_transformer_engine``, megatron-core's local spec otherwise."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _layer_spec(args, config, device: torch.device):
+    """Transformer Engine's spec where ``uses_transformer_engine``, megatron-core's local spec otherwise;
+    with --num-experts, each layer dense or mixture-of-experts as ``config.moe_layer_freq`` says."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_layer_specs, get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
 
-    if uses_transformer_engine(args, device.type):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
+    te = uses_transformer_engine(args, device.type)
+    if config.num_moe_experts is not None:
+        specs = get_gpt_decoder_layer_specs(config, te, normalization=args.normalization)
+        return _block(specs) if te else _with_local_norms(specs)
+    if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return _with_local_norms(spec, layers)
+    return _with_local_norms([spec] * config.num_layers)
 
 
-def _with_local_norms(spec, layers: int):
+def _block(specs: list, norm=None):
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm or TENorm)
+
+
+def _with_local_norms(specs: list):
     """Without apex the local spec uses torch's norms, which megatron-core refuses with zero-centred
     gamma (--apply-layernorm-1p) and with sequence parallelism. LocalNorm does both; the final norm
     goes in through the block spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    if spec.submodules.input_layernorm is not WrappedTorchNorm:
-        return spec  # apex's FusedLayerNorm has both
-    layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = LocalNorm
-    attention = layer.self_attention.submodules
-    if attention.q_layernorm is WrappedTorchNorm:
-        attention.q_layernorm = attention.k_layernorm = HeadNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
+    if specs[0].submodules.input_layernorm is not WrappedTorchNorm:
+        return _block(specs, LNImpl)  # apex's FusedLayerNorm has both
+    for spec in {id(spec): spec for spec in specs}.values():
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = LocalNorm
+        attention = layer.self_attention.submodules
+        if attention.q_layernorm is WrappedTorchNorm:
+            attention.q_layernorm = attention.k_layernorm = HeadNorm
+    return _block(specs, LocalNorm)
+
+
+def moe_layer_pattern(args) -> list[int] | None:
+    """Per layer of the whole model, 1 for mixture-of-experts and 0 for dense (--moe-layer-freq: one
+    in every N, or the list itself, as megatron-core reads it); None without --num-experts."""
+    if args.num_experts is None:
+        return None
+    freq = args.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
 
 
 class LocalNorm(torch.nn.Module):
@@ -100,10 +127,15 @@ class HeadNorm(LocalNorm):
     spans_sequence_split = False
 
 
-def transformer_config(args, num_layers: int):
+def transformer_config(args, num_layers: int, first_layer: int = 0):
+    """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     architecture = {name: getattr(args, name) for name in ARCHITECTURE}
+    pattern = moe_layer_pattern(args)
+    if pattern is not None:
+        architecture.update({name: getattr(args, name) for name in MOE}, num_moe_experts=args.num_experts,
+                            moe_layer_freq=pattern[first_layer:first_layer + num_layers])
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
@@ -138,9 +170,10 @@ def build_chunk(args, plan, stage: int, device: torch.device):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layers = args.num_layers // plan.model_stages
+    config = transformer_config(args, layers, stage * layers)
     model = GPTModel(
-        transformer_config(args, layers),
-        _layer_spec(args, layers, device),
+        config,
+        _layer_spec(args, config, device),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=stage == 0,
