@@ -267,9 +267,11 @@ def run_case(flags: list[str], world: int):
     args = parse_args(MODEL + flags, world_size=world)
     hooks = HookRecorder()
     trainer = Trainer(args, make_run_plan(args), forward_step, hooks)
-    losses, kappas, consistent = [], [], True
+    losses, kappas, consistent, trainer.moe_fields = [], [], True, []
     for i in range(ITERS):
-        losses.append(trainer.train_step(i)["lm loss"])
+        stats = trainer.train_step(i)
+        losses.append(stats["lm loss"])
+        trainer.moe_fields.append(stats["moe"])  # the iteration line's MoE fields
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         consistent &= copies_identical(trainer)
     trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
@@ -293,8 +295,8 @@ def main() -> None:
         trainer, losses, kappa, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world)
         weights = local_weights(trainer)
         if world == 1:
-            torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()}},
-                       os.path.join(out, f"ref_{variant}.pt"))
+            torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()},
+                        "moe": trainer.moe_fields}, os.path.join(out, f"ref_{variant}.pt"))
             results[name] = {"losses": losses, "eval": eval_loss, "kappa": kappa}
             trainer.close()
             continue
@@ -308,6 +310,9 @@ def main() -> None:
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
             "hooks_saw_everything": trainer.hooks_saw_everything,
+            "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
+            "moe_rel": max((abs(f[k] - r[k]) / abs(r[k]) for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r),
+                           default=0.0) if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0,
         }
         trainer.close()
         if dist.get_rank() == 0:

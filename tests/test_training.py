@@ -62,6 +62,16 @@ def test_losses_and_weights_equal_the_one_process_reference(results, case):
         assert r["first_loss_rel"] <= TOLERANCE["fp32"][0], (r["losses"], r["reference"])
 
 
+def test_moe_log_fields_equal_the_one_process_reference(results):
+    """load_balancing_loss, seq_load_balancing_loss and z_loss as Megatron-LM's iteration line reports
+    them, under every schedule that runs a MoE model, as one process reports them."""
+    moe = {case: results[case] for case in CASES if results[case]["moe_fields"]}
+    assert {"mixtral chimera D=4", "mixtral dualpipe D=4", "deepseek-style chimera split D=2"} <= moe.keys()
+    assert moe["mixtral chimera D=4"]["moe_fields"] == ["load_balancing_loss", "z_loss"]
+    assert moe["deepseek-style chimera split D=2"]["moe_fields"] == ["seq_load_balancing_loss"]
+    assert all(r["moe_rel"] <= TOLERANCE["fp32"][0] for r in moe.values()), {c: r["moe_rel"] for c, r in moe.items()}
+
+
 def test_the_reduced_precision_bounds_premise_holds(results):
     """The fp16/bf16 loss bound assumes the loss's condition number with respect to the weights is at
     most KAPPA_MAX; the fp32 references measure it after every step."""

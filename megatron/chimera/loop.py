@@ -33,7 +33,7 @@ from .optim.gradients import ReplicaGradSync
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
-from .model.moe import prepare_flush
+from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
@@ -104,6 +104,7 @@ class Trainer:
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
         self.rt = setup_parallel(args, plan, backend, device)
+        fresh_metrics()
         print_schedule_proof(plan, agree_on_schedule(plan, args.pipeline_schedule))
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
@@ -159,7 +160,7 @@ class Trainer:
 
     def _pipeline(self, source, iteration: int, forward_only: bool) -> list:
         """One flush of the plan's schedule over the global batch; the last stages' loss reports."""
-        prepare_flush(self.models[0].config, self.plan.microbatches, self.rt.device)
+        scale_auxiliary_losses(self.models[0].config, self.plan.microbatches, self.rt.device)
         return self.forward_backward(
             forward_step_func=self.forward_step_func,
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
@@ -194,11 +195,14 @@ class Trainer:
         except RuntimeError as e:  # a collective failed: a peer died or timed out
             raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
                                 f"{str(e).splitlines()[0][:200]}") from None
+        moe = auxiliary_loss_fields(self.args, self.args.num_layers // self.plan.model_stages, self.plan.microbatches,
+                                    iteration + 1)
         finite = math.isfinite(loss) and math.isfinite(norm)
         self._step(norm, finite)
         # fp16 gradients that overflow skip the step and lower the loss scale: not a NaN iteration
         nan = not math.isfinite(loss) or (not finite and self.scaler is None)
-        return {"lm loss": loss, "grad norm": norm if finite else None, "skipped": not finite, "nan": nan}
+        return {"lm loss": loss, "grad norm": norm if finite else None, "skipped": not finite, "nan": nan,
+                "moe": moe}
 
     def _gradients(self, iteration: int) -> tuple[float, float]:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
@@ -434,6 +438,7 @@ class _Progress:
         elapsed = (time.time() - self.start) / len(recent)
         stepped = [s["lm loss"] for s in recent if not s["skipped"]]
         loss = sum(stepped) / len(stepped) if stepped else None
+        moe = _mean_fields([s["moe"] for s in recent if not s["skipped"]])
         throughput = args.global_batch_size * args.seq_length / elapsed
         norm = recent[-1]["grad norm"]
         skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
@@ -444,12 +449,14 @@ class _Progress:
             f" throughput (tokens/s): {throughput:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
             + ("" if loss is None else f" lm loss: {loss:.6E} |")
+            + "".join(f" {name}: {value:.6E} |" for name, value in moe.items() if value > 0)
             + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
             + ("" if norm is None else f" grad norm: {norm:.3f} |") +
             f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |")
         scalars = {"learning-rate": lr, "throughput": throughput}
         if loss is not None:
             scalars["lm loss"] = loss
+        scalars.update(moe)
         if norm is not None:
             scalars["grad-norm"] = norm
         if loss_scale is not None:
@@ -463,6 +470,13 @@ class _Progress:
                 else "no checkpoint saved")
         return (f"{run} iterations in a row ({done - run + 1}-{done}) had a NaN or Inf loss or gradient norm "
                 f"(--max-consecutive-nan-iterations {limit}); stopping; {kept}")
+
+
+def _mean_fields(fields: list[dict]) -> dict[str, float]:
+    """Each field's mean over the iterations that report it (Megatron-LM averages its loss fields over
+    the iterations since the last line)."""
+    names = dict.fromkeys(name for f in fields for name in f)
+    return {name: sum(f[name] for f in fields if name in f) / sum(name in f for f in fields) for name in names}
 
 
 def _tflops(args, seconds: float) -> str:
