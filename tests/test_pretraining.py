@@ -139,6 +139,20 @@ def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(corpus, tmp_path):
         assert abs(float(losses(resharded)[i]) / float(losses(chimera)[i]) - 1) < 1e-5
 
 
+def test_moe_chimera_checkpoint_resumes_under_1f1b_with_the_uninterrupted_losses(corpus, tmp_path):
+    """A model mixing dense and MoE layers (megatron-core keys each layer on its own, by its number in
+    the whole model) saved by Chimera D=2 resumes under 1F1B D=2 with the uninterrupted run's losses."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
+           "1e-2", "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32",
+           "--disable-bias-linear", "--eval-iters", "0"]
+    whole = run(2, *train_args(corpus, *moe, *CHIMERA2, "--save", str(tmp_path), "--save-interval", "2"))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = run(2, *train_args(corpus, *moe, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                                 "--load", str(tmp_path)))
+    assert losses(resumed) == {3: losses(whole)[3], 4: losses(whole)[4]}
+    assert "load_balancing_loss:" in resumed.stdout
+
+
 def test_fp16_resume_repeats_losses_and_loss_scale(corpus, tmp_path):
     """Megatron-LM's --fp16: the fp32 main weights and the dynamic loss scale are checkpointed, so a
     resumed run logs the uninterrupted run's losses and loss scales."""

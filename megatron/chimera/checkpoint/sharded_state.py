@@ -4,18 +4,22 @@ chunks, placed in the whole model, plus the optimizer moments and RNG states sha
 A chunk is a GPTModel of L/S layers built as if unpipelined, so megatron-core numbers its layers from
 0 and sizes the layer axis L/S. Shifting that axis to the chunk's place in the whole model gives the
 keys and offsets megatron-core's own GPTModel writes (``decoder.layers.*`` stacked over all L layers,
-Transformer Engine's names via the local spec's key map). The copies of a stage that Chimera's second
+Transformer Engine's names via the local spec's key map). Where megatron-core keys each layer on its
+own (``decoder.layers.<n>.*``: a model mixing dense and mixture-of-experts layers), the layer number
+is shifted instead. The copies of a stage that Chimera's second
 pipeline holds are replicas: their replica id gains the pipeline index, so only pipeline 0's copy is
 written, and every copy reads it back.
 """
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
 
 import torch
 
 LAYERS = "decoder.layers."
+NUMBERED = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, saved as Megatron-LM names it
 
 
@@ -37,7 +41,10 @@ def _placed(item, offset: int, total: int, pipeline: int | None):
         build = item.build_fn
         return replace(item, **changes,
                        build_fn=lambda *a: _map(build(*a), lambda x: _placed(x, offset, total, None)))
-    if LAYERS in item.key:  # also the optimizer moments of layer parameters
+    numbered = NUMBERED.match(item.key)
+    if numbered:  # a layer keyed on its own (layers that differ: dense and MoE), renumbered in the model
+        changes["key"] = f"{numbered.group(1)}{int(numbered.group(2)) + offset}.{numbered.group(3)}"
+    elif LAYERS in item.key:  # also the optimizer moments of layer parameters
         changes["global_shape"] = (total, *item.global_shape[1:])
         changes["global_offset"] = (item.global_offset[0] + offset, *item.global_offset[1:])
         if isinstance(item, ShardedTensor):

@@ -133,9 +133,11 @@ def transformer_config(args, num_layers: int, first_layer: int = 0):
 
     architecture = {name: getattr(args, name) for name in ARCHITECTURE}
     pattern = moe_layer_pattern(args)
-    if pattern is not None:
+    if pattern is not None:  # a stage's slice of the pattern; every layer MoE stays megatron-core's 1, so a
+        # chunk's checkpoint keys stack its layers exactly when the whole model's do
+        freq = 1 if args.moe_layer_freq == 1 else pattern[first_layer:first_layer + num_layers]
         architecture.update({name: getattr(args, name) for name in MOE}, num_moe_experts=args.num_experts,
-                            moe_layer_freq=pattern[first_layer:first_layer + num_layers])
+                            moe_layer_freq=freq)
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
