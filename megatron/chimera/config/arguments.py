@@ -217,6 +217,9 @@ def _validate_experts(args) -> None:
             f"must give one entry per layer ({args.num_layers})")
     require(not args.fp16, "--fp16", True, "with --num-experts is not supported yet (the auxiliary losses are not "
             "loss-scaled): give --bf16")
+    require(not args.add_bias_linear, "--disable-bias-linear", False,
+            "is required with --num-experts: megatron-core 0.19's expert MLPs with biases fail in autograd (an "
+            "in-place update of a view); Megatron-LM's MoE recipes set it")
     require(args.tensor_model_parallel_size == 1 or args.sequence_parallel, "--sequence-parallel", False,
             "is required with --num-experts and tensor parallelism (megatron-core's rule for MoE layers)")
 
