@@ -97,6 +97,9 @@ TOLERANCE = {"fp32": (1e-6, 1e-6, 1e-4, 1e-6),
 DISTOPT = ["--use-distributed-optimizer"]
 
 
+EP2 = ["--expert-model-parallel-size", "2"]
+
+
 def schedule_cases(d: int) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(d), "--micro-batch-size", "1"]
     vpp = ["--num-layers-per-virtual-pipeline-stage", str(8 // (2 * d))]
@@ -165,8 +168,10 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
         "mixtral chimera D=4": ("mixtral", chimera4),
         "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
-        "mixtral chimera D=2 DP=2": ("mixtral", chimera2),
+        "mixtral chimera D=2 EP=2": ("mixtral", chimera2 + EP2),
+        "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", chimera2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
+        "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
     })
     return out
 

@@ -46,8 +46,16 @@ def test_flag_table_is_generated_from_the_classes():
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["--num-experts", "8", "--expert-model-parallel-size", "2"],
-     "--expert-model-parallel-size=2: this part of mixture-of-experts training is not supported yet"),
+    (["--num-experts", "8", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size=2: x --expert-tensor-parallel-size (1) must divide TP x DP = 1 x 1"),
+    (["--num-experts", "6", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
+     "--num-experts=6: must be a multiple of --expert-model-parallel-size (4)"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-router-topk", "9"],
+     "--moe-router-topk=9: must be between 1 and --num-experts (8)"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1",
+      "--moe-router-topk", "3"], "--moe-router-topk=3: is greater than the experts in the 1 selected groups of 2"),
+    (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size",
+      "0"], "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
     (["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"],
      "--moe-token-dispatcher-type=alltoall: pretrain_gpt.py runs allgather only"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "global_aux_loss"],

@@ -68,11 +68,47 @@ def _validate_precision(args) -> None:
 
 def _validate(args) -> None:
     _validate_sizes(args)
+    _expert_layout(args)
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
     build_tokenizer(args)  # sets args.padded_vocab_size, as in Megatron-LM
     _validate_layout(args)
+
+
+def _expert_layout(args) -> None:
+    """Before Megatron-LM's validate_args, whose assertions name no flag: experts split evenly over
+    expert-parallel ranks, and the expert groups (--expert-tensor-parallel-size x --expert-model-parallel-size,
+    ETP defaulting to TP as in Megatron-LM) tiling each pipeline stage's TP x DP ranks."""
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    require(ep > 0 and etp > 0, "--expert-model-parallel-size", ep, "and --expert-tensor-parallel-size must be positive")
+    require(ep == 1 or args.num_experts is not None, "--expert-model-parallel-size", ep, "needs --num-experts")
+    if args.num_experts is None:
+        return
+    require(args.num_experts % ep == 0, "--num-experts", args.num_experts,
+            f"must be a multiple of --expert-model-parallel-size ({ep})")
+    require((tp * args.data_parallel_size) % (etp * ep) == 0, "--expert-model-parallel-size", ep,
+            f"x --expert-tensor-parallel-size ({etp}) must divide TP x DP = {tp} x {args.data_parallel_size} "
+            "(megatron-core's rule: the expert groups tile each pipeline stage's ranks)")
+    _routing(args)
+
+
+def _routing(args) -> None:
+    """Top-k within what the router can pick: all experts, or with group-limited routing the experts of
+    the --moe-router-group-topk groups it selects (megatron-core's group_limited_topk)."""
+    experts, k = args.num_experts, args.moe_router_topk
+    groups, picked = args.moe_router_num_groups, args.moe_router_group_topk
+    require(0 < k <= experts, "--moe-router-topk", k, f"must be between 1 and --num-experts ({experts})")
+    if groups is None:
+        return
+    require(experts % groups == 0, "--moe-router-num-groups", groups, f"must divide --num-experts ({experts})")
+    require(picked is not None and 0 < picked <= groups, "--moe-router-group-topk", picked,
+            f"must be between 1 and --moe-router-num-groups ({groups})")
+    require(k <= picked * (experts // groups), "--moe-router-topk", k,
+            f"is greater than the experts in the {picked} selected groups of {experts // groups} experts each")
 
 
 def _validate_sizes(args) -> None:

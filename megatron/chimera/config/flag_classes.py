@@ -48,7 +48,7 @@ HONOURED = _flags("""
     --moe-aux-loss-coeff --moe-z-loss-coeff --moe-token-dispatcher-type --moe-router-score-function
     --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
     --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
-    --moe-pad-expert-input-to-capacity
+    --moe-pad-expert-input-to-capacity --expert-model-parallel-size --expert-tensor-parallel-size
 """)
 
 NO_EFFECT = {
@@ -165,9 +165,9 @@ REFUSED = {
         --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
         --hybrid-override-pattern
     """),
-    ('this part of mixture-of-experts training is not supported yet (expert parallelism, grouped GEMMs, '
+    ('this part of mixture-of-experts training is not supported yet (grouped GEMMs, '
      'expert-bias balancing, per-layer MoE logging, other dispatchers than allgather)'): _flags("""
-        --expert-model-parallel-size --expert-tensor-parallel-size --expert-tensor-parallel-num-weight-shards
+        --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
         --moe-shared-expert-overlap --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size

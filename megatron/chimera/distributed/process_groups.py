@@ -7,7 +7,12 @@ On top of it, derived from the schedule's placement for any schedule:
 - one replica group per model stage: every rank holding a copy of it, in any pipeline and any
   data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
 - the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
-  embedding and the last stage's output layer, in every pipeline).
+  embedding and the last stage's output layer, in every pipeline);
+- with expert parallelism, one expert replica group per model stage: every rank holding a copy of the
+  same experts of that stage (same expert-parallel and expert-tensor-parallel rank), in any pipeline
+  and any expert-data-parallel replica. megatron-core's expert groups (the dispatcher's) lie within one
+  pipeline worker, whose ranks all run the same action list, so the dispatcher's collectives reach them
+  in the same order under any schedule.
 Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
 rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
 """
@@ -41,6 +46,8 @@ class Runtime:
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
+    expert_groups: dict = field(default_factory=dict)  # stage -> its expert replica group (expert parallelism)
+    expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
 
     def all_reduce(self, tensor: torch.Tensor, group=None, async_op: bool = False):
@@ -127,7 +134,9 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
     parallel_state.destroy_model_parallel()
     timeout = args.distributed_timeout_minutes
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
-                                             distributed_timeout_minutes=timeout)
+                                             distributed_timeout_minutes=timeout,
+                                             expert_model_parallel_size=args.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
     tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)
@@ -158,7 +167,41 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
             group = new_group(ranks)
             if t == tp_rank:
                 rt.embedding_group = group
+    if uses_expert_groups(args):
+        _expert_groups(rt, args, new_group)
     return rt
+
+
+def uses_expert_groups(args) -> bool:
+    """megatron-core marks expert parameters ``allreduce=False`` (reduced over expert groups) exactly
+    when experts are parallel or split over a tensor-parallel size of their own."""
+    return args.num_experts is not None and (args.expert_model_parallel_size > 1
+                                             or args.expert_tensor_parallel_size != args.tensor_model_parallel_size)
+
+
+def _expert_groups(rt: Runtime, args, new_group) -> None:
+    """One expert replica group per stage. Within a pipeline worker megatron-core orders the TP x DP
+    ranks as expert-TP fastest, then EP, then expert-DP (its default order); the assert holds it to
+    that."""
+    from megatron.core import parallel_state
+
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    per_worker = rt.tp * rt.dp
+    edp = per_worker // (etp * ep)
+    rt.expert_share = rt.tp / (etp * ep)
+    local = lambda e, x, d: e + etp * (x + ep * d)  # noqa: E731  (expert-TP, EP, expert-DP rank)
+    mine = rt.rank - rt.worker * per_worker
+    coords = (mine % etp, (mine // etp) % ep)
+    expected = [rt.worker * per_worker + local(*coords, d) for d in range(edp)]
+    assert dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()) == expected, \
+        "unexpected megatron-core expert rank order"
+    for e in range(etp):
+        for x in range(ep):
+            for s in range(rt.model_stages):
+                ranks = sorted({row[s] * per_worker + local(e, x, d) for row in rt.placement for d in range(edp)})
+                group = new_group(ranks) if len(ranks) > 1 else None
+                if (e, x) == coords:
+                    rt.expert_groups[s] = group
 
 
 def release_groups(rt: Runtime) -> None:
@@ -171,6 +214,7 @@ def release_groups(rt: Runtime) -> None:
     parallel_state.destroy_model_parallel()
     rt.p2p_groups.clear()
     rt.stage_groups.clear()
+    rt.expert_groups.clear()
     rt.embedding_group = None
     for group in list(_world.pg_map):
         if group is not dist.GroupMember.WORLD:

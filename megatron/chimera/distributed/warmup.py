@@ -4,7 +4,8 @@ NCCL creates a communicator on a group's first collective, and a two-rank one on
 first send or receive: a host-blocking rendezvous. Left to iteration 1 it would happen while other
 NCCL kernels are in flight, which NCCL's documentation warns can hang (NCCL_MODEL.md rule 10). So
 every rank walks one global order before training: its collective groups (the world, its tensor-
-parallel group, the replica groups of the stages it holds in stage order, the tied-embedding group),
+parallel group, with expert parallelism the dispatcher's expert group, the replica groups of the
+stages it holds in stage order, then their expert replica groups, the tied-embedding group),
 then every p2p pair the lowered lists use (``warm_up_order``), one blocking exchange each. Both walks
 follow one order on every rank, so the first unfinished step always has all its members waiting on
 it: the walk cannot deadlock. On gloo it costs a few milliseconds and changes nothing.
@@ -50,8 +51,11 @@ def _collective_groups(rt, tied: bool) -> list:
     groups = [None]
     if rt.tp > 1:
         groups.append(parallel_state.get_tensor_model_parallel_group())
+    if rt.expert_groups:
+        groups.append(parallel_state.get_expert_tensor_and_model_parallel_group())
     stages = sorted({stage for _, stage in rt.held})
     groups += [rt.stage_groups[s] for s in stages if rt.stage_groups.get(s) is not None]
+    groups += [rt.expert_groups[s] for s in stages if rt.expert_groups.get(s) is not None]
     last = rt.model_stages - 1
     if tied and last > 0 and (0 in stages or last in stages):
         groups.append(rt.embedding_group)

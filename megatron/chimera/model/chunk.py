@@ -35,6 +35,7 @@ MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type
        "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor", "moe_token_drop_policy",
        "moe_pad_expert_input_to_capacity")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
@@ -137,7 +138,8 @@ def transformer_config(args, num_layers: int, first_layer: int = 0):
         # chunk's checkpoint keys stack its layers exactly when the whole model's do
         freq = 1 if args.moe_layer_freq == 1 else pattern[first_layer:first_layer + num_layers]
         architecture.update({name: getattr(args, name) for name in MOE}, num_moe_experts=args.num_experts,
-                            moe_layer_freq=freq)
+                            moe_layer_freq=freq, expert_model_parallel_size=args.expert_model_parallel_size,
+                            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
@@ -232,23 +234,40 @@ def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=No
     return output if bias is None else output + bias
 
 
-def global_name(name: str, layer_offset: int, tied: bool) -> str:
-    """The parameter's name in the whole (unsplit) model."""
+def global_name(name: str, layer_offset: int, tied: bool, first_expert: int = 0) -> str:
+    """The parameter's name in the whole (unsplit) model: layers numbered in the model, and experts
+    among all experts (``first_expert``: this expert-parallel rank's first)."""
     if tied and name == "output_layer.weight":
         return TIED_NAME
+    name = LOCAL_EXPERT.sub(lambda m: f".experts.local_experts.{int(m.group(1)) + first_expert}.", name)
     return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
 
 
-def init_chunk(model, args, layer_offset: int) -> None:
+def _tensor_parallel(gname: str) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group that splits this parameter: the expert-tensor-parallel
+    one for routed experts (--expert-tensor-parallel-size), the tensor-parallel one otherwise."""
+    from megatron.core import parallel_state as ps
+
+    if LOCAL_EXPERT.search(gname):
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def first_local_expert(args) -> int:
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if args.num_experts is None:
+        return 0
+    return parallel_state.get_expert_model_parallel_rank() * (args.num_experts // args.expert_model_parallel_size)
+
+
+def init_chunk(model, args, layer_offset: int) -> None:
     tied = not args.untie_embeddings_and_output_weights
     scaled_std = args.init_method_std / math.sqrt(2.0 * args.num_layers)
+    first_expert = first_local_expert(args)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            gname = global_name(name, layer_offset, tied)
+            gname = global_name(name, layer_offset, tied, first_expert)
             param.global_name = gname
             if "norm" in gname:  # zero-centred gamma (--apply-layernorm-1p) stores gamma - 1
                 one = 0.0 if args.layernorm_zero_centered_gamma else 1.0
@@ -258,7 +277,7 @@ def init_chunk(model, args, layer_offset: int) -> None:
                 param.zero_()
                 continue
             std = scaled_std if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else args.init_method_std
-            shape = list(param.shape)
+            shape, (tp, tp_rank) = list(param.shape), _tensor_parallel(gname)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:
                 shape[dim] *= tp

@@ -6,7 +6,9 @@ Per rank, a stage's copy accumulates its gradient into one flat fp32 buffer; the
 (G the group's size) is its shard. A reduce-scatter, started as soon as the copy's last backward ends,
 leaves the group's sum in each shard; each rank steps only the parameter pieces inside its shard (their
 fp32 main weights and AdamW moments exist only there), and an all-gather gives every copy the updated
-weights. The tied word embedding, held by the first and last stages, is one more bucket over its group.
+weights. The tied word embedding, held by the first and last stages, is one more bucket over its group,
+and so are each stage's routed experts under expert parallelism, over the stage's expert replica group
+(their copies: the same experts in every pipeline and expert-data-parallel replica).
 
 Why not megatron-core's DistributedOptimizer: it shards over the data-parallel group of one model
 replica, so it cannot see the second copy of a stage, which lives on another pipeline rank. torch's
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.chunk import TIED_NAME
+from .gradients import is_expert
 
 
 class _Bucket:
@@ -162,18 +165,24 @@ class ShardedMainParams:
         shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in shared}
         self.stages: dict[int, _Bucket] = {}
-        # Blocking collectives (gather, checkpoints) follow one global order, by stage, then the tied
-        # embedding: two ranks that share several groups never wait on each other in opposite orders.
+        self.experts: dict[int, _Bucket] = {}
+        # Blocking collectives (gather, checkpoints) follow one global order, by stage, then experts by
+        # stage, then the tied embedding: two ranks that share several groups never wait on each other
+        # in opposite orders.
         for (_, stage), chunk in sorted(chunks.items(), key=lambda kv: kv[0][1]):
             assert stage not in self.stages, "a rank holds two copies of one stage"
-            params = [p for p in chunk.parameters() if id(p) not in shared_ids]
+            params = [p for p in chunk.parameters() if id(p) not in shared_ids and not is_expert(p)]
             self.stages[stage] = _Bucket([params], rt.stage_groups.get(stage), rt)
+            experts = [p for p in chunk.parameters() if is_expert(p)]
+            if experts:
+                self.experts[stage] = _Bucket([experts], rt.expert_groups.get(stage), rt)
         self.tied = _Bucket([[p] for p in shared], rt.embedding_group, rt) if shared else None
-        self.buckets = [*self.stages.values(), *([self.tied] if self.tied else [])]
+        self.buckets = [*self.stages.values(), *self.experts.values(), *([self.tied] if self.tied else [])]
         self.half = any(p.dtype != torch.float32 for c in chunks.values() for p in c.parameters())
         if overlap_gather:
             for (_, stage), chunk in chunks.items():
-                users = [self.stages[stage], *([self.tied] if self.tied and _holds(chunk, shared_ids) else [])]
+                users = [self.stages[stage], *([self.experts[stage]] if stage in self.experts else []),
+                         *([self.tied] if self.tied and _holds(chunk, shared_ids) else [])]
                 chunk.register_forward_pre_hook(lambda module, inputs, users=users: _finish(users))
 
     def all(self) -> list[torch.nn.Parameter]:
@@ -184,7 +193,13 @@ class ShardedMainParams:
         self.stages[stage].reduce()
 
     def finish(self) -> None:
+        """After the lowered lists' reduce-scatters, the buckets outside them (experts, then the tied
+        embedding), one at a time in the global order, so the checker's collectives stay the only ones
+        in flight while the lists run."""
         for bucket in self.stages.values():
+            bucket.wait()
+        for bucket in self.experts.values():
+            bucket.reduce()
             bucket.wait()
         if self.tied:
             self.tied.reduce()

@@ -24,6 +24,12 @@ def _grads(params) -> list[torch.Tensor]:
     return [p.grad for p in params]
 
 
+def is_expert(param) -> bool:
+    """A routed expert's parameter that megatron-core reduces over expert groups, not data-parallel ones
+    (it marks them ``allreduce=False``: expert parallelism, or an expert tensor-parallel size of their own)."""
+    return not getattr(param, "allreduce", True)
+
+
 def _gradient_buffer(params) -> torch.Tensor | None:
     """One fp32 buffer for these parameters' gradients, each ``.grad`` a view into it."""
     if not params:
@@ -40,7 +46,9 @@ class ReplicaGradSync:
     """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over the
     group the lowered schedule names, its stage's replica group (eager sync, while the worker computes
     on); ``finish`` waits for them, then sums the tied word embedding over all of its copies (input
-    embeddings and output layers).
+    embeddings and output layers), and, with expert parallelism, each stage's routed experts over its
+    expert replica group (``Runtime.expert_groups``), stage by stage in one global order. Those two
+    run after the lowered lists, so the collectives the checker proved stay the only ones in flight.
 
     Each stage copy's gradients live in one persistent fp32 buffer: the main parameters' ``.grad`` are
     views into it (autograd and the fp16/bf16 hook accumulate in place, and the optimizer zeroes in
@@ -50,8 +58,9 @@ class ReplicaGradSync:
         self.chunks, self.rt = chunks, runtime
         tied = runtime.embedding_group is not None
         self.shared = [p for c in chunks.values() for p in c if tied and p.global_name == TIED_NAME]
-        shared_ids = {id(p) for p in self.shared}
-        self.buffers = {key: _gradient_buffer([p for p in c if id(p) not in shared_ids]) for key, c in chunks.items()}
+        apart = {id(p) for p in self.shared} | {id(p) for c in chunks.values() for p in c if is_expert(p)}
+        self.buffers = {key: _gradient_buffer([p for p in c if id(p) not in apart]) for key, c in chunks.items()}
+        self.experts = {key: _gradient_buffer([p for p in c if is_expert(p)]) for key, c in chunks.items()}
         self.pending: list = []
 
     def start(self, pipeline: int, stage: int, group) -> None:
@@ -68,6 +77,7 @@ class ReplicaGradSync:
             if self.rt.dp > 1:
                 buffer /= self.rt.dp
         self.pending.clear()
+        self._sum_experts()
         self._sum_sequence_parallel()
         if self.shared:
             total = torch.stack(_grads(self.shared)).sum(0)
@@ -76,6 +86,24 @@ class ReplicaGradSync:
                 total /= self.rt.dp
             for p in self.shared:
                 p.grad.copy_(total)
+
+    def _sum_experts(self) -> None:
+        """Each stage's expert gradients: this rank's copies of the stage summed, then over the stage's
+        expert replica group, averaged over the data-parallel replicas (each expert already summed the
+        tokens of its whole expert-parallel group, whose backward returns their gradients)."""
+        for stage in sorted({stage for _, stage in self.chunks}):
+            mine = [b for (_, s), b in sorted(self.experts.items()) if s == stage and b is not None]
+            if not mine:
+                continue
+            for other in mine[1:]:
+                mine[0] += other
+            group = self.rt.expert_groups.get(stage)
+            if group is not None:
+                self.rt.all_reduce(mine[0], group=group)
+            if self.rt.dp > 1:
+                mine[0] /= self.rt.dp
+            for other in mine[1:]:
+                other.copy_(mine[0])
 
     def _sum_sequence_parallel(self) -> None:
         """Norms (and row-parallel biases) under sequence parallelism saw only this rank's part of the
@@ -98,14 +126,16 @@ class ReplicaGradSync:
         self.finish()
 
 
-def copies(chunks: dict, runtime, tied: bool) -> dict[int, int]:
-    """How many copies of each local parameter exist along the pipeline dimension."""
+def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
+    """How many copies of each local parameter exist along the pipeline dimension, relative to the
+    data-parallel replicas: a routed expert under expert parallelism has TP / (ETP x EP) times as many
+    (its expert-data-parallel replicas, over the data-parallel ones)."""
     pipelines = len(runtime.placement)
     per_param = {}
     for c in chunks.values():
         for p in c:
             two_ends = tied and p.global_name == TIED_NAME and runtime.model_stages > 1
-            per_param[id(p)] = pipelines * (2 if two_ends else 1)
+            per_param[id(p)] = pipelines * (2 if two_ends else 1) * (runtime.expert_share if is_expert(p) else 1)
     return per_param
 
 
