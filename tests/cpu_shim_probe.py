@@ -26,20 +26,34 @@ from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa
 from megatron.core.dist_checkpointing.strategies import async_utils  # noqa: E402
 from megatron.core.tensor_parallel import random  # noqa: E402
 from megatron.core.transformer import utils  # noqa: E402
+from megatron.core.transformer.moe import token_dispatcher  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron.chimera.model import cpu_compat  # noqa: E402
 
 ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
             "get_state": random._get_cuda_rng_state, "set_state": random._set_cuda_rng_state,
-            "schedules.torch": schedules.torch, "utils.torch": utils.torch}
+            "schedules.torch": schedules.torch, "utils.torch": utils.torch,
+            "token_dispatcher.torch": token_dispatcher.torch,
+            "maybe_move_tensor_to_cpu": token_dispatcher.maybe_move_tensor_to_cpu}
 
 
-def gpt(position="learned_absolute", **config):
+def gpt(position="learned_absolute", experts=None, **config):
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                            gradient_accumulation_fusion=False, **config)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
+                            gradient_accumulation_fusion=False, num_moe_experts=experts, **config)
+    return GPTModel(cfg, get_gpt_layer_local_spec(num_experts=experts), vocab_size=64, max_sequence_length=16,
                     position_embedding_type=position)
+
+
+def alltoall_dispatcher():
+    train(gpt(experts=4, moe_token_dispatcher_type="alltoall", add_bias_linear=False, moe_router_topk=2))
+
+
+def split_sizes():
+    """With expert parallelism the dispatcher hands its split sizes to all_to_all_single, which takes
+    no tensor (a one-rank group never calls it, so it is called here as the dispatcher would)."""
+    sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2]), as_numpy=True)
+    dist.all_to_all_single(torch.empty(2), torch.ones(2), output_split_sizes=sizes, input_split_sizes=sizes)
 
 
 def train(model, mask=True):
@@ -100,6 +114,11 @@ SHIMS = {  # name -> (undo, redo, what needs it)
                                 lambda: setattr(schedules, "torch", cpu_compat._CpuTorch()), no_pipelining_schedule),
     "default_causal_mask": (lambda: setattr(utils, "torch", ORIGINAL["utils.torch"]),
                             lambda: setattr(utils, "torch", cpu_compat._CpuTorch()), lambda: train(gpt(), mask=False)),
+    "dispatcher_stream": (lambda: setattr(token_dispatcher, "torch", ORIGINAL["token_dispatcher.torch"]),
+                          lambda: setattr(token_dispatcher, "torch", cpu_compat._CpuTorch()), alltoall_dispatcher),
+    "dispatcher_split_sizes": (
+        lambda: setattr(token_dispatcher, "maybe_move_tensor_to_cpu", ORIGINAL["maybe_move_tensor_to_cpu"]),
+        lambda: setattr(token_dispatcher, "maybe_move_tensor_to_cpu", cpu_compat._split_sizes_as_numpy), split_sizes),
 }
 
 

@@ -169,6 +169,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "mixtral chimera D=4": ("mixtral", chimera4),
         "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
         "mixtral chimera D=2 EP=2": ("mixtral", chimera2 + EP2),
+        "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
         "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", chimera2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),

@@ -56,5 +56,6 @@ def test_every_redirection_is_still_needed_by_megatron_core():
     assert all(error is None for error in found["control"].values()), found["control"]
     report = found["without"]
     assert set(report) == {"current_device", "synchronize", "rng_tracker", "cuda_rng_state",
-                           "schedules_token_counter", "default_causal_mask"}
+                           "schedules_token_counter", "default_causal_mask", "dispatcher_stream",
+                           "dispatcher_split_sizes"}
     assert all(error is not None for error in report.values()), report

@@ -36,7 +36,7 @@ def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
     assert exit_info.value.code == 0
     assert all(o in text for o in megatron_options())
     assert "[refused here: context parallelism is not supported yet (1 only)]" in text
-    assert "[honoured here for allgather only]" in text
+    assert "[honoured here for allgather, alltoall only]" in text
     assert "--pipeline-schedule" in text and "--chimera-concat" in text
 
 
@@ -56,8 +56,8 @@ def test_flag_table_is_generated_from_the_classes():
       "--moe-router-topk", "3"], "--moe-router-topk=3: is greater than the experts in the 1 selected groups of 2"),
     (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size",
       "0"], "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
-    (["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"],
-     "--moe-token-dispatcher-type=alltoall: pretrain_gpt.py runs allgather only"),
+    (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
+     "--moe-token-dispatcher-type=flex: pretrain_gpt.py runs allgather, alltoall only"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "global_aux_loss"],
      "--moe-router-load-balancing-type=global_aux_loss: pretrain_gpt.py runs aux_loss, seq_aux_loss, none only"),
     (["--num-experts", "8", "--disable-bias-linear", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),

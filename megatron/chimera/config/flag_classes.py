@@ -166,7 +166,7 @@ REFUSED = {
         --hybrid-override-pattern
     """),
     ('this part of mixture-of-experts training is not supported yet (grouped GEMMs, '
-     'expert-bias balancing, per-layer MoE logging, other dispatchers than allgather)'): _flags("""
+     'expert-bias balancing, per-layer MoE logging, the flex dispatcher)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
@@ -413,7 +413,7 @@ REFUSED = {
 # Megatron-LM would accept and we do not).
 VALUES = {
     "--optimizer": ("adam",),
-    "--moe-token-dispatcher-type": ("allgather",),
+    "--moe-token-dispatcher-type": ("allgather", "alltoall"),
     "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "none"),
     "--moe-router-score-function": ("softmax", "sigmoid"),
     "--dataloader-type": (None, "single"),

@@ -11,6 +11,11 @@ needed.
 - Literal ``device="cuda"`` tensors -> CPU, through a ``torch`` proxy seen only by the two modules that
   make them: the token counters of ``pipeline_parallel/schedules.py`` (so megatron-core's own schedules
   run as baselines) and the default causal mask of ``transformer/utils.py``.
+- The alltoall token dispatcher's side stream for its device-to-host copies of the split sizes
+  (``torch.cuda.Stream``, ``torch.cuda.stream``, events) -> the one CPU stream, through the same proxy
+  for ``transformer/moe/token_dispatcher.py``: on the CPU the copies are plain and need no wait. Its
+  split sizes become the numpy arrays its GPU path hands all_to_all_single (which takes no tensor):
+  megatron-core's ``maybe_move_tensor_to_cpu`` converts only tensors that were on the GPU.
 """
 from __future__ import annotations
 
@@ -64,10 +69,12 @@ class CpuRNGStatesTracker:
 
 
 class _CpuTorch(types.ModuleType):
-    """``torch`` as seen by a patched module: tensors asked for on "cuda" land on the CPU."""
+    """``torch`` as seen by a patched module: tensors asked for on "cuda" land on the CPU, and
+    ``torch.cuda``'s streams are the CPU's one."""
 
     def __init__(self):
         super().__init__("torch")
+        self.cuda = _CpuCuda()
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -80,6 +87,44 @@ class _CpuTorch(types.ModuleType):
     def ones(*args, device=None, **kwargs):
         return torch.ones(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
+class _CpuStream:
+    def wait_stream(self, _):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuCuda:
+    """``torch.cuda`` as a patched module sees it: one CPU stream, which every stream is, entering
+    which changes nothing, and whose events have always happened; the rest is torch.cuda's."""
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802  (torch.cuda's spelling)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(_):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _split_sizes_as_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's maybe_move_tensor_to_cpu for tensors already on the CPU."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
 
 def apply() -> None:
     """Idempotent. Call before building models or calling megatron-core schedules on the CPU."""
@@ -91,6 +136,7 @@ def apply() -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import utils
+    from megatron.core.transformer.moe import token_dispatcher
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -98,5 +144,6 @@ def apply() -> None:
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     random._set_cuda_rng_state = lambda *args, **kwargs: None
-    schedules.torch = utils.torch = _CpuTorch()
+    schedules.torch = utils.torch = token_dispatcher.torch = _CpuTorch()
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_as_numpy
     _applied = True
