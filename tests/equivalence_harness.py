@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args  # noqa: E402
-from megatron.chimera.model.chunk import is_gated, tp_shard  # noqa: E402
+from megatron.chimera.model.chunk import global_name, is_gated, tp_shard  # noqa: E402
 from pretrain_gpt import forward_step  # noqa: E402
 
 ITERS = 3
@@ -54,11 +54,14 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
             "mixtral": MIXTRAL,
             # the same with a capacity: tokens past it are dropped, the same ones in every layout
             "mixtral-capacity": MIXTRAL + ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
-            # DeepSeek's: first layer dense, a shared expert, sigmoid routing, group-limited top-k
+            # DeepSeek's: first layer dense, a shared expert, sigmoid routing with expert bias (aux-loss-free
+    # balancing; a high update rate so the bias moves the routing within the test's 3 iterations),
+    # group-limited top-k
             "deepseek-style": ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
                                "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]+[1]*7",
                                "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
                                "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                               "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
                                "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
                                "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]}
 
@@ -178,9 +181,15 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
 
 
 def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
+    """Every parameter, and every router's expert bias (aux-loss-free balancing moves it), by global name."""
     trainer.main.flush()  # --overlap-param-gather leaves the last gather to the next forward
-    return {(p.global_name, trainer.rt.tp_rank): p.detach().clone()
-            for m in trainer.models for p in m.parameters()}
+    out = {(p.global_name, trainer.rt.tp_rank): p.detach().clone() for m in trainer.models for p in m.parameters()}
+    per_stage = trainer.args.num_layers // trainer.plan.model_stages
+    for m in trainer.models:
+        for name, bias in m.named_buffers():
+            if name.endswith("expert_bias"):
+                out[(global_name(name, m.stage * per_stage, False), trainer.rt.tp_rank)] = bias.detach().clone()
+    return out
 
 
 def copies_identical(trainer) -> bool:

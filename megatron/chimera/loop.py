@@ -33,7 +33,7 @@ from .optim.gradients import ReplicaGradSync
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .model.chunk import build_chunk
-from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses
+from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses, update_expert_bias
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
@@ -197,6 +197,8 @@ class Trainer:
                                 f"{str(e).splitlines()[0][:200]}") from None
         moe = auxiliary_loss_fields(self.args, self.args.num_layers // self.plan.model_stages, self.plan.microbatches,
                                     iteration + 1)
+        if self.args.moe_router_enable_expert_bias:
+            update_expert_bias(self.chunks, self.rt, self.args.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)
         self._step(norm, finite)
         # fp16 gradients that overflow skip the step and lower the loss scale: not a NaN iteration

@@ -251,8 +251,9 @@ def _validate_experts(args) -> None:
     freq = args.moe_layer_freq
     require(not isinstance(freq, list) or len(freq) == args.num_layers, "--moe-layer-freq", freq,
             f"must give one entry per layer ({args.num_layers})")
-    require(not args.fp16, "--fp16", True, "with --num-experts is not supported yet (the auxiliary losses are not "
-            "loss-scaled): give --bf16")
+    require(not args.fp16, "--fp16", True, "with --num-experts is not supported yet (with the auxiliary losses "
+            "loss-scaled as megatron-core scales them, one process and every pipelined layout still differ "
+            "beyond fp16's bound): give --bf16")
     require(not args.add_bias_linear, "--disable-bias-linear", False,
             "is required with --num-experts: megatron-core 0.19's expert MLPs with biases fail in autograd (an "
             "in-place update of a view); Megatron-LM's MoE recipes set it")

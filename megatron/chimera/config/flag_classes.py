@@ -49,6 +49,7 @@ HONOURED = _flags("""
     --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
     --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
     --moe-pad-expert-input-to-capacity --expert-model-parallel-size --expert-tensor-parallel-size
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate
 """)
 
 NO_EFFECT = {
@@ -166,13 +167,13 @@ REFUSED = {
         --hybrid-override-pattern
     """),
     ('this part of mixture-of-experts training is not supported yet (grouped GEMMs, '
-     'expert-bias balancing, per-layer MoE logging, the flex dispatcher)'): _flags("""
+     'per-layer MoE logging, the flex dispatcher)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
         --moe-shared-expert-overlap --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
         --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8
-        --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-quantile-balancing-ema
+        --moe-router-quantile-balancing-ema
         --moe-router-force-load-balancing --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
         --moe-grouped-gemm --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
         --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep

@@ -33,7 +33,7 @@ MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type
        "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_router_score_function", "moe_router_pre_softmax",
        "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype",
        "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor", "moe_token_drop_policy",
-       "moe_pad_expert_input_to_capacity")
+       "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 TIED_NAME = "embedding.word_embeddings.weight"

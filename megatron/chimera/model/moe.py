@@ -9,6 +9,13 @@ value is one for every micro-batch of a flush, so the trainer sets it once befor
 rank: every stage that holds MoE layers scales its micro-batches' auxiliary losses alike, whichever
 schedule runs them (split backward, DualPipe and evaluation included).
 
+Aux-loss-free balancing (--moe-router-enable-expert-bias): each router counts the tokens it sends to
+each expert; after the backward megatron-core's finalize_model_grads sums the counts over the global
+batch and moves every expert's bias by the update rate toward the mean load. Here the global batch of
+a stage is spread over its copies in both pipelines as well as the data-parallel replicas, so the
+counts are summed over the stage's replica group (and the tensor-parallel group, whose ranks routed
+different parts of the sequence), and every copy takes the same step.
+
 The routers also add each layer's auxiliary losses into megatron-core's process-wide metrics tracker,
 which Megatron-LM's training loop reports after every iteration (``track_moe_metrics``). The routers
 number layers within their chunk, so on a rank holding two stage copies (Chimera) both add into the
@@ -30,6 +37,35 @@ def scale_auxiliary_losses(config, num_microbatches: int, device: torch.device) 
 
     one = torch.ones(1, device=device)
     MoEAuxLossAutoScaler.set_loss_scale(one if config.calculate_per_token_loss else one / num_microbatches)
+
+
+@torch.no_grad()
+def update_expert_bias(chunks: dict, rt, rate: float) -> None:
+    """After a training flush (collective, stage by stage in one global order): each stage's routers'
+    token counts summed over every copy of the stage, then each copy's expert bias stepped alike."""
+    from megatron.core import parallel_state
+
+    by_stage = {}
+    for (_, stage), chunk in sorted(chunks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        routers = [m for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+        if routers:
+            by_stage.setdefault(stage, []).append(routers)
+    counts = {}
+    for stage, copies in sorted(by_stage.items()):
+        counts[stage] = torch.stack([torch.stack([r.local_tokens_per_expert for r in routers]) for routers in copies]).sum(0)
+        if rt.stage_groups.get(stage) is not None:
+            rt.all_reduce(counts[stage], group=rt.stage_groups[stage])
+    if counts and rt.tp > 1:
+        flat = torch.stack(list(counts.values()))
+        rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        counts = dict(zip(counts, flat))
+    for stage, copies in by_stage.items():
+        tokens = counts[stage]
+        step = torch.sign(tokens.mean(dim=-1, keepdim=True) - tokens) * rate
+        for routers in copies:
+            for router, delta in zip(routers, step):
+                router.expert_bias += delta
+                router.local_tokens_per_expert.zero_()
 
 
 def fresh_metrics() -> None:
