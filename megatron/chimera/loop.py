@@ -32,7 +32,7 @@ from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
-from .model.chunk import build_chunk
+from .model.chunk import build_chunk, uses_transformer_engine
 from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses, update_expert_bias
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
@@ -131,7 +131,7 @@ class Trainer:
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
         args, rt = self.args, self.rt
-        print_building()
+        print_building(args, uses_transformer_engine(args, device.type))
         self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]

@@ -242,6 +242,16 @@ def _validate_architecture(args) -> None:
                 groups, f"must divide --num-attention-heads ({args.num_attention_heads})")
         require(groups % tp == 0, "--num-query-groups", groups,
                 f"must be a multiple of --tensor-model-parallel-size ({tp})")
+    require(args.rope_type in (None, "rope") or args.multi_latent_attention, "--rope-type", args.rope_type,
+            "applies to --multi-latent-attention; standard attention runs rope (Megatron-LM's rule)")
+    require(not args.multi_latent_attention or args.tensor_model_parallel_size == 1, "--multi-latent-attention", True,
+            "with tensor parallelism is not supported yet")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    require(not (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None)
+            or uses_transformer_engine(args, device_type), "--qk-layernorm", True,
+            "with --multi-latent-attention and no --q-lora-rank normalises inside Transformer Engine's fused "
+            "norm and query projection, which megatron-core 0.19's local layers lack: give --q-lora-rank, or "
+            "run Transformer Engine on a GPU")
     if args.num_experts is not None:
         _validate_experts(args)
 

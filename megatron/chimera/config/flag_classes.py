@@ -49,7 +49,9 @@ HONOURED = _flags("""
     --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
     --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
     --moe-pad-expert-input-to-capacity --expert-model-parallel-size --expert-tensor-parallel-size
-    --moe-router-enable-expert-bias --moe-router-bias-update-rate
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-layer-recompute
+    --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
+    --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm
 """)
 
 NO_EFFECT = {
@@ -150,7 +152,7 @@ REFUSED = {
         --cp-comm-type
     """),
     "GPT models with megatron-core's standard attention only": _flags("""
-        --hybrid-context-parallel --multi-latent-attention --experimental-attention-variant
+        --hybrid-context-parallel --experimental-attention-variant
         --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
         --dsa-kernel-backend --dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation
@@ -159,15 +161,14 @@ REFUSED = {
         --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
         --linear-num-value-heads --is-hybrid-model --mamba-state-dim --mamba-head-dim --mamba-num-groups
         --mamba-num-heads --disable-mamba-mem-eff-path --mlp-chunks-for-prefill --mlp-chunks-for-training
-        --window-size --window-attn-skip-freq --mamba-training-ssm-states-dtype --q-lora-rank --kv-lora-rank
-        --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
+        --window-size --window-attn-skip-freq --mamba-training-ssm-states-dtype
         --cache-mla-latents --mla-down-proj-fusion --linear-attention-freq --heterogeneous-layers-config-path
         --heterogeneous-layers-config-encoded-json --mamba-inference-conv-states-dtype
         --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
         --hybrid-override-pattern
     """),
-    ('this part of mixture-of-experts training is not supported yet (grouped GEMMs, '
-     'per-layer MoE logging, the flex dispatcher)'): _flags("""
+    ('this part of mixture-of-experts training is not supported yet (per-layer MoE logging, the flex '
+     'dispatcher, fusions and overlaps)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
@@ -175,10 +176,10 @@ REFUSED = {
         --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8
         --moe-router-quantile-balancing-ema
         --moe-router-force-load-balancing --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
-        --moe-grouped-gemm --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
+        --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
         --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
         --moe-hybridep-pad-uneven-dispatch-inputs --moe-per-layer-logging
-        --moe-pad-experts-for-cuda-graph-inference --moe-layer-recompute --moe-permute-fusion
+        --moe-pad-experts-for-cuda-graph-inference --moe-permute-fusion
         --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-flex-dispatcher-num-sms
         --moe-deepep-num-sms --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute
         --moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape
@@ -201,7 +202,7 @@ REFUSED = {
         --relative-attention-num-buckets --relative-attention-max-distance
         --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --no-rope-freq
         --openai-gelu --squared-relu --quick-geglu --onnx-safe --apply-wd-to-qk-layernorm
-        --no-weight-decay-cond-type --rope-type --te-rng-tracker --data-parallel-random-init
+        --no-weight-decay-cond-type --te-rng-tracker --data-parallel-random-init
         --init-method-xavier-uniform --freeze-all-layers --fp16-lm-cross-entropy --padded-vocab-size
         --no-pad-vocab-size --disable-pad-vocab-size --log-max-attention-logit
     """),

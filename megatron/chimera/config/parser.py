@@ -136,15 +136,18 @@ def megatron_validate(args) -> None:
     virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
     from megatron.training import arguments
 
-    asked = arguments.get_device_arch_version
+    asked, grouped = arguments.get_device_arch_version, args.moe_grouped_gemm
     if not torch.cuda.is_available():
         # With TP > 1 it asks the GPU's architecture, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 before
-        # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does.
+        # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does. With
+        # --moe-grouped-gemm it asks the GPU's capability for the grouped kernels, which the CPU
+        # replaces by sequential experts (the model builder says so): the check is set aside.
         arguments.get_device_arch_version = lambda: 10
+        args.moe_grouped_gemm = False
     try:
         arguments.validate_args(args)
     except (AssertionError, ValueError, RuntimeError, TypeError) as e:
         said = " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line  # a bare assert
         fail(f"{PROG}: error: {said} (Megatron-LM's validate_args)")
     finally:
-        arguments.get_device_arch_version = asked
+        arguments.get_device_arch_version, args.moe_grouped_gemm = asked, grouped

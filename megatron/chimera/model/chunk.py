@@ -13,6 +13,7 @@ output projections of attention and MLP, ones and zeros for norms, zeros for bia
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -36,6 +37,7 @@ MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type
        "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")  # Transformer Engine's grouped experts
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
@@ -57,11 +59,13 @@ def _layer_spec(args, config, device: torch.device):
     te = uses_transformer_engine(args, device.type)
     if config.num_moe_experts is not None:
         specs = get_gpt_decoder_layer_specs(config, te, normalization=args.normalization)
-        return _block(specs) if te else _with_local_norms(specs)
+        return _block(specs) if te else _with_local_norms(specs, config)
+    mla = args.multi_latent_attention
     if te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return _with_local_norms([spec] * config.num_layers)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                    multi_latent_attention=mla)
+    return _with_local_norms([spec] * config.num_layers, config)
 
 
 def _block(specs: list, norm=None):
@@ -71,11 +75,12 @@ def _block(specs: list, norm=None):
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm or TENorm)
 
 
-def _with_local_norms(specs: list):
+def _with_local_norms(specs: list, config):
     """Without apex the local spec uses torch's norms, which megatron-core refuses with zero-centred
     gamma (--apply-layernorm-1p) and with sequence parallelism. LocalNorm does both; the final norm
     goes in through the block spec."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if specs[0].submodules.input_layernorm is not WrappedTorchNorm:
@@ -84,9 +89,29 @@ def _with_local_norms(specs: list):
         layer = spec.submodules
         layer.input_layernorm = layer.pre_mlp_layernorm = LocalNorm
         attention = layer.self_attention.submodules
-        if attention.q_layernorm is WrappedTorchNorm:
+        if hasattr(attention, "kv_layernorm"):  # multi-latent attention
+            attention.core_attention = latent_core_attention()
+            if attention.kv_layernorm is WrappedTorchNorm:  # norms of the latents, whole vectors; no query
+                attention.kv_layernorm = LocalNorm  # latent without --q-lora-rank, so no norm of it
+                attention.q_layernorm = LocalNorm if config.q_lora_rank is not None else IdentityOp
+        elif attention.q_layernorm is WrappedTorchNorm:
             attention.q_layernorm = attention.k_layernorm = HeadNorm
     return _block(specs, LocalNorm)
+
+
+def latent_core_attention():
+    """megatron-core's local attention for multi-latent attention, whose keys and values have head
+    sizes of their own (``k_channels``, ``v_channels``): 0.19's local attention takes neither (Transformer
+    Engine's does), though its arithmetic follows the tensors' shapes but for the output's width."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LatentCoreAttention(DotProductAttention):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            if v_channels is not None:  # megatron-core's Attention first builds one without them
+                self.hidden_size_per_partition = v_channels * config.num_attention_heads // config.tensor_model_parallel_size
+
+    return LatentCoreAttention
 
 
 def moe_layer_pattern(args) -> list[int] | None:
@@ -128,19 +153,30 @@ class HeadNorm(LocalNorm):
     spans_sequence_split = False
 
 
-def transformer_config(args, num_layers: int, first_layer: int = 0):
-    """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_engine: bool = False):
+    """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model.
+    With --multi-latent-attention, megatron-core's MLA config, its own fields read from the flags of
+    the same names as Megatron-LM reads them."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     architecture = {name: getattr(args, name) for name in ARCHITECTURE}
+    config_class = TransformerConfig
+    if args.multi_latent_attention:
+        config_class = MLATransformerConfig
+        own = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+        architecture.update({name: getattr(args, name) for name in sorted(own) if hasattr(args, name)})
+        if args.rope_type is None:
+            architecture.pop("rope_type", None)  # MLA's default (yarn), as Megatron-LM leaves it
     pattern = moe_layer_pattern(args)
     if pattern is not None:  # a stage's slice of the pattern; every layer MoE stays megatron-core's 1, so a
         # chunk's checkpoint keys stack its layers exactly when the whole model's do
         freq = 1 if args.moe_layer_freq == 1 else pattern[first_layer:first_layer + num_layers]
         architecture.update({name: getattr(args, name) for name in MOE}, num_moe_experts=args.num_experts,
                             moe_layer_freq=freq, expert_model_parallel_size=args.expert_model_parallel_size,
-                            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
-    return TransformerConfig(
+                            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                            moe_grouped_gemm=args.moe_grouped_gemm and transformer_engine,
+                            moe_layer_recompute=args.moe_layer_recompute)
+    return config_class(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -166,6 +202,8 @@ def transformer_config(args, num_layers: int, first_layer: int = 0):
         # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual stage
         microbatch_group_size_per_vp_stage=args.pipeline_model_parallel_size,
         cuda_graph_scope=[],  # the whole layer; megatron-core's default spelling of it ("full") warns
+        # the layers' own backend, which multi-latent attention reads to pick its projections
+        transformer_impl="transformer_engine" if transformer_engine else "local",
     )
 
 
@@ -174,7 +212,7 @@ def build_chunk(args, plan, stage: int, device: torch.device):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layers = args.num_layers // plan.model_stages
-    config = transformer_config(args, layers, stage * layers)
+    config = transformer_config(args, layers, stage * layers, uses_transformer_engine(args, device.type))
     model = GPTModel(
         config,
         _layer_spec(args, config, device),
@@ -240,6 +278,7 @@ def global_name(name: str, layer_offset: int, tied: bool, first_expert: int = 0)
     if tied and name == "output_layer.weight":
         return TIED_NAME
     name = LOCAL_EXPERT.sub(lambda m: f".experts.local_experts.{int(m.group(1)) + first_expert}.", name)
+    name = GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first_expert}", name)
     return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
 
 
@@ -248,7 +287,7 @@ def _tensor_parallel(gname: str) -> tuple[int, int]:
     one for routed experts (--expert-tensor-parallel-size), the tensor-parallel one otherwise."""
     from megatron.core import parallel_state as ps
 
-    if LOCAL_EXPERT.search(gname):
+    if LOCAL_EXPERT.search(gname) or GROUPED_EXPERT.search(gname):
         return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 

@@ -9,9 +9,14 @@ import torch.distributed as dist
 from ..config.run_plan import PROOF_MODE
 
 
-def print_building() -> None:
-    if dist.get_rank() == 0:
-        print("building GPT model ...", flush=True)
+def print_building(args, transformer_engine: bool) -> None:
+    """Megatron-LM's line, and once what a flag does here if not what it does on a GPU."""
+    if dist.get_rank() != 0:
+        return
+    print("building GPT model ...", flush=True)
+    if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
+        print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
+              "Engine's, on a GPU); the same arithmetic per expert", flush=True)
 
 
 def print_parameter_counts(chunks: dict, rt) -> None:
