@@ -171,7 +171,6 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
         "mixtral chimera D=4": ("mixtral", chimera4),
         "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
-        "mixtral chimera D=2 EP=2": ("mixtral", chimera2 + EP2),
         "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
         "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", chimera2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
