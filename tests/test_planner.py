@@ -52,3 +52,31 @@ def test_bubble_measurement_on_a_synthetic_trace():
     assert result.busy == [3.0, 3.0] and result.idle == [5.0, 5.0]
     assert result.bubble_ratio == pytest.approx(10.0 / 16.0)
     assert result.peak_activations == [100, 40]
+
+
+def test_moe_costs_count_routed_and_shared_experts_and_the_all_to_all():
+    from chimera_schedules.tools.planner import Experts, costs
+
+    # 2 layers, the second MoE: 4 experts of width 8, top-2, a shared one of width 8; SwiGLU (3 matrices)
+    shape = ModelShape(layers=2, hidden=16, heads=2, seq=4, vocab=0, ffn=32, gated=True,
+                       experts=Experts(count=4, topk=2, ffn=8, moe_layers=1, shared_ffn=8))
+    attention = 8 * 4 * 16 ** 2 + 4 * 4 ** 2 * 16  # b=1: 8 b s h^2 + 4 b s^2 h
+    assert shape.layer_forward_flops(1) == attention + 2 * 4 * 16 * 3 * 32
+    assert shape.moe_layer_forward_flops(1) == attention + 2 * 4 * 16 * (3 * (2 * 8 + 8) + 4)  # + the router
+    shared, routed = shape.moe_layer_params(expert_parallel=2)
+    assert shared == 4 * 16 ** 2 + 2 * 16 + 16 * 4 + 3 * 16 * 8 and routed == 2 * 3 * 16 * 8  # 2 of 4 experts
+    p = Profile("test", flops=1.0, p2p_latency=1.0, p2p_bandwidth=2.0, allreduce_latency=0.0,
+                allreduce_bandwidth=float("inf"), memory=1e12)
+    # dispatch and combine: 2 x (latency + tokens x hidden x 2 bytes x top-k x (EP-1)/EP / bandwidth)
+    model = costs(shape, p, depth=2, b=1, width=2, ep=2)
+    assert model.forward == [shape.layer_forward_flops(1), shape.moe_layer_forward_flops(1) + 2 * (1 + 64 * 2 * 2 / 2 / 2)]
+
+
+def test_planner_counts_expert_memory_per_expert_parallel_rank():
+    from chimera_schedules.tools.planner import Experts
+
+    shape = ModelShape(layers=2, hidden=16, heads=2, seq=4, vocab=0, ffn=32, gated=True,
+                       experts=Experts(count=64, topk=2, ffn=64, moe_layers=2))
+    one, eight = (evaluate(shape, profile(1e12), 8, Candidate("1f1b", 2, 8, 1, 1, ep)) for ep in (1, 8))
+    per_rank = 64 // 8 * 3 * 16 * 64  # the routed experts of one layer per rank at EP=8
+    assert one.memory - eight.memory == 16 * (64 * 3 * 16 * 64 - per_rank)  # fp32: 16 bytes per parameter

@@ -15,6 +15,15 @@ Costs (per worker, per micro-batch):
 Memory: the model state of the stage copies a worker holds (``model_state_bytes``, the formula the
 training program's startup line measures), plus activations: s B h (34 + 5 a s / h) bytes per layer
 per micro-batch (Korthikanti et al.), times the simulator's peak of live micro-batches.
+
+Mixture of experts (``ModelShape.experts``): a MoE layer's MLP is the top-k routed experts' plus the
+shared expert's and the router's FLOPs per token; each forward adds the expert-parallel all-to-all of
+dispatch and combine (each token's hidden state to and from its k experts, the (EP-1)/EP share that
+leaves the rank, at the p2p latency and bandwidth), each backward the same again. A rank holds 1/EP of
+each MoE layer's experts: their weights count in its memory, their optimizer state shards over the
+stage copies' expert-data-parallel ranks (W/EP per pipeline), their gradients add to the stage's
+all-reduce volume (over the stage's whole replica group: a slight overestimate of its group size).
+Activations of a MoE MLP scale the dense MLP's 19 s B h by the routed-plus-shared width over 4h.
 """
 from __future__ import annotations
 
@@ -28,26 +37,81 @@ from ..registry import VARIANTS, build_spec, variant
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The MoE layers' MLP: ``count`` experts of width ``ffn``, ``topk`` routed per token, a shared
+    expert of width ``shared_ffn`` (0: none). The last ``moe_layers`` layers are MoE (DeepSeek's first
+    layers are dense)."""
+    count: int
+    topk: int
+    ffn: int
+    moe_layers: int
+    shared_ffn: int = 0
+
+
+@dataclass(frozen=True)
 class ModelShape:
+    """A GPT: dense layers of MLP width ``ffn`` (None: 4h, the original GPT formulas), SwiGLU's three
+    MLP matrices when ``gated``, and with ``experts`` some layers mixture-of-experts."""
     layers: int
     hidden: int
     heads: int
     seq: int
     vocab: int
+    ffn: int | None = None
+    gated: bool = False
+    experts: Experts | None = None
+    stores_attention_scores: bool = True  # False: flash attention, no 5 a s / h term in the activations
 
     @property
     def params_per_layer(self) -> int:
-        return 12 * self.hidden ** 2 + 13 * self.hidden
+        """A dense layer's."""
+        return 4 * self.hidden ** 2 + 13 * self.hidden + self._matrices * self.hidden * self._ffn
 
     @property
     def embedding_params(self) -> int:
         return (self.vocab + self.seq) * self.hidden
 
     def layer_forward_flops(self, b: int) -> float:
-        return 24 * b * self.seq * self.hidden ** 2 * (1 + self.seq / (6 * self.hidden))
+        """A dense layer's: attention 8 b s h^2 + 4 b s^2 h, MLP 2 b s h x its matrices' widths."""
+        return self._attention_flops(b) + 2 * b * self.seq * self.hidden * self._matrices * self._ffn
 
     def layer_activation_bytes(self, b: int) -> float:
-        return self.seq * b * self.hidden * (34 + 5 * self.heads * self.seq / self.hidden)
+        return self.seq * b * self.hidden * (34 + self._scores)
+
+    @property
+    def _scores(self) -> float:
+        return 5 * self.heads * self.seq / self.hidden if self.stores_attention_scores else 0.0
+
+    @property
+    def _ffn(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def _matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    def _attention_flops(self, b: int) -> float:
+        return 8 * b * self.seq * self.hidden ** 2 + 4 * b * self.seq ** 2 * self.hidden
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts is not None and layer >= self.layers - self.experts.moe_layers
+
+    def moe_layer_forward_flops(self, b: int) -> float:
+        e = self.experts
+        width = e.topk * e.ffn + e.shared_ffn
+        mlp = 2 * b * self.seq * self.hidden * (self._matrices * width + e.count)  # experts and router
+        return self._attention_flops(b) + mlp
+
+    def moe_layer_params(self, expert_parallel: int) -> tuple[float, float]:
+        """(params every rank of the stage holds, routed-expert params of one expert-parallel rank)."""
+        e, mats = self.experts, self._matrices
+        dense = 4 * self.hidden ** 2 + 2 * self.hidden + self.hidden * e.count + mats * self.hidden * e.shared_ffn
+        return dense, e.count // expert_parallel * mats * self.hidden * e.ffn
+
+    def moe_layer_activation_bytes(self, b: int) -> float:
+        e = self.experts
+        mlp = 19 * (e.topk * e.ffn + e.shared_ffn) / (4 * self.hidden)
+        return self.seq * b * self.hidden * (15 + mlp + self._scores)
 
 
 @dataclass(frozen=True)
@@ -98,6 +162,7 @@ class Candidate:
     width: int
     micro_batch: int
     microbatches: int
+    expert_parallel: int = 1
     seconds: float = 0.0
     bubble_ratio: float = 0.0
     memory: float = 0.0
@@ -106,7 +171,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.schedule} D={self.depth} W={self.width} B={self.micro_batch} N={self.microbatches}"
+        ep = f" EP={self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return f"{self.schedule} D={self.depth} W={self.width}{ep} B={self.micro_batch} N={self.microbatches}"
 
 
 PLANNED = ("gpipe", "1f1b", "chimera direct", "chimera doubling", "1f1b split", "chimera split",
@@ -119,53 +185,92 @@ def family(name: str) -> str:
     return v["schedule"] + (" split" if v.get("split_backward") else "")
 
 
-def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int) -> CostModel:
-    per_stage = shape.layers // depth
-    forward = [per_stage * shape.layer_forward_flops(b) / profile.flops for _ in range(depth)]
+def _stage_layers(shape: ModelShape, stages: int, stage: int) -> tuple[int, int]:
+    """(dense, MoE) layers of model stage ``stage`` of ``stages``."""
+    per_stage = shape.layers // stages
+    moe = sum(shape.is_moe(i) for i in range(stage * per_stage, (stage + 1) * per_stage))
+    return per_stage - moe, moe
+
+
+def _all_to_all(shape: ModelShape, profile: Profile, b: int, ep: int) -> float:
+    """One MoE layer's dispatch and combine in one direction of the pass."""
+    if ep <= 1:
+        return 0.0
+    leaving = b * shape.seq * shape.hidden * 2 * shape.experts.topk * (ep - 1) / ep  # bf16 hidden states
+    return 2 * (profile.p2p_latency + leaving / profile.p2p_bandwidth)
+
+
+def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int, ep: int = 1,
+          virtual_stages: int = 1) -> CostModel:
+    """Per model stage (``depth`` x ``virtual_stages`` of them): its forward time, and the gradient
+    bytes one worker all-reduces per stage copy."""
+    stages = depth * virtual_stages
+    forward, grad_bytes = [], 0.0
+    for stage in range(stages):
+        dense, moe = _stage_layers(shape, stages, stage)
+        flops = dense * shape.layer_forward_flops(b) + (moe * shape.moe_layer_forward_flops(b) if moe else 0)
+        forward.append(flops / profile.flops + (moe * _all_to_all(shape, profile, b, ep) if moe else 0))
+        grad_bytes = max(grad_bytes, 2 * virtual_stages * _stage_params(shape, stages, stage, ep)[0])  # fp16
     forward[-1] += 2 * b * shape.seq * shape.hidden * shape.vocab / profile.flops
-    grad_bytes = per_stage * shape.params_per_layer * 2  # fp16 gradients of one stage
     return CostModel(forward=forward, backward=[2 * f for f in forward], p2p_latency=profile.p2p_latency,
                      p2p_bandwidth=profile.p2p_bandwidth, activation_bytes=b * shape.seq * shape.hidden * 2,
                      allreduce_latency=profile.allreduce_latency, allreduce_bandwidth=profile.allreduce_bandwidth,
                      grad_bytes=grad_bytes, data_parallel=width)
 
 
+def _stage_params(shape: ModelShape, stages: int, stage: int, ep: int) -> tuple[float, float]:
+    """(all parameters a rank holds of the model stage, the routed experts' among them)."""
+    dense, moe = _stage_layers(shape, stages, stage)
+    shared, experts = shape.moe_layer_params(ep) if moe else (0, 0)
+    total = dense * shape.params_per_layer + moe * (shared + experts) + shape.embedding_params / stages
+    return total, moe * experts
+
+
 def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate,
              precision: Precision = Precision()) -> Candidate:
-    model = costs(shape, profile, c.depth, c.micro_batch, c.width)
+    ep = c.expert_parallel
     schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
-    result = simulate(schedule, model)
-    per_stage = shape.layers // c.depth
-    params = per_stage * shape.params_per_layer + shape.embedding_params / c.depth
-    state = model_state_bytes(params, max(result.stage_copies), schedule.pipelines * c.width, precision)
-    act = max(result.peak_activations) * per_stage * shape.layer_activation_bytes(c.micro_batch)
+    v = schedule.virtual_stages
+    result = simulate(schedule, costs(shape, profile, c.depth, c.micro_batch, c.width, ep, v))
+    params, experts = (v * x for x in max(_stage_params(shape, c.depth * v, s, ep) for s in range(c.depth * v)))
+    copies, replicas = max(result.stage_copies), schedule.pipelines * c.width
+    state = model_state_bytes(params - experts, copies, replicas, precision)["total"]
+    state += model_state_bytes(experts, copies, replicas // ep, precision)["total"]
+    per_layer = max(shape.layer_activation_bytes(c.micro_batch),
+                    shape.moe_layer_activation_bytes(c.micro_batch) if shape.experts else 0)
+    act = max(result.peak_activations) * (shape.layers // c.depth) * per_layer
     c.seconds, c.bubble_ratio = result.makespan, result.bubble_ratio
-    c.memory = state["total"] + act
+    c.memory = state + act
     c.fits = c.memory <= profile.memory
     c.tokens_per_s = global_batch * shape.seq / c.seconds
     return c
 
 
-def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, micro_batches=(1, 2, 4, 8)):
+def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, micro_batches=(1, 2, 4, 8),
+               schedules=PLANNED, expert_parallel=(1,)):
     """Every layout the sizes allow; a schedule's own rules (even D for Chimera, N a multiple of D ...)
-    are left to the schedule library, which ``plan`` asks."""
+    are left to the schedule library, which ``plan`` asks. Expert parallelism divides the data-parallel
+    width and the experts."""
     for d in depths or [d for d in range(2, workers + 1) if workers % d == 0]:
         if shape.layers % d or workers % d:
             continue
         w = workers // d
-        for b in micro_batches:
-            if global_batch % (w * b):
+        for ep in expert_parallel:
+            if w % ep or (shape.experts and shape.experts.count % ep):
                 continue
-            n = global_batch // (w * b)
-            for name in PLANNED:
-                yield Candidate(name, d, w, b, n)
+            for b in micro_batches:
+                if global_batch % (w * b):
+                    continue
+                for name in schedules:
+                    yield Candidate(name, d, w, b, global_batch // (w * b), ep)
 
 
 def plan(workers: int, global_batch: int, shape: ModelShape, profile: Profile, depths=None,
-         micro_batches=(1, 2, 4, 8), precision: Precision = Precision()) -> list[Candidate]:
+         micro_batches=(1, 2, 4, 8), precision: Precision = Precision(), schedules=PLANNED,
+         expert_parallel=(1,)) -> list[Candidate]:
     """All layouts, fastest first; those that do not fit in memory last."""
     ranked = []
-    for c in candidates(workers, global_batch, shape, depths, micro_batches):
+    for c in candidates(workers, global_batch, shape, depths, micro_batches, schedules, expert_parallel):
         try:
             ranked.append(evaluate(shape, profile, global_batch, c, precision))
         except ConfigError:

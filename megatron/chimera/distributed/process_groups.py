@@ -195,6 +195,12 @@ def _expert_groups(rt: Runtime, args, new_group) -> None:
     expected = [rt.worker * per_worker + local(*coords, d) for d in range(edp)]
     assert dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()) == expected, \
         "unexpected megatron-core expert rank order"
+    # The dispatcher's collectives run inside F and B on these groups: every member must hold the same
+    # pipeline worker, so that it runs the same action list (the ranks agree on the schedule's hash).
+    for group in (parallel_state.get_expert_model_parallel_group(),
+                  parallel_state.get_expert_tensor_and_model_parallel_group()):
+        assert {r // per_worker for r in dist.get_process_group_ranks(group)} == {rt.worker}, \
+            "an expert group spans pipeline workers"
     for e in range(etp):
         for x in range(ep):
             for s in range(rt.model_stages):
