@@ -67,6 +67,14 @@ NO_EFFECT = {
         --logging-level --log-energy --no-one-logger --one-logger-project --one-logger-run-name
         --one-logger-async --app-tag-run-name --app-tag-run-version
     """),
+    ('per-layer MoE values: the iteration line and TensorBoard carry the means over the MoE layers (the '
+     'routers number their layers within a stage)'): _flags("""
+        --moe-per-layer-logging
+    """),
+    ("a fused GPU kernel of megatron-core's MoE path (permutation, router); the unfused path computes the "
+     "same"): _flags("""
+        --moe-permute-fusion --moe-router-fusion
+    """),
     "a fused GPU kernel; the CPU path and megatron-core's local layer spec run without it": _flags("""
         --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
         --no-rope-fusion --use-flash-attn --no-persist-layer-norm --no-gradient-accumulation-fusion
@@ -167,8 +175,8 @@ REFUSED = {
         --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
         --hybrid-override-pattern
     """),
-    ('this part of mixture-of-experts training is not supported yet (per-layer MoE logging, the flex '
-     'dispatcher, fusions and overlaps)'): _flags("""
+    ('this part of mixture-of-experts training is not supported yet (the flex dispatcher, overlaps, '
+     'routing replay and quantisation padding, latent MoE, upcycling)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
@@ -178,9 +186,9 @@ REFUSED = {
         --moe-router-force-load-balancing --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
         --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
         --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
-        --moe-hybridep-pad-uneven-dispatch-inputs --moe-per-layer-logging
-        --moe-pad-experts-for-cuda-graph-inference --moe-permute-fusion
-        --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-flex-dispatcher-num-sms
+        --moe-hybridep-pad-uneven-dispatch-inputs
+        --moe-pad-experts-for-cuda-graph-inference
+        --moe-apply-probs-on-input --moe-latent-size --moe-flex-dispatcher-num-sms
         --moe-deepep-num-sms --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute
         --moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape
         --moe-ncclep-zero-copy --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
