@@ -56,12 +56,15 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
             "mixtral-capacity": MIXTRAL + ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
             # DeepSeek's: first layer dense, a shared expert, sigmoid routing with expert bias (aux-loss-free
     # balancing; a high update rate so the bias moves the routing within the test's 3 iterations),
-    # group-limited top-k
+    # group-limited top-k, multi-latent attention
             "deepseek-style": ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
                                "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]+[1]*7",
                                "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
                                "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
                                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+                               "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+                               "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+                               "--kv-channels", "8", "--qk-layernorm", "--position-embedding-type", "rope",
                                "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
                                "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]}
 
