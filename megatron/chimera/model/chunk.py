@@ -153,29 +153,42 @@ class HeadNorm(LocalNorm):
     spans_sequence_split = False
 
 
+def _latent_attention(args) -> dict:
+    """--multi-latent-attention: megatron-core's MLA config fields, read from the flags of the same names
+    as Megatron-LM reads them (rope_type left to MLA's default, yarn, unless given)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    own = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+    fields = {name: getattr(args, name) for name in sorted(own) if hasattr(args, name)}
+    if args.rope_type is None:
+        fields.pop("rope_type", None)
+    return fields
+
+
+def _experts(args, num_layers: int, first_layer: int, transformer_engine: bool) -> dict:
+    """--num-experts: the MoE fields, with the stage's slice of the layer pattern (every layer MoE stays
+    megatron-core's 1, so a chunk's checkpoint keys stack its layers exactly when the whole model's do)."""
+    pattern = moe_layer_pattern(args)
+    if pattern is None:
+        return {}
+    freq = 1 if args.moe_layer_freq == 1 else pattern[first_layer:first_layer + num_layers]
+    return {**{name: getattr(args, name) for name in MOE}, "num_moe_experts": args.num_experts,
+            "moe_layer_freq": freq, "expert_model_parallel_size": args.expert_model_parallel_size,
+            "expert_tensor_parallel_size": args.expert_tensor_parallel_size,
+            "moe_grouped_gemm": args.moe_grouped_gemm and transformer_engine,
+            "moe_layer_recompute": args.moe_layer_recompute}
+
+
 def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_engine: bool = False):
-    """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model.
-    With --multi-latent-attention, megatron-core's MLA config, its own fields read from the flags of
-    the same names as Megatron-LM reads them."""
+    """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model
+    (megatron-core's MLA config with --multi-latent-attention)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     architecture = {name: getattr(args, name) for name in ARCHITECTURE}
-    config_class = TransformerConfig
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
     if args.multi_latent_attention:
-        config_class = MLATransformerConfig
-        own = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
-        architecture.update({name: getattr(args, name) for name in sorted(own) if hasattr(args, name)})
-        if args.rope_type is None:
-            architecture.pop("rope_type", None)  # MLA's default (yarn), as Megatron-LM leaves it
-    pattern = moe_layer_pattern(args)
-    if pattern is not None:  # a stage's slice of the pattern; every layer MoE stays megatron-core's 1, so a
-        # chunk's checkpoint keys stack its layers exactly when the whole model's do
-        freq = 1 if args.moe_layer_freq == 1 else pattern[first_layer:first_layer + num_layers]
-        architecture.update({name: getattr(args, name) for name in MOE}, num_moe_experts=args.num_experts,
-                            moe_layer_freq=freq, expert_model_parallel_size=args.expert_model_parallel_size,
-                            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                            moe_grouped_gemm=args.moe_grouped_gemm and transformer_engine,
-                            moe_layer_recompute=args.moe_layer_recompute)
+        architecture.update(_latent_attention(args))
+    architecture.update(_experts(args, num_layers, first_layer, transformer_engine))
     return config_class(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
