@@ -16,9 +16,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from chimera_schedules.tools.planner import ModelShape, Profile, best_per_schedule, plan  # noqa: E402
+from chimera_schedules.tools.planner import GPT2_1_3B, Profile, best_per_schedule, plan  # noqa: E402
 
-GPT2 = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
+GPT2 = GPT2_1_3B
 DEPTHS = (4, 8, 16, 32, 64)
 SHOWN = ("gpipe", "1f1b", "chimera", "1f1b split", "chimera split", "dualpipe")  # planner.family names
 

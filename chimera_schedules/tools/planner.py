@@ -114,6 +114,11 @@ class ModelShape:
         return self.seq * b * self.hidden * (15 + mlp + self._scores)
 
 
+# The Chimera paper's GPT-2 (64 layers, 1.3B parameters, sequence 632): the projections' and the depth
+# benchmark's model.
+GPT2_1_3B = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
+
+
 @dataclass(frozen=True)
 class Profile:
     """Hardware, from a JSON file: sustained FLOP/s, p2p and all-reduce latency (s) and bandwidth (B/s),
