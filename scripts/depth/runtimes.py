@@ -1,0 +1,198 @@
+"""The three runtimes, each driving the same emulated stages for one iteration (forward and backward
+of N micro-batches, no optimizer step): our executor, megatron-core's own schedules and
+torch.distributed.pipelining's. A ``Case`` is built once per process and run many times; ``run()``
+is one iteration on this rank. Its ``schedule`` is what the simulator replays for the prediction.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from chimera_schedules import Schedule, build, build_spec, check, variant
+from chimera_schedules.registry import REGISTRY
+from chimera_schedules.ir.channels import P2P_GROUPS, stage_group
+from chimera_schedules.passes.lowering import lower
+from chimera_schedules.runtime.executor import Transport, make_forward_backward
+from chimera_schedules.runtime.p2p import TorchP2P
+
+from .costs import cost_model, from_torch, stage_times
+from .stage import EmulatedStage, forward_step, loss
+
+SEQ, HIDDEN, LAYERS, HEADS = 632, 1280, 64, 20  # GPT-2 1.3B, micro-batch 1
+DTYPE = torch.bfloat16
+
+
+@dataclass
+class Case:
+    runtime: str  # "ours", "megatron-core" or "torch"
+    schedule_name: str
+    microbatches: int
+    run: Callable[[], None]
+    schedule: Schedule  # the order the simulator replays
+    lowered: bool  # replay it as our executor posts it (lowered), or as compute only
+    first_input_in_weight: bool = False  # costs.cost_model's option
+
+
+@dataclass
+class Setup:
+    """What every case of one launch shares: depth, stage times, p2p latency, process groups."""
+    depth: int
+    forward_ms: float
+    p2p_ms: float = 0.0
+    timeout: timedelta = timedelta(minutes=5)
+    groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
+
+    def times(self, virtual_stages: int):
+        return stage_times(self.depth, virtual_stages, self.forward_ms)
+
+    def costs(self, virtual_stages: int, first_input_in_weight: bool = False):
+        return cost_model(self.times(virtual_stages), self.p2p_ms, first_input_in_weight)
+
+    def config(self, virtual_stages: int = 1):
+        """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without
+        virtual stages, overlapped p2p (--overlap-p2p-communication) with them."""
+        from megatron.core.transformer import TransformerConfig
+
+        interleaved = virtual_stages > 1
+        return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                 pipeline_model_parallel_size=self.depth, pipeline_dtype=DTYPE,
+                                 virtual_pipeline_model_parallel_size=virtual_stages if interleaved else None,
+                                 deallocate_pipeline_outputs=True, overlap_p2p_comm=interleaved,
+                                 batch_p2p_comm=not interleaved)
+
+    def group(self, ranks) -> dist.ProcessGroup | None:
+        """The group of ``ranks``, created beforehand by ``create_groups``; None for one rank."""
+        return self.groups[frozenset(ranks)] if len(set(ranks)) > 1 else None
+
+    def create_groups(self, schedules: list[Schedule]) -> None:
+        """Every group our cases name, created by every rank in one order: the p2p channels and each
+        model stage's replica group."""
+        every = range(self.depth)
+        for name in P2P_GROUPS:
+            self.groups[name] = dist.new_group(list(every), timeout=self.timeout)
+        replicas = {frozenset(row[s] for row in sch.placement) for sch in schedules
+                    for s in range(sch.stages_per_pipeline)}
+        for ranks in sorted((r for r in replicas if len(r) > 1), key=sorted):
+            self.groups[ranks] = dist.new_group(sorted(ranks), timeout=self.timeout)
+
+
+def sample(shape: tuple) -> torch.Tensor:
+    """A first stage's input: one sample, already activation-shaped."""
+    return torch.randn(shape).to(DTYPE)
+
+
+# ------------------------------------------------------------------------------------------- ours
+class _ReplicaSum:
+    """The GradSync protocol for the emulated stages: the copies of a stage sum their gradients with an
+    asynchronous all-reduce, finished at the flush (what the trainer's ReplicaGradSync does)."""
+
+    def __init__(self, chunks: dict):
+        self.chunks, self.pending = chunks, []
+
+    def start(self, pipeline: int, stage: int, group) -> None:
+        if group is None:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.chunks[(pipeline, stage)].parameters()
+                          if p.grad is not None])
+        self.pending.append(dist.all_reduce(flat, group=group, async_op=True))
+
+    def finish(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def ours_schedule(setup: Setup, name: str, n: int) -> Schedule:
+    """The registry's variant, built at this run's costs (``--order best`` and a split backward's W
+    placement depend on them)."""
+    spec = check(variant(name, setup.depth, n))
+    return build_spec(spec, setup.costs(REGISTRY[spec.schedule].virtual_stages(spec)))
+
+
+def ours(setup: Setup, name: str, n: int, schedule: Schedule) -> Case:
+    lowered, worker = lower(schedule), dist.get_rank()
+    times, scale = setup.times(schedule.virtual_stages), schedule.microbatch_scale
+    held = lowered.held(worker)
+    config = setup.config()
+    chunks = [EmulatedStage(times[s].scaled(scale), config, first=s == 0) for _, s in held]
+    groups = {name: setup.groups[name] for name in P2P_GROUPS}
+    groups.update({stage_group(s): setup.group([row[s] for row in schedule.placement])
+                   for s in range(schedule.stages_per_pipeline)})
+    transport = Transport(worker, list(range(setup.depth)), groups, torch.device("cpu"), DTYPE,
+                          TorchP2P(setup.timeout))
+    step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))))
+    seq = round(SEQ * scale)  # a half-size micro-batch of one sample: half the sequence, the same bytes
+    data = sample((seq, 1, HIDDEN))
+
+    def run():
+        step(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in held], model=chunks,
+             num_microbatches=lowered.microbatches, seq_length=seq, micro_batch_size=1)
+    return Case("ours", name, n, run, schedule, lowered=True)
+
+
+# ---------------------------------------------------------------------------------- megatron-core
+MEGATRON = {"1f1b": 1, "interleaved v=2": 2}  # schedule -> model chunks per rank
+
+
+def megatron(setup: Setup, name: str, n: int) -> Case:
+    """megatron-core's forward_backward_pipelining_without_interleaving (1F1B) or _with_interleaving:
+    chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+
+    v, rank, d = MEGATRON[name], dist.get_rank(), setup.depth
+    times, config = setup.times(v), setup.config(v)
+    chunks = [EmulatedStage(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
+    for c, chunk in enumerate(chunks):
+        chunk.vp_stage, chunk.model_type = (c if v > 1 else None), ModelType.encoder_or_decoder
+    func = (schedules.forward_backward_pipelining_with_interleaving if v > 1
+            else schedules.forward_backward_pipelining_without_interleaving)
+    data = sample((SEQ, 1, HIDDEN))
+
+    def run():
+        func(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in chunks], model=chunks,
+             num_microbatches=n, seq_length=SEQ, micro_batch_size=1)
+    ref = build("interleaved", d, n, virtual_stages=v) if v > 1 else build("1f1b", d, n)
+    return Case("megatron-core", name, n, run, ref, lowered=False)
+
+
+# -------------------------------------------------------------------------------------------- torch
+# schedule class -> (our name for it, model chunks per rank, placement: "loop" or "v")
+TORCH = {"Schedule1F1B": ("1f1b", 1, "loop"), "ScheduleInterleaved1F1B": ("interleaved v=2", 2, "loop"),
+         "ScheduleInterleavedZeroBubble": ("interleaved zero bubble v=2", 2, "loop"),
+         "ScheduleZBVZeroBubble": ("zbv", 2, "v"), "ScheduleDualPipeV": ("dualpipev", 2, "v")}
+
+
+def torch_placement(depth: int, chunks: int, style: str) -> list[int]:
+    """The rank of each model stage: round-robin ("loop") or down and back ("v")."""
+    if style == "v":
+        return list(range(depth)) + list(reversed(range(depth)))
+    return [s % depth for s in range(depth * chunks)]
+
+
+def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
+    """One of torch.distributed.pipelining's schedules over PipelineStages of the emulated modules;
+    micro-batches are split from one batch along dim 0 (torch's convention: [1, sequence, hidden])."""
+    from torch.distributed import pipelining
+
+    name, v, style = TORCH[cls_name]
+    d, rank = setup.depth, dist.get_rank()
+    placement = torch_placement(d, v, style)
+    mine = [s for s, r in enumerate(placement) if r == rank]
+    times, config = setup.times(v), setup.config()
+    stages = [pipelining.PipelineStage(EmulatedStage(times[s], config, first=s == 0), s, d * v, torch.device("cpu"))
+              for s in mine]
+    schedule = getattr(pipelining, cls_name)(stages if v > 1 else stages[0], n, loss_fn=loss)
+    args = (sample((n, SEQ, HIDDEN)),) if 0 in mine else ()
+    target = torch.zeros(n) if d * v - 1 in mine else None
+
+    def run():
+        schedule.step(*args, target=target, return_outputs=False)
+    order = (from_torch(name, d, n, placement, schedule.pipeline_order) if v > 1
+             else build("1f1b", d, n))
+    return Case("torch", name, n, run, order, lowered=False, first_input_in_weight=True)
