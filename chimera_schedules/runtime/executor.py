@@ -18,6 +18,7 @@ No action synchronises the host with the device: an observer's action times are 
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -81,7 +82,7 @@ class _Messages:
         self.t, self.shape = transport, shape
         self.posted: dict[tuple, tuple] = {}  # message -> (handle, buffer, action)
         self.kept: dict[tuple, torch.Tensor] = {}
-        self.sends: list = []  # (handle, tensor kept alive until sent, action)
+        self.sends: dict[tuple, deque] = {}  # (group, peer) -> (handle, tensor kept alive, action), oldest first
 
     def receive(self, a: Action) -> None:
         buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.comm_device or self.t.device)
@@ -97,20 +98,24 @@ class _Messages:
         the send holds what it needs, and the backward needs only the output's graph."""
         kept = self.kept.pop(a.message)
         tensor = kept.detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
-        self.sends.append((self.t.p2p.isend(tensor, self.t.ranks[a.peer], self.t.groups[a.group]), tensor, a))
+        work = self.t.p2p.isend(tensor, self.t.ranks[a.peer], self.t.groups[a.group])
+        self.sends.setdefault((a.group, a.peer), deque()).append((work, tensor, a))
         if a.kind == "act" and kept.grad_fn is not None and kept._base is None:
             kept.data = torch.empty((1,), dtype=kept.dtype, device=kept.device)
 
     def reap(self) -> None:
         """Drop the sends that have completed (a query that does not block), so their tensors are freed
-        as soon as they are delivered rather than at the flush."""
-        pending = []
-        for send in self.sends:
-            if self.t.p2p.done(send[0]):
-                self._delivered(send[0], send[2])
-            else:
-                pending.append(send)
-        self.sends = pending
+        as soon as they are delivered rather than at the flush. A channel's sends complete in the order
+        they were posted (one stream per group and peer, NCCL_MODEL.md rule 1), so each channel is
+        queried from its oldest send to the first still in flight: a query per channel and per delivered
+        send, however many are in flight (with every send queried, an iteration's queries grew as N^2)."""
+        for queue in self.sends.values():
+            while queue and self.t.p2p.done(queue[0][0]):
+                work, _, a = queue.popleft()
+                self._delivered(work, a)
+
+    def in_flight(self) -> list[torch.Tensor]:
+        return [tensor for queue in self.sends.values() for _, tensor, _ in queue]
 
     def take(self, message: tuple) -> torch.Tensor:
         """The input a compute action needs: its posted receive (waited for now) or a local output."""
@@ -125,8 +130,9 @@ class _Messages:
         return buf.to(self.t.device)
 
     def drain(self) -> None:
-        for work, _, a in self.sends:
-            self._delivered(work, a)
+        for queue in self.sends.values():
+            for work, _, a in queue:
+                self._delivered(work, a)
         self.sends.clear()
 
     def _delivered(self, work, a: Action) -> None:
@@ -275,7 +281,7 @@ class _Run:
         m = self.messages
         return {"receive buffers": [buf for _, buf, _ in m.posted.values()],
                 "unsent": list(m.kept.values()) + list(self.embedded.values()),
-                "in flight": [t for _, t, _ in m.sends],
+                "in flight": m.in_flight(),
                 "stage inputs": [t for saved in self.saved.values() for t in saved if t is not None],
                 "kept for W": [g for w in self.weight_passes.values() for r in w.restarts for g in r.grads.values()
                                if g is not None]}
