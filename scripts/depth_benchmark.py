@@ -26,7 +26,7 @@ launch): our executor's lowered lists under gloo's rules, the peers' compute ord
 delay.
 
 Writes FILE (rows: runtime, schedule, D, N, ms, ms_min, ms_max, predicted_ms, bubble,
-predicted_bubble, and more; the ratios and the targets) and a plot beside it.
+predicted_bubble, and more; the ratios and the targets), its tables (.md) and a plot (.png) beside it.
 """
 from __future__ import annotations
 
@@ -126,27 +126,36 @@ def iteration(case) -> tuple[float, float]:
 
 
 def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
-    """Per case, every measured iteration as (ms, bubble) over all ranks: ms is the slowest rank's."""
+    """Per case, every measured iteration as (ms, bubble) over all ranks: ms is the slowest rank's. A
+    case runs one untimed iteration first whenever it is new (torch infers shapes and allocates its
+    buffers, gloo connects pairs): once, or every round for a case released after each round."""
+    import gc
+
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    for case in cases:  # warm-up: torch infers shapes, gloo connects pairs
-        iteration(case)
-    if dist.get_rank() == 0:
-        print(f"[D={world}] {len(cases)} cases built and warmed up", flush=True)
+    world, warm = dist.get_world_size(), [False] * len(cases)
     samples = [[] for _ in cases]
     for r in range(rounds):
         for i, case in enumerate(cases):
+            if not warm[i]:
+                iteration(case)
             for _ in range(iters):
-                mine = iteration(case)
-                every = [None] * world
-                dist.all_gather_object(every, mine)
-                ms = max(t for t, _ in every) * 1e3
-                samples[i].append((ms, 1 - sum(b for _, b in every) * 1e3 / (world * ms)))
+                samples[i].append(_timed(case, world))
+            warm[i] = not case.release()
+            gc.collect()
             if dist.get_rank() == 0:
                 print(f"[D={world} round {r + 1}/{rounds} {i + 1:2d}/{len(cases)}] {case.runtime:<13} "
                       f"{case.schedule_name:<28} N={case.microbatches:<3} {samples[i][-1][0]:8.1f} ms", flush=True)
     return samples
+
+
+def _timed(case, world: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    every = [None] * world
+    dist.all_gather_object(every, iteration(case))
+    ms = max(t for t, _ in every) * 1e3
+    return ms, 1 - sum(b for _, b in every) * 1e3 / (world * ms)
 
 
 def row(setup, case, samples) -> dict:
@@ -209,7 +218,7 @@ def launch(depth: int, args, out: str) -> dict:
 
 
 def main() -> None:
-    from depth.report import document, plot, table
+    from depth.report import document, markdown, plot, table
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=list(DEPTHS), help="pipeline depths D (one launch each)")
@@ -231,9 +240,12 @@ def main() -> None:
         json.dump(doc, f, indent=1)
     for d in args.stages:
         os.remove(f"{args.out}.D{d}.part")
-    plot(doc, os.path.splitext(args.out)[0] + ".png")
+    stem = os.path.splitext(args.out)[0]
+    plot(doc, stem + ".png")
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(doc))
     print(table(doc))
-    print(f"wrote {args.out} and its plot in {time.time() - start:.0f} s")
+    print(f"wrote {args.out}, {stem}.md and {stem}.png in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

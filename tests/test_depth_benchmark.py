@@ -24,4 +24,4 @@ def test_every_runtime_completes_on_the_emulated_device(tmp_path):
             ("torch", "dualpipev"), ("torch", "interleaved zero bubble v=2"), ("ours", "chimera split"),
             ("ours", "dualpipev")} <= cases
     assert not doc["skipped"]  # N = 2D: every schedule's rules allow it
-    assert set(doc["targets"]) and (tmp_path / "depth.png").exists()
+    assert set(doc["targets"]) and (tmp_path / "depth.png").exists() and (tmp_path / "depth.md").exists()

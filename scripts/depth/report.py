@@ -71,7 +71,7 @@ def document(per_depth: list[dict], command: str) -> dict:
     return {"command": command, "date": str(date.today()),
             "machine": f"{platform.machine()}, {socket.gethostname()}",
             "forward_ms": per_depth[0]["forward_ms"], "rounds": per_depth[0]["rounds"],
-            "iters": per_depth[0]["iters"], "p2p_ms": {doc["D"]: doc["p2p_ms"] for doc in per_depth},
+            "iters": per_depth[0]["iters"], "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "ratios": ratio_rows,
             "overheads": overhead_rows, "targets": targets(rows, ratio_rows, overhead_rows)}
 
@@ -90,6 +90,29 @@ def table(doc: dict) -> str:
     for name, t in doc["targets"].items():
         lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {t.get('misses') or t.get('value') or ''}")
     return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    """Every row as a table per depth, then the ratios and the targets (the README quotes them)."""
+    out = []
+    for d in sorted({r["D"] for r in doc["rows"]}):
+        out += [f"### D={d} (one message: {doc['p2p_ms'][str(d)]:.2f} ms)",
+                "", "| runtime | schedule | N | ms (min-max) | predicted ms | measured / predicted | bubble | "
+                "predicted bubble |", "|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in doc["rows"] if r["D"] == d):
+            out.append(f"| {r['runtime']} | {r['schedule']} | {r['N']} | {r['ms']:.0f} ({r['ms_min']:.0f}-"
+                       f"{r['ms_max']:.0f}) | {r['predicted_ms']:.0f} | {r['measured_over_predicted']:.3f} | "
+                       f"{r['bubble']:.1%} | {r['predicted_bubble']:.1%} |")
+        out.append("")
+    out += ["| ratio | D | N | measured (per round) | memory, busiest rank |", "|---|---|---|---|---|"]
+    for r in doc["ratios"]:
+        out.append(f"| {r['ratio']} | {r['D']} | {r['N']} | {r['value']:.3f}x ({min(r['per_round']):.3f}-"
+                   f"{max(r['per_round']):.3f}) | {r['memory']} |")
+    out += ["", "| target | met | misses |", "|---|---|---|"]
+    for name, t in doc["targets"].items():
+        misses = "; ".join(t.get("misses", [])) or (f"{t['value']:.3f}x" if t.get("value") else "")
+        out.append(f"| {name} | {'yes' if t['met'] else 'no'} | {misses} |")
+    return "\n".join(out) + "\n"
 
 
 def plot(doc: dict, path: str) -> None:

@@ -36,6 +36,7 @@ class Case:
     schedule: Schedule  # the order the simulator replays
     lowered: bool  # replay it as our executor posts it (lowered), or as compute only
     first_input_in_weight: bool = False  # costs.cost_model's option
+    release: Callable[[], bool] = lambda: False  # drop what the case holds between rounds; True if it did
 
 
 @dataclass
@@ -177,7 +178,10 @@ def torch_placement(depth: int, chunks: int, style: str) -> list[int]:
 
 def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
     """One of torch.distributed.pipelining's schedules over PipelineStages of the emulated modules;
-    micro-batches are split from one batch along dim 0 (torch's convention: [1, sequence, hidden])."""
+    micro-batches are split from one batch along dim 0 (torch's convention: [1, sequence, hidden]).
+    Its stages keep a receive buffer per micro-batch once they have run, so the case is released
+    after each round and built again (and warmed up again) in the next: at D=16, N=64 every torch
+    case held at once would not fit in this machine's memory."""
     from torch.distributed import pipelining
 
     name, v, style = TORCH[cls_name]
@@ -185,14 +189,23 @@ def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
     placement = torch_placement(d, v, style)
     mine = [s for s, r in enumerate(placement) if r == rank]
     times, config = setup.times(v), setup.config()
-    stages = [pipelining.PipelineStage(EmulatedStage(times[s], config, first=s == 0), s, d * v, torch.device("cpu"))
-              for s in mine]
-    schedule = getattr(pipelining, cls_name)(stages if v > 1 else stages[0], n, loss_fn=loss)
+
+    def make():
+        stages = [pipelining.PipelineStage(EmulatedStage(times[s], config, first=s == 0), s, d * v,
+                                           torch.device("cpu")) for s in mine]
+        return getattr(pipelining, cls_name)(stages if v > 1 else stages[0], n, loss_fn=loss)
+
+    held = [make()]  # constructing one allocates nothing yet; its order is the prediction's
     args = (sample((n, SEQ, HIDDEN)),) if 0 in mine else ()
     target = torch.zeros(n) if d * v - 1 in mine else None
 
     def run():
-        schedule.step(*args, target=target, return_outputs=False)
-    order = (from_torch(name, d, n, placement, schedule.pipeline_order) if v > 1
-             else build("1f1b", d, n))
-    return Case("torch", name, n, run, order, lowered=False, first_input_in_weight=True)
+        if not held:
+            held.append(make())
+        held[0].step(*args, target=target, return_outputs=False)
+
+    def release() -> bool:
+        held.clear()
+        return True
+    order = (from_torch(name, d, n, placement, held[0].pipeline_order) if v > 1 else build("1f1b", d, n))
+    return Case("torch", name, n, run, order, lowered=False, first_input_in_weight=True, release=release)
