@@ -196,13 +196,14 @@ def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
         return getattr(pipelining, cls_name)(stages if v > 1 else stages[0], n, loss_fn=loss)
 
     held = [make()]  # constructing one allocates nothing yet; its order is the prediction's
-    args = (sample((n, SEQ, HIDDEN)),) if 0 in mine else ()
     target = torch.zeros(n) if d * v - 1 in mine else None
 
     def run():
         if not held:
             held.append(make())
-        held[0].step(*args, target=target, return_outputs=False)
+        if len(held) == 1:  # the first stage's batch of N samples, held as long as the case
+            held.append((sample((n, SEQ, HIDDEN)),) if 0 in mine else ())
+        held[0].step(*held[1], target=target, return_outputs=False)
 
     def release() -> bool:
         held.clear()
