@@ -14,7 +14,7 @@ forward is ``--forward-ms`` (scripts/depth/costs.py).
 The same modules run under our executor (every registry schedule the sizes allow), megatron-core's
 1F1B and interleaved schedules, and torch.distributed.pipelining's Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV,
-at N = D, 2D and 4D. Each case is built once and warmed up once; then every round runs every case,
+at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this machine's memory). Each case is built once and warmed up once; then every round runs every case,
 so that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
 micro-batches from a barrier to the last rank's return (no optimizer step: the peers' runtimes have
 none); its bubble is the share of the D ranks' time not spent in a stage's wait.
@@ -43,6 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 DEPTHS = (4, 8, 16)
+MEMORY_BOUND_DEPTH = 16  # here N = 4D does not fit: 16 ranks of N=64 cases ran out of this machine's 24 GB
+
+
+def default_microbatches(depth: int) -> list[int]:
+    """N = D, 2D and 4D; at D=16 only D and 2D (``--microbatches 64`` asks for 4D on a bigger machine)."""
+    return [depth, 2 * depth] + ([4 * depth] if depth < MEMORY_BOUND_DEPTH else [])
 OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best", "chimera split",
         "dualpipe", "dualpipev", "gpipe", "1f1b split")
 
@@ -186,7 +192,7 @@ def worker(args) -> None:
     parallel_state.initialize_model_parallel(1, d)
     setup = runtimes.Setup(d, args.forward_ms)
     setup.p2p_ms = p2p_ms((runtimes.SEQ, 1, runtimes.HIDDEN), runtimes.DTYPE)
-    microbatches = args.microbatches or [d, 2 * d, 4 * d]
+    microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, microbatches)
     samples = measure(cases, args.rounds, args.iters)
     if dist.get_rank() == 0:
@@ -222,7 +228,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=list(DEPTHS), help="pipeline depths D (one launch each)")
-    p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D)")
+    p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D; D and 2D at D=16)")
     p.add_argument("--forward-ms", type=float, default=20.0, help="a 1F1B stage's median forward")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
