@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 DEPTH, MICROBATCHES, TOLERANCE = 4, 16, 0.15
 SCHEDULES = ("1f1b", "chimera direct", "chimera split", "dualpipe")
@@ -190,9 +190,7 @@ def main() -> None:
     if args.worker:
         worker(args.out)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(DEPTH),
                            "--master_port", port, __file__, "--worker", "--out", args.out], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 DEPTHS = (4, 8, 16)
 MEMORY_BOUND_DEPTH = 16  # here N = 4D does not fit: 16 ranks of N=64 cases ran out of this machine's 24 GB
@@ -208,9 +208,7 @@ def worker(args) -> None:
 
 def launch(depth: int, args, out: str) -> dict:
     """One torchrun of ``depth`` processes; its JSON."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     extra = ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            __file__, "--worker", "--out", out, "--forward-ms", str(args.forward_ms), "--rounds", str(args.rounds),

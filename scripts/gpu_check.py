@@ -57,7 +57,6 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from datetime import date
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 LAUNCHER = os.path.join(ROOT, "scripts", "gpu_check_pretrain.py")
 ITERS = 6
@@ -142,11 +142,6 @@ def error_line(output: str) -> str:
 def result(status: str, reason: str, **details) -> dict:
     return {"status": status, "reason": reason, **details}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(cmd: list[str], env: dict, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int | None, str, str]:

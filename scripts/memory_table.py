@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--vocab-size", "1000", "--mock-data", "--micro-batch-size", "1",
@@ -28,9 +28,7 @@ LINE = re.compile(r"max model state \(bytes\) \| parameters: (\d+) \| main param
 
 
 def measure(schedule: str, depth: int, dp: int, flags: list[str]) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     args = MODEL + ["--pipeline-model-parallel-size", str(depth), "--pipeline-schedule", schedule,
                     "--global-batch-size", str(2 * depth * dp), *flags]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth * dp),

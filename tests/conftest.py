@@ -1,11 +1,12 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
+
+from megatron.chimera.distributed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,9 +18,7 @@ def one_process_group():
     from megatron.core import parallel_state
     from megatron.chimera.model import cpu_compat
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cpu_compat.apply()
     cpu_compat.apply()  # idempotent

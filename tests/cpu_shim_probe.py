@@ -9,7 +9,6 @@ import contextlib
 import inspect
 import json
 import os
-import socket
 import sys
 import warnings
 
@@ -30,6 +29,7 @@ from megatron.core.transformer.moe import token_dispatcher  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron.chimera.model import cpu_compat  # noqa: E402
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
             "get_state": random._get_cuda_rng_state, "set_state": random._set_cuda_rng_state,
@@ -133,9 +133,7 @@ def attempt(run) -> str | None:
 
 
 def main():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(1, 1)

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.distributed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -89,16 +89,11 @@ def test_every_rule_fails_before_anything_starts(tmp_path, capsys, flags, world,
 
 
 # ---------------------------------------------------------------------------------- runtime faults
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
 
 def ranks(*argv, env=None, per_rank=((), ())):
     """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us); with ``env``,
     pretrain_gpt.py with the faults it names injected (fault_hooks.py). ``per_rank``: flags one rank adds."""
-    port = free_port()
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         e = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
@@ -185,10 +180,9 @@ def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text() == str(stopped) and stopped < 60
     resumed = ranks(*CHIMERA2, "--train-iters", "60", "--load", str(save))
     uninterrupted = ranks(*CHIMERA2, "--train-iters", "60")
-    got = dict(LOSS.findall(resumed[1].communicate(timeout=300)[0]))
-    want = dict(LOSS.findall(uninterrupted[1].communicate(timeout=300)[0]))
-    for p in resumed + uninterrupted:
-        p.wait(timeout=60)
+    outs = [p.communicate(timeout=300) for p in resumed + uninterrupted]
+    assert [p.returncode for p in resumed + uninterrupted] == [0] * 4, "".join(err[-2000:] for _, err in outs)
+    got, want = dict(LOSS.findall(outs[1][0])), dict(LOSS.findall(outs[3][0]))
     assert min(int(k) for k in got) == stopped + 1 and got == {k: v for k, v in want.items() if int(k) > stopped}
 
 

@@ -6,14 +6,15 @@ import os
 import re
 import subprocess
 
-from test_training import ENV, free_port
+from megatron.chimera.distributed.ports import free_port
+from test_training import ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \| seq_load_balancing_loss: (\S+) \|")
 
 
 def recipe(name: str, tokenizer: str, **knobs: str) -> subprocess.CompletedProcess:
-    env = {**ENV, "TOKENIZER_MODEL": tokenizer, "PRECISION": "", "MASTER_PORT": free_port(), **knobs}
+    env = {**ENV, "TOKENIZER_MODEL": tokenizer, "PRECISION": "", "MASTER_PORT": str(free_port()), **knobs}
     proc = subprocess.run(["bash", f"scripts/moe_recipes/{name}.sh", "--train-iters", "3", "--eval-iters", "0"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

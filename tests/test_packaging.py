@@ -8,7 +8,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_training import ENV, free_port  # noqa: E402
+from test_training import ENV  # noqa: E402
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 OUTSIDE_ENV = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
 
@@ -26,7 +27,7 @@ def test_wheel_training_package_and_ours_import_side_by_side(tmp_path):
 
 def test_torchrun_of_the_repo_script_trains_from_another_directory(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", free_port(), os.path.join(ROOT, "pretrain_gpt.py"),
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--mock-data",
            "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",

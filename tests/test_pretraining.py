@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_training import ENV, free_port  # noqa: E402
+from test_training import ENV  # noqa: E402
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
@@ -19,7 +20,7 @@ VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) 
 
 def run(nproc: int, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     "--nproc_per_node", str(nproc), "--master_port", free_port()]
+                                                     "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     proc = subprocess.run(launcher + [*args], cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True,
                           text=True, timeout=600)
     if check:

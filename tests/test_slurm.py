@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from megatron.chimera.distributed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUNGE_SOCKET = "/run/munge/munge.socket.2"
 
@@ -18,11 +20,6 @@ pytestmark = pytest.mark.skipif(
     not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")),
     reason="Slurm is not installed (scripts/install_slurm.sh needs root and apt-get)")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def munge_works() -> bool:

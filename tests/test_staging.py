@@ -3,12 +3,12 @@ collective works on a host copy and writes its result back into the device tenso
 at wait(). The copy is always made, so on this CPU-only machine two real ranks check the write-back:
 a result that stayed in the host copy leaves the tensor's own values, and the test fails."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.distributed.process_groups import Runtime
 
 
@@ -34,9 +34,7 @@ def staged_collectives(rank: int, port: int, out: str) -> None:
 
 
 def test_staged_all_reduce_writes_back(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(staged_collectives, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -7,7 +7,6 @@ untied embeddings, RoPE). Then the README's main command, run as written.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -16,16 +15,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from equivalence_harness import KAPPA_MAX, TOLERANCE, cases  # noqa: E402
+from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 HARNESS = os.path.join(ROOT, "tests", "equivalence_harness.py")
 CASES = sorted(name for world in (2, 4) for name in cases(world))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def launch(nproc: int, *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -33,7 +28,7 @@ def launch(nproc: int, *argv: str, timeout: int = 600) -> subprocess.CompletedPr
         cmd = [sys.executable, *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", free_port(), *argv]
+               "--master_port", str(free_port()), *argv]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 

@@ -116,9 +116,9 @@ def init_distributed(backend: str | None, timeout_minutes: float,
 
         cpu_compat.apply()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
+        if "RANK" not in os.environ:  # port 0: the lone store binds any free port, so lone runs never collide
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+                              MASTER_PORT=os.environ.get("MASTER_PORT", "0"))
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     return backend, device
 
