@@ -3,36 +3,14 @@
     torchrun --nproc_per_node 4 pretrain_gpt.py --pipeline-model-parallel-size 4 \\
         --pipeline-schedule chimera --mock-data ...
 
-As in Megatron-LM, this file holds the model-specific parts (the forward step and the loss); the
-training loop lives in megatron/chimera/.
+As in Megatron-LM, this program pairs the model-specific parts (the forward step and the loss, in
+megatron/chimera/model/gpt_step.py so that tests and benchmarks import the same functions) with the
+training loop (megatron/chimera/). To train another model, pass your own forward step to ``pretrain``.
 """
-from functools import partial
-
-import torch
-
 from megatron.chimera import parse_args, pretrain
+from megatron.chimera.model.gpt_step import forward_step, loss_func
 
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of token losses, the token count, and the report Megatron logs as 'lm loss'."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)  # megatron-core's schedules count tokens in an int tensor
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-
-
-def forward_step(data_iterator, model):
-    """One micro-batch through one model chunk. Middle stages get no data: their input is the
-    previous stage's activation, set by the schedule through ``set_input_tensor``."""
-    batch = next(data_iterator) if data_iterator is not None else None
-    tokens = batch["tokens"] if model.pre_process else None
-    position_ids = batch["position_ids"] if model.pre_process else None
-    labels = batch["labels"] if model.post_process else None
-    output = model(tokens, position_ids, None, labels=labels)
-    loss_mask = batch["loss_mask"] if model.post_process else None
-    return output, partial(loss_func, loss_mask)
-
+__all__ = ["forward_step", "loss_func"]
 
 if __name__ == "__main__":
     pretrain(parse_args(), forward_step)

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py               # on a GPU machine: every check its GPU count allows
     python scripts/gpu_check.py --cpu-smoke   # anywhere: the same orchestration on the CPU (gloo)
 
-Writes benchmarks/gpu_check.json (every check's result and the commands it ran) and prints one verdict
+Writes benchmarks/results/gpu_check.json (every check's result and the commands it ran) and prints one verdict
 line; exits non-zero when a check fails. Each check is independent: a failure is recorded and the next
 check runs. Training comparisons use a tiny GPT (TINY: vocab 128, 4 layers, hidden 64, sequence 64, mock
 data, no dropout, no biases) for ITERS iterations, launched through scripts/gpu_check_pretrain.py
@@ -19,7 +19,7 @@ One GPU:
    host-staged ranks), 1e-5 relative in every loss: splitting reorders work, never results. 1e-5, not
    the CPU suite's 1e-6, since GPU kernels may reduce in another order.
 3. bf16-distributed-optimizer: Chimera D=2 --bf16 --use-distributed-optimizer, host-staged, against one
-   bf16 process with the distributed optimizer. This is tests/equivalence_harness.py's "chimera bf16
+   bf16 process with the distributed optimizer. This is megatron/chimera/testing/equivalence.py's "chimera bf16
    D=2" case with its model (MODEL, whose loss condition number the bound's premise measured) and its
    bound, TOLERANCE["bf16"][0] = ITERS x u (u = 2^-8; derived there), imported, not copied.
 4. no-sync-in-forward-backward: torch.cuda.set_sync_debug_mode("error") from the hooks'
@@ -67,7 +67,6 @@ from dataclasses import dataclass, field
 from datetime import date
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 LAUNCHER = os.path.join(ROOT, "scripts", "gpu_check_pretrain.py")
@@ -245,13 +244,13 @@ def check_split_backward_matches(m: Machine) -> dict:
 
 
 def check_bf16_distributed_optimizer(m: Machine) -> dict:
-    """tests/equivalence_harness.py's bf16 Chimera D=2 case, distributed optimizer and host staging
+    """megatron/chimera/testing/equivalence.py's bf16 Chimera D=2 case, distributed optimizer and host staging
     added, against its one-process bf16 reference with the distributed optimizer; its bound."""
-    from equivalence_harness import MODEL, TOLERANCE, VARIANTS
+    from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
 
     flags = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1"] + COMMON + DISTOPT
     found = compare(train(m, flags + chimera(2) + m.staging, 2), train(m, flags, 1), TOLERANCE["bf16"][0])
-    return {**found, "bound_source": "tests/equivalence_harness.py TOLERANCE['bf16'][0] = ITERS x 2^-8"}
+    return {**found, "bound_source": "megatron/chimera/testing/equivalence.py TOLERANCE['bf16'][0] = ITERS x 2^-8"}
 
 
 def check_no_sync_in_forward_backward(m: Machine) -> dict:
@@ -531,7 +530,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="The first-GPU check (see this file's docstring).")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="without a GPU: run the orchestration on the CPU (gloo); GPU-only checks skip")
-    parser.add_argument("--out", help="the JSON to write (default benchmarks/gpu_check.json; with --cpu-smoke, "
+    parser.add_argument("--out", help="the JSON to write (default benchmarks/results/gpu_check.json; with --cpu-smoke, "
                                       "gpu_check_cpu_smoke.json in the temporary directory)")
     parser.add_argument("--interconnect-worker", metavar="JSON", help=argparse.SUPPRESS)  # measure_interconnect's
     options = parser.parse_args()
@@ -544,7 +543,7 @@ def main() -> None:
         sys.exit("gpu_check: FAIL: no GPU here (torch.cuda.is_available() is False); --cpu-smoke exercises the "
                  "script on the CPU")
     out = options.out or (os.path.join(tempfile.gettempdir(), "gpu_check_cpu_smoke.json") if options.cpu_smoke
-                          else os.path.join(ROOT, "benchmarks", "gpu_check.json"))
+                          else os.path.join(ROOT, "benchmarks", "results", "gpu_check.json"))
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_check.") as workdir:
         gpus = 0 if options.cpu_smoke else torch.cuda.device_count()

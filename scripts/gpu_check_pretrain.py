@@ -20,10 +20,9 @@ import traceback
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron.chimera import Hooks, parse_args, pretrain  # noqa: E402
-from pretrain_gpt import forward_step  # noqa: E402
+from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
 
 
 class CheckObserver(Hooks):

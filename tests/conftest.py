@@ -11,6 +11,15 @@ from megatron.chimera.distributed.ports import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(items):
+    """Mark each test by its folder, so that ``-m unit`` or ``-m integration`` selects a kind; the
+    README's command runs both."""
+    for item in items:
+        kind = os.path.basename(os.path.dirname(str(item.path)))
+        if kind in ("unit", "integration"):
+            item.add_marker(getattr(pytest.mark, kind))
+
+
 @pytest.fixture(scope="session")
 def one_process_group():
     """A one-process gloo group with megatron-core's parallel state and the CPU layer, for tests that

@@ -1,6 +1,6 @@
 """What megatron-core 0.19 hard-codes to CUDA, redirected to the CPU. One module, applied once, and
 only when training runs on the CPU (``apply`` refuses when CUDA is in use). With torch's CUDA build on a
-machine without a driver, each of these raises "Found no NVIDIA driver"; tests/cpu_shim_probe.py
+machine without a driver, each of these raises "Found no NVIDIA driver"; megatron/chimera/testing/cpu_shim_probe.py
 undoes them one at a time against megatron-core's own code, and a test fails when one is no longer
 needed.
 

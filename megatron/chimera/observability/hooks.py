@@ -1,7 +1,7 @@
 """The training loop's hooks protocol: fixed points where an observer may act, each a no-op here.
 
-Tests inject faults through it (``tests/fault_hooks.py``) and the benchmark times iterations and
-actions with it (``scripts/benchmark.py``), so neither patches the loop and the loop holds no test
+Tests inject faults through it (``megatron/chimera/testing/fault_hooks.py``) and the benchmark times iterations and
+actions with it (``benchmarks/quick.py``), so neither patches the loop and the loop holds no test
 or benchmark logic. Pass an instance to ``pretrain`` or ``Trainer``.
 """
 from __future__ import annotations

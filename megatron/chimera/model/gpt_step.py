@@ -1,0 +1,29 @@
+"""GPT's forward step and loss, as Megatron-LM's ``pretrain_gpt.py`` defines them.
+
+They live in the package rather than in ``pretrain_gpt.py`` so that the equivalence harness, the
+probes and the benchmarks import the very functions users train with, from anywhere.
+"""
+from functools import partial
+
+import torch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses, the token count, and the report Megatron logs as 'lm loss'."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)  # megatron-core's schedules count tokens in an int tensor
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through one model chunk. Middle stages get no data: their input is the
+    previous stage's activation, set by the schedule through ``set_input_tensor``."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = batch["tokens"] if model.pre_process else None
+    position_ids = batch["position_ids"] if model.pre_process else None
+    labels = batch["labels"] if model.post_process else None
+    output = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if model.post_process else None
+    return output, partial(loss_func, loss_mask)

@@ -1,0 +1,347 @@
+"""Run many training cases inside one launch, to keep process starts few.
+
+    python -m megatron.chimera.testing.equivalence --out DIR                 # the one-process references
+    torchrun --nproc_per_node 2|4 -m megatron.chimera.testing.equivalence --out DIR [--only TEXT]
+
+Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
+rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
+the reference in losses and in final weights, whether every copy of every stage (and of the tied
+embedding) was bitwise identical after every step, and evaluation checks. The one-process launch
+writes the references (losses, evaluation loss, final weights) per model variant.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args  # noqa: E402
+from megatron.chimera.model.chunk import global_name, is_gated, tp_shard  # noqa: E402
+from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
+
+ITERS = 3
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--vocab-size", "128", "--hidden-dropout", "0",
+         # one padded vocabulary (128) at TP = 1 and 2: megatron-core 0.19's NullTokenizer has exactly
+         # --vocab-size ids, which Megatron pads to a multiple of 128 x TP by default
+         "--make-vocab-size-divisible-by", "64",
+         "--attention-dropout", "0", "--lr", "1e-3", "--mock-data", "--train-iters", str(ITERS),
+         "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "1000", "--seed", "4321",
+         # Biases off: the key bias has an exactly-zero true gradient, and AdamW turns its rounding noise
+         # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
+         "--disable-bias-linear"]
+MIXTRAL = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+           "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "allgather"]
+VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weights"],
+            "rope": ["--position-embedding-type", "rope"],
+            # Llama's architecture flags as Megatron-LM's Llama recipes spell them (biases are off for all)
+            "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--group-query-attention",
+                      "--num-query-groups", "2", "--use-rotary-position-embeddings", "--no-position-embedding",
+                      "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-5"],
+            "qk-layernorm": ["--qk-layernorm", "--normalization", "RMSNorm"],  # LayerNorm's key bias has zero gradient
+            # Megatron-LM's --fp16, its loss scale low enough that no iteration overflows
+            "fp16": ["--fp16", "--initial-loss-scale", "4096"],
+            "bf16": ["--bf16"],  # Megatron-LM's: bf16 weights, fp32 main weights and gradients, no loss scale
+            # Mixtral's MoE flags as Megatron-LM's Mixtral recipe spells them, scaled down (no token dropped)
+            "mixtral": MIXTRAL,
+            # the same with a capacity: tokens past it are dropped, the same ones in every layout
+            "mixtral-capacity": MIXTRAL + ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
+            # DeepSeek's: first layer dense, a shared expert, sigmoid routing with expert bias (aux-loss-free
+    # balancing; a high update rate so the bias moves the routing within the test's 3 iterations),
+    # group-limited top-k, multi-latent attention
+            "deepseek-style": ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+                               "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]+[1]*7",
+                               "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                               "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                               "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+                               "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+                               "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+                               "--kv-channels", "8", "--qk-layernorm", "--position-embedding-type", "rope",
+                               "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
+                               "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]}
+
+
+# How close a layout must come to the one-process reference: (losses, whole model's weights, worst
+# single tensor, evaluation loss), relative.
+#
+# fp32: layouts differ only in the order of fp32 sums, so 1e-6. AdamW turns ~1e-10 differences in
+# elements whose gradient is near its eps into larger moves, so one small tensor may reach 1e-4.
+#
+# fp16 and bf16 (Megatron's: fp32 main weights and gradients, the model's weights rounded to the
+# format after every step). Let u be the format's unit roundoff, 2^-11 for fp16 and 2^-8 for bf16, and
+# k = ITERS the number of steps.
+# - Weights. A layout's fp32 main weights agree with the reference's to fp32 precision, far below the
+#   format's spacing, and each side rounds to nearest, so after a step every low-precision weight is
+#   the reference's or its neighbour: |dw| <= 2u|w|. Tensor parallelism also rounds its partial sums in
+#   the format, which is a perturbation of the same size. Rounded afresh each step, the differences
+#   add up over k steps at most: whole model <= 2ku.
+# - Losses. To first order a relative perturbation of at most 2u in every weight moves the loss by
+#   at most 2u * sum_i |w_i dL/dw_i| = 2u * kappa * L, where kappa is the loss's condition number with
+#   respect to the weights. The fp32 references measure kappa after every step (kappa_rel, checked
+#   <= KAPPA_MAX = 1/2 in test_training; 0.31 for this GPT and 0.25 for the Llama variant), so each
+#   step adds at most u to the relative loss difference: losses and evaluation <= ku.
+# - Before the first update there is no rounding difference yet: without tensor parallelism the first
+#   loss is the reference's arithmetic, within fp32's 1e-6 (checked too).
+# - The worst single tensor is not bounded by the format: AdamW normalises a gradient that is pure
+#   rounding noise to a step of lr either way, so it is reported, not asserted.
+# Measured on one CPU (bf16 / fp16, Chimera D=2): losses 1.8e-5 / 1.4e-6 against ku = 1.2e-2 / 1.5e-3;
+# weights 7.2e-5 / 8.6e-6 against 2ku = 2.3e-2 / 2.9e-3; fp16 at TP=2 2.6e-4.
+KAPPA_MAX = 0.5
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+TOLERANCE = {"fp32": (1e-6, 1e-6, 1e-4, 1e-6),
+             **{fmt: (ITERS * u, 2 * ITERS * u, None, ITERS * u) for fmt, u in UNIT_ROUNDOFF.items()}}
+
+
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+EP2 = ["--expert-model-parallel-size", "2"]
+
+
+def schedule_cases(d: int) -> dict[str, list[str]]:
+    pp = ["--pipeline-model-parallel-size", str(d), "--micro-batch-size", "1"]
+    vpp = ["--num-layers-per-virtual-pipeline-stage", str(8 // (2 * d))]
+    return {
+        f"gpipe D={d}": pp + ["--pipeline-schedule", "gpipe"],
+        f"1f1b D={d}": pp + ["--pipeline-schedule", "1f1b"],
+        f"interleaved v=2 D={d}": pp + ["--pipeline-schedule", "interleaved"] + vpp,
+        f"chimera direct D={d}": pp + ["--pipeline-schedule", "chimera"],
+        f"chimera doubling D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-concat", "doubling"],
+        f"chimera best D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-order", "best"],
+        f"megatron-1f1b D={d}": pp + ["--pipeline-schedule", "megatron-1f1b"],
+        f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
+        f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
+        f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
+    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {})
+
+
+def cases(world: int) -> dict[str, tuple[str, list[str]]]:
+    """name -> (reference variant, flags), for the cases that fill ``world`` processes."""
+    if world == 1:
+        return {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS}
+    if world == 2:
+        out = {k: ("tied-learned", v) for k, v in schedule_cases(2).items()}
+        out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
+        out["chimera fp16 D=2"] = ("fp16", schedule_cases(2)["chimera direct D=2"])
+        out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
+        out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                                                        "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
+        out["mixtral chimera D=2"] = ("mixtral", schedule_cases(2)["chimera direct D=2"])
+        out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
+        out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
+        out["deepseek-style chimera split D=2"] = ("deepseek-style", schedule_cases(2)["chimera split D=2"])
+        return out
+    chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
+    chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
+    out = {k: ("tied-learned", v) for k, v in schedule_cases(4).items()}
+    out.update({
+        "chimera direct D=4 emulated NCCL": ("tied-learned", chimera4 + ["--emulate-nccl"]),
+        "chimera best D=4 emulated NCCL": ("tied-learned", chimera4 + ["--chimera-order", "best", "--emulate-nccl"]),
+        "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
+        "chimera D=2 DP=2": ("tied-learned", chimera2),
+        "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
+        "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward", "--tensor-model-parallel-size", "2"]),
+        "chimera untied D=4": ("untied", chimera4),
+        "chimera rope D=4": ("rope", chimera4),
+        "chimera llama D=4": ("llama", chimera4),
+        "chimera fp16 D=2 TP=2": ("fp16", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera qk-layernorm D=2 TP=2": ("qk-layernorm", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
+        "chimera llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--tensor-model-parallel-size", "2",
+                                                                          "--sequence-parallel"]),
+        "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
+        "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
+        "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
+                                                                 + ["--overlap-grad-reduce", "--overlap-param-gather"]),
+        "chimera distributed optimizer D=2 TP=2": ("tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
+        "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
+        "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),
+        "chimera llama distributed optimizer D=2 TP=2 sequence parallel": (
+            "llama", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "1f1b distributed optimizer D=2 DP=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                                                                 "--pipeline-schedule", "1f1b"] + DISTOPT),
+        "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+                                                          "--pipeline-schedule", "megatron-interleaved",
+                                                          "--num-layers-per-virtual-pipeline-stage", "1"]),
+        "mixtral chimera D=4": ("mixtral", chimera4),
+        "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
+        "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
+        "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", chimera2 + EP2 + DISTOPT),
+        "deepseek-style chimera D=4": ("deepseek-style", chimera4),
+        "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
+    })
+    return out
+
+
+def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
+    """Every parameter, and every router's expert bias (aux-loss-free balancing moves it), by global name."""
+    trainer.main.flush()  # --overlap-param-gather leaves the last gather to the next forward
+    out = {(p.global_name, trainer.rt.tp_rank): p.detach().clone() for m in trainer.models for p in m.parameters()}
+    per_stage = trainer.args.num_layers // trainer.plan.model_stages
+    for m in trainer.models:
+        for name, bias in m.named_buffers():
+            if name.endswith("expert_bias"):
+                out[(global_name(name, m.stage * per_stage, False), trainer.rt.tp_rank)] = bias.detach().clone()
+    return out
+
+
+def copies_identical(trainer) -> bool:
+    """Every copy of every parameter (same global name and TP shard), on every rank, bitwise equal."""
+    digests = {k: hashlib.sha1(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+               for k, v in local_weights(trainer).items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    seen: dict = {}
+    return all(seen.setdefault(k, d) == d for per_rank in gathered for k, d in per_rank.items())
+
+
+def compare_weights(weights: dict, reference: dict, tp: int, args) -> tuple[float, float]:
+    """(relative error of the whole model, worst relative error of one tensor), each logical tensor
+    (global name and TP shard) counted once however many copies the layout holds. Whole-model is the
+    criterion: AdamW turns ~1e-10 rounding differences in elements whose gradient is near its eps
+    into ~1e-7 weight differences, which can lift one small tensor's error above 1e-6."""
+    mine = {}
+    for (gname, tp_rank), w in weights.items():
+        full = reference[gname]
+        dim = next((d for d in range(full.dim()) if full.shape[d] != w.shape[d]), None)
+        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(args, gname))
+        mine[(gname, tp_rank)] = ((w - expected).double().pow(2).sum().item(), expected.double().pow(2).sum().item())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
+    diff, norm = sum(d for d, _ in merged.values()), sum(n for _, n in merged.values())
+    worst = max((d / n) ** 0.5 for d, n in merged.values() if n > 0)
+    return (diff / norm) ** 0.5, worst
+
+
+def evaluation_is_side_effect_free(trainer) -> bool:
+    """Evaluation changes no gradient, the model's or the main ones the optimizer steps (the
+    distributed optimizer's live only there), and no optimizer state. With no gradient there to change
+    the check would prove nothing, so that fails too."""
+    before = [t.clone() for t in _training_state(trainer)]
+    has_grads = any(p.grad is not None for p in trainer.main.all())
+    trainer.evaluate(0)
+    after = _training_state(trainer)
+    return has_grads and len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _training_state(trainer) -> list[torch.Tensor]:
+    """Every gradient and optimizer-state tensor, in a fixed order."""
+    params = [p for m in trainer.models for p in m.parameters()] + list(trainer.main.all())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return grads + state
+
+
+def condition_number(trainer, loss: float) -> float | None:
+    """sum_i |w_i dL/dw_i| / L for the step just taken (one process, fp32: the gradients are the
+    parameters' own), the premise of the reduced-precision bounds (TOLERANCE)."""
+    params = [p for m in trainer.models for p in m.parameters()]
+    if any(p.grad is None for p in params):
+        return None
+    return sum((p.double() * p.grad.double()).abs().sum().item() for p in params) / abs(loss)
+
+
+class HookRecorder(Hooks):
+    """What the hooks protocol shows the benchmark and the fault tests: each iteration begun and its
+    backward finished, in order, every compute action our executor runs (timed after the flush), and
+    every action it posts, with what it holds then."""
+
+    def __init__(self):
+        self.seen, self.actions, self.posted, self.kinds = [], 0, 0, set()
+
+    def before_iteration(self, trainer, iteration):
+        self.seen.append(("before", iteration))
+
+    def after_backward(self, trainer, iteration):
+        self.seen.append(("after", iteration))
+
+    def on_action(self, action, start, end):
+        self.actions += 1
+
+    def after_action(self, action, held):
+        self.posted += 1
+        self.kinds.update(held())
+
+    def saw_everything(self, plan, worker: int) -> bool:
+        actions = len(plan.schedule.compute(worker)) * ITERS if plan.schedule is not None else 0
+        posted = len(plan.lowered.workers[worker]) * ITERS if plan.lowered is not None else 0
+        kinds = {"receive buffers", "unsent", "in flight", "stage inputs", "kept for W"} if posted else set()
+        return self.seen == [(when, i + 1) for i in range(ITERS) for when in ("before", "after")] and \
+            self.actions == actions and self.posted == posted and self.kinds == kinds
+
+
+def run_case(flags: list[str], world: int, out: str):
+    # Megatron-LM's --data-cache-path: the first case builds the mock dataset's indices (4 million
+    # samples, about a third of a small case's time), every later case and launch loads them
+    args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
+    hooks = HookRecorder()
+    trainer = Trainer(args, make_run_plan(args), forward_step, hooks)
+    losses, kappas, consistent, trainer.moe_fields = [], [], True, []
+    for i in range(ITERS):
+        stats = trainer.train_step(i)
+        losses.append(stats["lm loss"])
+        trainer.moe_fields.append(stats["moe"])  # the iteration line's MoE fields
+        kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
+        consistent &= copies_identical(trainer)
+    trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
+    untouched = evaluation_is_side_effect_free(trainer)
+    eval_loss = trainer.evaluate(0)
+    kappa = None if None in kappas else max(kappas)
+    return trainer, losses, kappa, consistent, untouched, eval_loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text (debugging)")
+    options = parser.parse_args()
+    out = options.out
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {}
+    for name, (variant, flags) in cases(world).items():
+        if options.only not in name:
+            continue
+        trainer, losses, kappa, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world, out)
+        weights = local_weights(trainer)
+        if world == 1:
+            torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()},
+                        "moe": trainer.moe_fields}, os.path.join(out, f"ref_{variant}.pt"))
+            results[name] = {"losses": losses, "eval": eval_loss, "kappa": kappa}
+            trainer.close()
+            continue
+        ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
+        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.args)
+        results[name] = {
+            "losses": losses, "reference": ref["losses"],
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+            "first_loss_rel": abs(losses[0] - ref["losses"][0]) / abs(ref["losses"][0]), "tp": trainer.rt.tp,
+            "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
+            "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
+            "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
+            "hooks_saw_everything": trainer.hooks_saw_everything,
+            "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
+            "moe_rel": max((abs(f[k] - r[k]) / abs(r[k]) for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r),
+                           default=0.0) if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0,
+        }
+        trainer.close()
+        if dist.get_rank() == 0:
+            print(f"{name}: loss_rel {results[name]['loss_rel']:.2e} weight_rel {model_rel:.2e} "
+                  f"worst tensor {tensor_rel:.2e}", flush=True)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, f"cases_w{world}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Launching the programs under test as a user does: ``python`` for one process, torchrun for more,
+from the repository root, with one CPU thread per process (two cores are shared by every rank)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from megatron.chimera.distributed.ports import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# Megatron-LM's log lines, as its log parsers read them
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
+VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+
+
+def launch(nproc: int, *argv: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``argv`` (a script and its flags, or ``-m module ...``) in ``nproc`` processes; never raises on
+    a non-zero exit, so a test can assert on how a program failed."""
+    if nproc == 1:
+        cmd = [sys.executable, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), *argv]
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run(nproc: int, *argv: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``launch``, asserting by default that the program succeeded (its output's tail on failure)."""
+    proc = launch(nproc, *argv, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def losses(proc: subprocess.CompletedProcess) -> dict[int, str]:
+    """Iteration -> 'lm loss' as printed, from a run's Megatron log lines."""
+    return {int(i): v for i, v in LOSS.findall(proc.stdout)}
+
+
+def train_args(corpus: list[str], *extra: str) -> list[str]:
+    """pretrain_gpt.py and a tiny GPT on ``corpus`` (its data and tokenizer flags) for 4 iterations,
+    evaluating every 2, with dropout off; ``extra`` flags come last and win."""
+    return ["pretrain_gpt.py", *corpus, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "4", "--lr", "3e-3", "--lr-decay-style", "cosine", "--min-lr", "3e-4",
+            "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--train-iters", "4", *extra]

@@ -1,0 +1,220 @@
+"""Fail loudly, never hang, lose nothing: every configuration rule fails before anything starts; a dead
+peer, SIGTERM, NaNs and corrupted checkpoints end every rank cleanly with a clear message."""
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.distributed.ports import free_port
+
+from megatron.chimera.testing.launch import ROOT
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+
+
+def fake_checkpoint(root, hidden: int):
+    """A torch_dist checkpoint directory whose common state describes a model of another hidden size."""
+    from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
+
+    folder = root / "iter_0000001"
+    folder.mkdir(parents=True)
+    ours = parse_args(MODEL, world_size=1)
+    shape = {k: getattr(ours, k) for k in SHAPE_KEYS} | {"hidden_size": hidden}
+    torch.save({"iteration": 1, "args": argparse.Namespace(**shape)}, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+RULES = [  # (flags, world size, what the one line must say)
+    (["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--pipeline-schedule", "chimera"], 3,
+     "--pipeline-model-parallel-size=3: Chimera needs an even number of stages"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--chimera-pipelines", "3"], 4,
+     "--chimera-pipelines=3: Chimera needs an even number of pipelines"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--chimera-pipelines", "6",
+      "--num-layers", "8", "--global-batch-size", "12"], 4, "--chimera-pipelines=6: P/2 must divide D/2 = 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "7"], 2, "--num-layers=7: must be divisible by the 2"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved", "--num-layers", "8",
+      "--num-layers-per-virtual-pipeline-stage", "3"], 2, "--num-layers-per-virtual-pipeline-stage=3: PP x it must divide"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size=6: must be a multiple of micro-batch size"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--global-batch-size", "6"], 4,
+     "--global-batch-size=6: gives 6 micro-batches per pipeline replica"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--chimera-concat", "doubling",
+      "--global-batch-size", "6"], 2, "forward doubling pairs basic units"),
+    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size=2: TP x PP = 2 must divide the world size 3"),
+    (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
+    (["--data-path", "/nonexistent/corpus"], 1, "--data-path="),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/nonexistent/tok.model"], 1,
+     "--tokenizer-model=/nonexistent/tok.model: must name an existing SentencePiece model file"),
+    (["--load", "{tmp}/empty"], 1, "no checkpoint there (no latest_checkpointed_iteration.txt)"),
+    (["--load", "{tmp}/other_shape"], 1, "checkpoint has --hidden-size=64, this run 32: model shapes must match"),
+    (["--save", "{tmp}/a_file/below"], 1, "--save={tmp}/a_file/below: must be a writable directory"),
+    (["--hidden-size", "0"], 1, "--hidden-size=0: must be positive"),
+    (["--micro-batch-size", "-1"], 1, "--micro-batch-size=-1: must be positive"),
+    (["--lr", "-0.1"], 1, "--lr=-0.1: must not be negative"),
+    (["--save-interval", "0"], 1, "--save-interval=0: must be positive"),
+    (["--pipeline-schedule", "zigzag"], 1, "argument --pipeline-schedule: invalid choice: 'zigzag'"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--chimera-concat", "halving"], 2,
+     "--chimera-concat=halving: applies to --pipeline-schedule chimera only"),
+]
+
+
+@pytest.mark.parametrize("flags,world,needle", RULES, ids=[r[2][:40] for r in RULES])
+def test_every_rule_fails_before_anything_starts(tmp_path, capsys, flags, world, needle):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    fake_checkpoint(tmp_path / "other_shape", hidden=64)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    argv = [a for a in MODEL if not (flags[:1] == ["--data-path"] and a == "--mock-data")]
+    argv += ["--save-interval", "1000"] + flags  # Megatron-LM requires it with --save
+    argv += [] if "--save" in flags else ["--save", str(tmp_path / "new_save")]
+    argv += ["--tensorboard-dir", str(tmp_path / "new_tb")]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, world_size=world)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and needle.replace("{tmp}", str(tmp_path)) in err, err
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+# ---------------------------------------------------------------------------------- runtime faults
+
+def ranks(*argv, env=None, per_rank=((), ())):
+    """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us); with ``env``,
+    pretrain_gpt.py with the faults it names injected (megatron/chimera/testing/fault_hooks.py). ``per_rank``: flags one rank adds."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        e = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+        program = ["-m", "megatron.chimera.testing.pretrain_with_faults"] if env else ["pretrain_gpt.py"]
+        procs.append(subprocess.Popen([sys.executable, *program, *argv, *per_rank[rank]], cwd=ROOT, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+CHIMERA2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+            "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+            "--lr-decay-style", "constant", "--distributed-timeout-minutes", "2"]
+
+
+def test_ranks_that_built_different_schedules_fail_in_one_line_before_training():
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "2", per_rank=((), ("--chimera-concat", "doubling")))
+    (out0, err0), (out1, err1) = p0.communicate(timeout=120), p1.communicate(timeout=120)
+    assert (p0.returncode, p1.returncode) == (1, 1)
+    lines = [line for line in (err0 + err1).splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(lines) == 1 and re.fullmatch(r"pretrain_gpt.py: error: --pipeline-schedule=chimera: the ranks built "
+                                            r"different schedules \(ranks 0 built \w+; ranks 1 built \w+\): .*", lines[0])
+    assert not re.search(r"iteration\s+\d+/", out0 + out1)  # nothing trained
+
+
+def test_a_killed_rank_ends_the_other_with_a_clear_message():
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "kill 1@3"})
+    start = time.time()
+    out0, err0 = p0.communicate(timeout=120)
+    p1.communicate(timeout=30)
+    assert time.time() - start < 60
+    assert p1.returncode == -signal.SIGKILL and p0.returncode != 0
+    line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
+    assert "rank 0" in line and "iteration 3" in line, line
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \
+        or "a collective failed" in line, line
+
+
+def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
+    p0, p1 = ranks(*CHIMERA2[:-1], "0.25", "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "hang 1@3"})  # 15 s
+    try:
+        start = time.time()
+        _, err0 = p0.communicate(timeout=120)
+        assert p0.returncode != 0 and 15 <= time.time() - start < 60
+        assert p1.poll() is None  # the hung rank is still there: only the launcher can reap it
+    finally:
+        p1.kill()
+        p1.communicate()
+    line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
+    assert "rank 0" in line and "iteration 3" in line and "Timed out" in line, line
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line)
+
+
+def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
+    """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
+    from megatron.core import parallel_state
+    from megatron.chimera.distributed.process_groups import setup_parallel
+
+    args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
+    rt = setup_parallel(args, make_run_plan(args), "gloo", torch.device("cpu"))
+    groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
+              parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
+              parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]
+    assert [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups] == [30.0] * len(groups)
+
+
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
+
+
+def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
+    save = tmp_path / "ckpt"
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "60", "--exit-signal-handler", "--save", str(save),
+                   "--save-interval", "1000")
+    for line in p1.stdout:  # the last rank logs
+        if re.search(r"iteration\s+3/", line):
+            break
+    p0.send_signal(signal.SIGTERM)  # one rank gets it; the ranks agree at the next boundary
+    out0, err0 = p0.communicate(timeout=120)
+    out1, err1 = p1.communicate(timeout=120)
+    assert p0.returncode == 0 and p1.returncode == 0, err0[-2000:] + err1[-2000:]
+    stopped = int(re.search(r"exiting on SIGTERM at iteration (\d+) after saving it", out1).group(1))
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == str(stopped) and stopped < 60
+    resumed = ranks(*CHIMERA2, "--train-iters", "60", "--load", str(save))
+    uninterrupted = ranks(*CHIMERA2, "--train-iters", "60")
+    outs = [p.communicate(timeout=300) for p in resumed + uninterrupted]
+    assert [p.returncode for p in resumed + uninterrupted] == [0] * 4, "".join(err[-2000:] for _, err in outs)
+    got, want = dict(LOSS.findall(outs[1][0])), dict(LOSS.findall(outs[3][0]))
+    assert min(int(k) for k in got) == stopped + 1 and got == {k: v for k, v in want.items() if int(k) > stopped}
+
+
+def test_nan_iterations_are_skipped_counted_and_stop_the_run(tmp_path):
+    save = tmp_path / "ckpt"
+    p0, p1 = ranks(*CHIMERA2, "--train-iters", "10", "--save", str(save), "--save-interval", "1",
+                   "--max-consecutive-nan-iterations", "3", env={"CHIMERA_TEST_NAN_ITERATIONS": "2,4,5,6"})
+    out1, err1 = p1.communicate(timeout=120)
+    out0, err0 = p0.communicate(timeout=60)
+    assert p0.returncode != 0 and p1.returncode != 0
+    counts = {int(i): int(n) for i, n in re.findall(r"iteration\s+(\d+)/.*number of nan iterations:\s+(\d+)", out1)}
+    assert counts == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}  # per log line, as Megatron-LM counts them
+    assert "3 iterations in a row (4-6) had a NaN or Inf loss or gradient norm" in err1
+    assert "the last good checkpoint is iteration 3" in err1
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_corrupted_and_truncated_checkpoint_files_are_named(tmp_path):
+    save = tmp_path / "ckpt"
+    for p in ranks(*CHIMERA2, "--train-iters", "2", "--save", str(save), "--save-interval", "2"):
+        assert p.wait(timeout=120) == 0
+    shard = save / "iter_0000002" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert any("__1_0.distcp" in e and "is corrupted (its sha256 does not match manifest.json)" in e
+               for e in errs), errs
+    shard.write_bytes(bytes(data[: len(data) // 3]))  # truncated: caught before any process group exists
+    procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 2 for p in procs)
+    assert ["is truncated or missing" in e for e in errs] == [True, False], errs  # printed once, by rank 0

@@ -1,0 +1,180 @@
+"""The pretraining program as a user runs it: the shipped corpus, tokenizer and preprocessing,
+Chimera with evaluation, checkpoints that resume exactly, load into another layout, and survive a
+crash mid-save. Each run is a new launch, as on a cluster."""
+import os
+import re
+import shutil
+
+import pytest
+
+from megatron.chimera.testing.launch import VALID, losses, run, train_args
+
+
+CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    save = tmp_path_factory.mktemp("ckpt") / "a"
+    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
+                              "--tensorboard-dir", str(save.parent / "tb")))
+    return proc, save
+
+
+def test_uninterrupted_run_logs_like_megatron(uninterrupted):
+    proc, save = uninterrupted
+    assert len(losses(proc)) == 4
+    assert "elapsed time per iteration (ms):" in proc.stdout and "throughput (tokens/s):" in proc.stdout
+    assert {int(i) for i, _ in VALID.findall(proc.stdout)} == {2, 4}
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    files = os.listdir(save / "iter_0000002")  # megatron-core 0.19's torch_dist files, and our manifest
+    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "manifest.json", "metadata.json"}
+    assert {f.split("_")[2] for f in files if f.endswith(".distcp")} == {"0", "1"}  # written by both ranks
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(save.parent / "tb"))
+
+
+def test_resume_in_a_new_launch_repeats_the_uninterrupted_losses(uninterrupted, corpus, tmp_path):
+    proc, save = uninterrupted
+    resume = tmp_path / "resume"
+    shutil.copytree(save / "iter_0000002", resume / "iter_0000002")
+    (resume / "latest_checkpointed_iteration.txt").write_text("2")
+    again = run(2, *train_args(corpus, *CHIMERA2, "--load", str(resume)))
+    assert "loaded checkpoint" in again.stdout
+    assert losses(again) == {3: losses(proc)[3], 4: losses(proc)[4]}
+    assert VALID.findall(again.stdout)[-1] == VALID.findall(proc.stdout)[-1]
+
+
+def test_chimera_checkpoint_loads_into_one_process(uninterrupted, corpus):
+    proc, save = uninterrupted
+    single = run(1, *train_args(corpus, "--load", str(save)))
+    chimera_valid = float(VALID.findall(proc.stdout)[-1][1])
+    single_valid = float(VALID.findall(single.stdout)[-1][1])
+    assert abs(single_valid - chimera_valid) <= 1e-6 * chimera_valid
+
+
+def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
+    save = tmp_path / "crash"
+    faulty = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
+    proc = run(2, *faulty, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2")[1:],
+               env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
+    assert proc.returncode != 0
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
+                                   "--use-checkpoint-opt_param-scheduler"))
+    assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
+    assert list(losses(resumed)) == [3]
+
+
+def probe(*argv: str) -> str:
+    """The loss the megatron-core probe printed."""
+    return run(1, "-m", "megatron.chimera.testing.mcore_checkpoint_probe", *argv).stdout.split()[-1]
+
+
+def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupted, corpus):
+    """Megatron-LM's own load_checkpoint of the Chimera run's --save directory (iteration 2, as its
+    --ckpt-step picks) into a plain GPTModel: its loss on batch 2 is the loss Chimera logged at
+    iteration 3, the first one computed from the iteration-2 weights."""
+    proc, save = uninterrupted
+    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2") \
+        == losses(proc)[3]
+
+
+def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(corpus, tmp_path):
+    """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
+    Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
+    flags = train_args(corpus, "--train-iters", "1")[1:]
+    expected = probe("save", str(tmp_path), "--", *flags)
+    dist = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch_dist"),
+                              "--finetune"))
+    legacy = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch"),
+                                "--no-load-optim"))
+    assert losses(dist)[1] == losses(legacy)[1] == expected
+
+
+def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(corpus, tmp_path):
+    """Weights and AdamW moments re-cut by dist_checkpointing: the resumed iteration 3 repeats the
+    Chimera run's (tensor parallelism reorders fp32 sums, hence 1e-5). As in Megatron-LM, TP=2 pads the
+    vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape."""
+    chimera = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
+                                 "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0",
+                                 "--train-iters", "3"))
+    resharded = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                   "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
+                                   "--make-vocab-size-divisible-by", "64", "--load", str(tmp_path / "iter_0000002")))
+    assert list(losses(resharded)) == [3]
+    for i in (3,):
+        assert abs(float(losses(resharded)[i]) / float(losses(chimera)[i]) - 1) < 1e-5
+
+
+def test_moe_expert_parallel_chimera_checkpoint_resumes_at_ep1_under_1f1b(corpus, tmp_path):
+    """A model mixing dense and MoE layers (megatron-core keys each layer on its own, by its number in
+    the whole model, and each expert by its number among all experts) saved by Chimera D=2 with
+    expert parallelism 2 resumes without expert parallelism under 1F1B D=2, with the uninterrupted
+    run's losses (fp32: they differ only in the order of sums)."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
+           "1e-2", "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32",
+           "--disable-bias-linear", "--eval-iters", "0", "--global-batch-size", "8"]
+    whole = run(4, *train_args(corpus, *moe, *CHIMERA2, "--expert-model-parallel-size", "2", "--save", str(tmp_path),
+                               "--save-interval", "2"))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = run(4, *train_args(corpus, *moe, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                                 "--load", str(tmp_path)))
+    assert list(losses(resumed)) == [3, 4]
+    for i in (3, 4):
+        assert abs(float(losses(resumed)[i]) / float(losses(whole)[i]) - 1) < 1e-5
+    assert "load_balancing_loss:" in resumed.stdout
+
+
+def test_fp16_resume_repeats_losses_and_loss_scale(corpus, tmp_path):
+    """Megatron-LM's --fp16: the fp32 main weights and the dynamic loss scale are checkpointed, so a
+    resumed run logs the uninterrupted run's losses and loss scales."""
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
+    whole = run(2, *train_args(corpus, *fp16, "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0"))
+    scales = re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", whole.stdout)
+    assert [s for _, s in scales] == ["2048.0", "4096.0", "8192.0", "16384.0"]  # doubles after each clean step
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    again = run(2, *train_args(corpus, *fp16, "--load", str(tmp_path), "--eval-iters", "0"))
+    assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
+    assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]
+
+
+MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
+                         r" optimizer: (\d+) \| total: (\d+)")
+
+
+def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_path):
+    """--bf16 with and without --use-distributed-optimizer compute the same numbers, and both write the
+    whole optimizer state (the sharded one gathers it): a run without it resumes the sharded run's
+    checkpoint, a sharded run resumes that one's, and both repeat the sharded run's losses as printed."""
+    bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
+    sharded = run(2, *bf16, "--use-distributed-optimizer", "--save", str(tmp_path / "sharded"),
+                  "--log-memory-per-rank")
+    plain = run(2, *bf16, "--load", str(tmp_path / "sharded" / "iter_0000002"), "--save", str(tmp_path / "plain"))
+    back = run(2, *bf16, "--use-distributed-optimizer", "--load", str(tmp_path / "plain" / "iter_0000004"))
+    assert losses(plain) == {i: v for i, v in losses(sharded).items() if i > 2}
+    assert losses(back) == {5: losses(sharded)[5]}
+    assert len(MODEL_STATE.findall(plain.stdout)) == 1 and "max model state (bytes) |" in plain.stdout
+    per_rank = re.findall(r"rank (\d) " + MODEL_STATE.pattern, sharded.stdout)
+    assert sorted(r[0] for r in per_rank) == ["0", "1"]
+    for _, *fields, total in per_rank:
+        assert sum(map(int, fields)) == int(total) and int(fields[1]) > 0  # bf16: fp32 main weights exist
+
+
+def test_model_state_line_matches_the_planners_formula(corpus):
+    """Each rank's counted bytes are what the planner's model_state_bytes predicts for the stage copies
+    it holds (untied embeddings: no stage shares a tensor with another), with --bf16
+    --use-distributed-optimizer, where Chimera's two copies of a stage split its optimizer state."""
+    from chimera_schedules.tools.planner import Precision, model_state_bytes
+
+    proc = run(2, *train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
+                              "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"))
+    held = {}
+    for worker, count in re.findall(r"model parallel rank \(0, (\d)\): (\d+) \(pipeline", proc.stdout):
+        held.setdefault(int(worker), []).append(int(count))
+    lines = re.findall(r"rank (\d) " + MODEL_STATE.pattern, proc.stdout)
+    assert len(lines) == 2
+    for rank, *fields in lines:
+        want = [sum(model_state_bytes(p, 1, 2, Precision(True, True))[k] for p in held[int(rank)])
+                for k in ("parameters", "main parameters", "gradients", "optimizer", "total")]
+        assert [int(x) for x in fields] == pytest.approx(want, rel=1e-3), (rank, fields, want)

@@ -1,0 +1,112 @@
+"""Every flag Megatron-LM's parser defines is in exactly one class, pretrain_gpt.py --help lists them
+all, and a refused flag fails in one line naming it (megatron/chimera/config/flag_classes.py)."""
+import os
+
+import pytest
+
+from megatron.chimera.config import flag_classes
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "1000"]
+
+
+def megatron_options() -> set[str]:
+    return {o for a in megatron_parser()._actions for o in a.option_strings if o.startswith("--")}
+
+
+def test_every_megatron_lm_flag_has_exactly_one_class():
+    classes = [flag_classes.HONOURED, *flag_classes.NO_EFFECT.values(), *flag_classes.REFUSED.values()]
+    seen = [o for options in classes for o in options]
+    assert len(seen) == len(set(seen)), sorted({o for o in seen if seen.count(o) > 1})
+    options = megatron_options()
+    assert not options - set(seen), f"Megatron-LM flags with no class: {sorted(options - set(seen))}"
+    assert not set(seen) - options, f"classes name flags Megatron-LM does not define: {sorted(set(seen) - options)}"
+    assert set(flag_classes.VALUES) <= flag_classes.HONOURED
+
+
+def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert exit_info.value.code == 0
+    assert all(o in text for o in megatron_options())
+    assert "[refused here: context parallelism is not supported yet (1 only)]" in text
+    assert "[honoured here for allgather, alltoall only]" in text
+    assert "--pipeline-schedule" in text and "--chimera-concat" in text
+
+
+def test_flag_table_is_generated_from_the_classes():
+    with open(os.path.join(ROOT, DEFAULT_OUT)) as f:
+        assert f.read() == render(megatron_parser()), "run python -m megatron.chimera.config.flag_table"
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--num-experts", "8", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size=2: x --expert-tensor-parallel-size (1) must divide TP x DP = 1 x 1"),
+    (["--num-experts", "6", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
+     "--num-experts=6: must be a multiple of --expert-model-parallel-size (4)"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-router-topk", "9"],
+     "--moe-router-topk=9: must be between 1 and --num-experts (8)"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1",
+      "--moe-router-topk", "3"], "--moe-router-topk=3: is greater than the experts in the 1 selected groups of 2"),
+    (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size",
+      "0"], "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
+    (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
+     "--moe-token-dispatcher-type=flex: pretrain_gpt.py runs allgather, alltoall only"),
+    (["--num-experts", "8", "--moe-router-load-balancing-type", "global_aux_loss"],
+     "--moe-router-load-balancing-type=global_aux_loss: pretrain_gpt.py runs aux_loss, seq_aux_loss, none only"),
+    (["--num-experts", "8"], "--disable-bias-linear=False: is required with --num-experts"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-layer-freq", "[0,1]"],
+     "--moe-layer-freq=[0, 1]: must give one entry per layer (4)"),
+    (["--num-experts", "8", "--disable-bias-linear", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),
+    (["--fp8-format", "hybrid"], "--fp8-format=hybrid: FP8 and FP4 need Transformer Engine on a GPU"),
+    (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
+    (["--no-save-optim"], "--no-save-optim=True: a checkpoint option this trainer does not implement"),
+    (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: Transformer Engine's tensor-parallel"),
+    (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam only"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: pretrain_gpt.py runs constant, linear, cosine"),
+    (["--batch-size", "4"], "--batch-size=4: removed from Megatron-LM"),
+])
+def test_refused_flags_fail_in_one_line_naming_the_flag(capsys, extra, line):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith(f"pretrain_gpt.py: error: {line}"), err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_refused_flags_at_megatron_lms_default_and_no_effect_flags_parse():
+    switches = [o for a in megatron_parser()._actions for o in a.option_strings
+                if a.nargs == 0 and any(o in group for group in flag_classes.NO_EFFECT.values())]
+    args = parse_args(BASE + switches + ["--context-parallel-size", "1", "--optimizer", "adam",
+                                         "--num-workers", "8", "--tiktoken-pattern", "v2"])
+    assert args.context_parallel_size == 1 and len(switches) > 20
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--yaml-cfg", "/nonexistent.yaml"], "--yaml-cfg: Megatron-LM's experimental YAML configuration"),
+    (["--heterogeneous-layers-config-encoded-json", '{"a":\n 1}'], '--heterogeneous-layers-config-encoded-json={"a": 1}'),
+    (["--attention-backend", "local"], "(Megatron-LM's validate_args)"),
+])
+def test_inputs_megatron_lm_reads_while_parsing_still_fail_in_one_line(capsys, extra, line):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and line in err, err
+
+
+def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
+    """--split's default (None) with --data-path, and --global-batch-size's (micro-batch x DP) with
+    --train-samples, are Megatron-LM's; its banner lists settings, not the schedule object."""
+    args = parse_args([a for a in BASE if a != "--mock-data"] + corpus[:2] + corpus[4:], world_size=1)
+    assert args.split == "969, 30, 1"
+    samples = BASE[:BASE.index("--global-batch-size")] + BASE[BASE.index("--lr"):]  # no batch, no length
+    args = parse_args(samples + ["--train-samples", "3"], world_size=1)
+    assert (args.global_batch_size, args.train_iters) == (1, 3)
+    banner = capsys.readouterr().out
+    assert "  schedule ...." not in banner and "  plan ...." not in banner and make_run_plan(args) is not None
