@@ -95,9 +95,9 @@ def takers(option: str) -> tuple[str, ...]:
     return tuple(e.name for e in ENTRIES if option in e.options)
 
 
-def variant(name: str, stages: int, microbatches: int) -> ScheduleSpec:
-    """The named variant at depth ``stages`` with ``microbatches`` micro-batches."""
-    return ScheduleSpec(depth=stages, microbatches=microbatches, **VARIANTS[name])
+def variant(name: str, depth: int, microbatches: int) -> ScheduleSpec:
+    """The named variant at depth D = ``depth`` with ``microbatches`` micro-batches."""
+    return ScheduleSpec(depth=depth, microbatches=microbatches, **VARIANTS[name])
 
 
 def check_options(schedule: str, given: dict) -> None:
@@ -140,7 +140,7 @@ def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     return result
 
 
-def build(schedule: str, stages: int, microbatches: int, *, costs: CostModel | None = None,
+def build(schedule: str, depth: int, microbatches: int, *, costs: CostModel | None = None,
           **options) -> Schedule:
-    """``build_spec(ScheduleSpec(schedule, stages, microbatches, **options), costs)``, for short calls."""
-    return build_spec(ScheduleSpec(schedule, stages, microbatches, **options), costs)
+    """``build_spec(ScheduleSpec(schedule, depth, microbatches, **options), costs)``, for short calls."""
+    return build_spec(ScheduleSpec(schedule, depth, microbatches, **options), costs)

@@ -225,7 +225,8 @@ def main() -> None:
     from .report import document, markdown, plot, table
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", type=int, nargs="+", default=list(DEPTHS), help="pipeline depths D (one launch each)")
+    p.add_argument("--stages", "--depth", dest="depths", type=int, nargs="+", default=list(DEPTHS),
+                   help="pipeline depths D (one launch each)")
     p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D; D and 2D at D=16)")
     p.add_argument("--forward-ms", type=float, default=20.0, help="a 1F1B stage's median forward")
     p.add_argument("--rounds", type=int, default=3)
@@ -238,11 +239,11 @@ def main() -> None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.time()
-    per_depth = [launch(d, args, f"{args.out}.D{d}.part") for d in args.stages]
+    per_depth = [launch(d, args, f"{args.out}.D{d}.part") for d in args.depths]
     doc = document(per_depth, " ".join(["python", "-m", "benchmarks.depth", *sys.argv[1:]]))
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    for d in args.stages:
+    for d in args.depths:
         os.remove(f"{args.out}.D{d}.part")
     stem = os.path.splitext(args.out)[0]
     plot(doc, stem + ".png")

@@ -34,29 +34,29 @@ from .listsched import Shape, list_schedule
 from .placement import mb_pipelines, placement
 
 
-def check(stages: int, microbatches: int, pipelines: int = 2, concat: str = "direct") -> None:
+def check(depth: int, microbatches: int, pipelines: int = 2, concat: str = "direct") -> None:
     """Every rule a Chimera request must meet, each naming its option."""
-    require(stages >= 2 and stages % 2 == 0, "depth", stages,
+    require(depth >= 2 and depth % 2 == 0, "depth", depth,
             "Chimera needs an even number of stages (at least 2)")
     require(pipelines >= 2 and pipelines % 2 == 0, "pipelines", pipelines,
             "Chimera needs an even number of pipelines (down and up in pairs)")
-    require((stages // 2) % (pipelines // 2) == 0, "pipelines", pipelines,
-            f"P/2 must divide D/2 = {stages // 2}")
-    require(microbatches >= stages and microbatches % stages == 0, "microbatches", microbatches,
-            f"Chimera needs a multiple of $depth ({stages}): N = K x D")
+    require((depth // 2) % (pipelines // 2) == 0, "pipelines", pipelines,
+            f"P/2 must divide D/2 = {depth // 2}")
+    require(microbatches >= depth and microbatches % depth == 0, "microbatches", microbatches,
+            f"Chimera needs a multiple of $depth ({depth}): N = K x D")
     if concat == "doubling":
-        require((microbatches // stages) % 2 == 0, "microbatches", microbatches,
-                f"forward doubling pairs basic units: needs a multiple of 2 x D = {2 * stages}")
+        require((microbatches // depth) % 2 == 0, "microbatches", microbatches,
+                f"forward doubling pairs basic units: needs a multiple of 2 x D = {2 * depth}")
     if pipelines > 2:
         require(concat == "direct", "concat", concat,
                 "more than two pipelines support direct concatenation only")
 
 
-def paper_pattern(stages: int, worker: int, units: int, doubled: bool) -> list[tuple[str, str]]:
+def paper_pattern(depth: int, worker: int, units: int, doubled: bool) -> list[tuple[str, str]]:
     """The worker's sequence of (F|B, X|Y) slots for ``units`` basic units (pairs of units when
     ``doubled``), concatenated as the reference code does."""
-    s = min(worker, stages - 1 - worker)
-    a, b = stages // 2 - s, s
+    s = min(worker, depth - 1 - worker)
+    a, b = depth // 2 - s, s
     fx = [("F", "X")] * (2 if doubled else 1)
     fy = [("F", "Y")] * (2 if doubled else 1)
     pairs = len(fx) * (a + b) - a
@@ -72,10 +72,10 @@ def paper_pattern(stages: int, worker: int, units: int, doubled: bool) -> list[t
     return slots + [("B", "X")] * a
 
 
-def _resolve(stages: int, microbatches: int, place, worker: int, slots) -> list[Action]:
+def _resolve(depth: int, microbatches: int, place, worker: int, slots) -> list[Action]:
     """Turn X/Y slots into actions: each pipeline's forwards and backwards take its micro-batches in
     FIFO order."""
-    x = 0 if worker < stages // 2 else 1
+    x = 0 if worker < depth // 2 else 1
     pipe = {"X": x, "Y": 1 - x}
     stage = {p: place[p].index(worker) for p in (0, 1)}
     mbs = {p: [m for m, q in enumerate(mb_pipelines(microbatches, 2)) if q == p] for p in (0, 1)}
@@ -89,23 +89,23 @@ def _resolve(stages: int, microbatches: int, place, worker: int, slots) -> list[
     return out
 
 
-def chimera(stages: int, microbatches: int, pipelines: int = 2, concat: str = "direct",
+def chimera(depth: int, microbatches: int, pipelines: int = 2, concat: str = "direct",
             costs: CostModel | None = None) -> Schedule:
     """Chimera in the paper's order (or list-scheduled for more than two pipelines)."""
-    check(stages, microbatches, pipelines, concat)
+    check(depth, microbatches, pipelines, concat)
     name = f"chimera-{concat}" if pipelines == 2 else f"chimera-{pipelines}p"
     scale = 1.0
     if concat == "halving":
         microbatches, scale = 2 * microbatches, 0.5
-    place = placement(stages, pipelines)
+    place = placement(depth, pipelines)
     if pipelines == 2:
-        units = microbatches // stages
+        units = microbatches // depth
         doubled = concat != "direct"
-        orders = [_resolve(stages, microbatches, place, w,
-                           paper_pattern(stages, w, units // 2 if doubled else units, doubled))
-                  for w in range(stages)]
+        orders = [_resolve(depth, microbatches, place, w,
+                           paper_pattern(depth, w, units // 2 if doubled else units, doubled))
+                  for w in range(depth)]
     else:
-        shape = Shape(stages, microbatches, place, mb_pipelines(microbatches, pipelines))
+        shape = Shape(depth, microbatches, place, mb_pipelines(microbatches, pipelines))
         orders = list_schedule(shape, costs or CostModel())
-    return with_grad_sync(Schedule(name, stages, microbatches, place, tuple(map(tuple, orders)),
+    return with_grad_sync(Schedule(name, depth, microbatches, place, tuple(map(tuple, orders)),
                                    microbatch_scale=scale, meta={"concat": concat, "order": "paper"}))

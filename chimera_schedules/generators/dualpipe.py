@@ -34,16 +34,16 @@ from ..passes.grad_sync import with_grad_sync
 from .placement import mb_pipelines, placement
 
 
-def check(stages: int, microbatches: int) -> None:
-    require(stages >= 2 and stages % 2 == 0, "depth", stages, "DualPipe needs an even number of stages (at least 2)")
-    require(microbatches % 2 == 0 and microbatches >= 2 * stages, "microbatches", microbatches,
-            f"DualPipe needs an even number of at least 2 x $depth ({2 * stages})")
+def check(depth: int, microbatches: int) -> None:
+    require(depth >= 2 and depth % 2 == 0, "depth", depth, "DualPipe needs an even number of stages (at least 2)")
+    require(microbatches % 2 == 0 and microbatches >= 2 * depth, "microbatches", microbatches,
+            f"DualPipe needs an even number of at least 2 x $depth ({2 * depth})")
 
 
-def check_v(stages: int, microbatches: int) -> None:
-    require(stages >= 1, "depth", stages, "must be at least 1")
-    require(microbatches >= 2 * stages, "microbatches", microbatches,
-            f"DualPipeV needs at least 2 x $depth ({2 * stages})")
+def check_v(depth: int, microbatches: int) -> None:
+    require(depth >= 1, "depth", depth, "must be at least 1")
+    require(microbatches >= 2 * depth, "microbatches", microbatches,
+            f"DualPipeV needs at least 2 x $depth ({2 * depth})")
 
 
 def _slots(half: int, h: int, m: int) -> list[tuple[str, str]]:
@@ -79,25 +79,25 @@ def _resolve(slots, where: dict, mbs: dict) -> list[Action]:
     return out
 
 
-def dualpipe(stages: int, microbatches: int) -> Schedule:
-    check(stages, microbatches)
-    place = placement(stages, 2)
+def dualpipe(depth: int, microbatches: int) -> Schedule:
+    check(depth, microbatches)
+    place = placement(depth, 2)
     mbs = {p: [mb for mb, q in enumerate(mb_pipelines(microbatches, 2)) if q == p] for p in (0, 1)}
     orders = []
-    for w in range(stages):
-        early = 0 if w < stages // 2 else 1
+    for w in range(depth):
+        early = 0 if w < depth // 2 else 1
         pipe = {"E": early, "L": 1 - early}
         where = {k: (p, place[p].index(w)) for k, p in pipe.items()}
-        slots = _slots(stages // 2, min(w, stages - 1 - w), microbatches // 2)
+        slots = _slots(depth // 2, min(w, depth - 1 - w), microbatches // 2)
         orders.append(tuple(_resolve(slots, where, {k: mbs[p] for k, p in pipe.items()})))
-    return with_grad_sync(Schedule("dualpipe", stages, microbatches, place, tuple(orders)))
+    return with_grad_sync(Schedule("dualpipe", depth, microbatches, place, tuple(orders)))
 
 
-def dualpipev(stages: int, microbatches: int) -> Schedule:
-    """``stages`` workers, 2 x ``stages`` model stages in a V."""
-    check_v(stages, microbatches)
-    place = (tuple(range(stages)) + tuple(reversed(range(stages))),)
+def dualpipev(depth: int, microbatches: int) -> Schedule:
+    """``depth`` workers, 2 x ``depth`` model stages in a V."""
+    check_v(depth, microbatches)
+    place = (tuple(range(depth)) + tuple(reversed(range(depth))),)
     every = list(range(microbatches))
-    orders = tuple(tuple(_resolve(_slots(stages, w, microbatches), {"E": (0, w), "L": (0, 2 * stages - 1 - w)},
-                                  {"E": every, "L": every})) for w in range(stages))
-    return with_grad_sync(Schedule("dualpipev", stages, microbatches, place, orders, virtual_stages=2))
+    orders = tuple(tuple(_resolve(_slots(depth, w, microbatches), {"E": (0, w), "L": (0, 2 * depth - 1 - w)},
+                                  {"E": every, "L": every})) for w in range(depth))
+    return with_grad_sync(Schedule("dualpipev", depth, microbatches, place, orders, virtual_stages=2))

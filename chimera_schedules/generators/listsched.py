@@ -50,7 +50,7 @@ def list_schedule(shape: Shape, costs: CostModel, rule: Rule = deepest_first,
                   cap: float | None = None) -> list[list[Action]] | None:
     """Per-worker orders from a non-delay greedy simulation; None if the memory cap starves it.
 
-    Each (pipeline, stage) keeps 1F1B's discipline: at most (stages - stage) of its micro-batches
+    Each (pipeline, stage) keeps 1F1B's discipline: at most (D - stage) of its micro-batches
     alive. ``cap`` bounds a worker's total live activations (in M_a units)."""
     return _ListScheduler(shape, costs, rule, cap).run()
 

@@ -8,12 +8,12 @@ pipeline p gets p N/P .. (p+1) N/P - 1.
 from __future__ import annotations
 
 
-def placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
-    shift = stages // (pipelines // 2)
+def placement(depth: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
+    shift = depth // (pipelines // 2)
     rows = []
     for j in range(pipelines // 2):
-        rows.append(tuple((s + j * shift) % stages for s in range(stages)))
-        rows.append(tuple((stages - 1 - s + j * shift) % stages for s in range(stages)))
+        rows.append(tuple((s + j * shift) % depth for s in range(depth)))
+        rows.append(tuple((depth - 1 - s + j * shift) % depth for s in range(depth)))
     return tuple(rows)
 
 

@@ -36,21 +36,21 @@ from .listsched import Shape, list_schedule
 from .placement import mb_pipelines, placement
 
 
-def best_order(stages: int, microbatches: int, costs: CostModel | None = None, pipelines: int = 2,
+def best_order(depth: int, microbatches: int, costs: CostModel | None = None, pipelines: int = 2,
                effort: float = 5.0, split: bool = False) -> Schedule:
     """At most D live micro-batches per worker. ``effort`` is the solver's deterministic time budget
     (roughly three wall seconds per unit on a 2-core machine)."""
-    check(stages, microbatches, pipelines, "direct")
+    check(depth, microbatches, pipelines, "direct")
     costs = costs or CostModel()
-    cap = stages
-    paper = chimera(stages, microbatches, pipelines, "direct", costs)
-    shape = Shape(stages, microbatches, placement(stages, pipelines), mb_pipelines(microbatches, pipelines))
+    cap = depth
+    paper = chimera(depth, microbatches, pipelines, "direct", costs)
+    shape = Shape(depth, microbatches, placement(depth, pipelines), mb_pipelines(microbatches, pipelines))
     candidates = [paper]
     listed = None if split else list_schedule(shape, costs, cap=cap)
     if listed is not None:
         candidates.append(_as_schedule(shape, listed))
     if split:
-        candidates = [split_backward(paper, costs, [cap] * stages)]
+        candidates = [split_backward(paper, costs, [cap] * depth)]
     candidates = [c for c in candidates if max(peak_activations(c)) <= cap + 1e-9]
     seed = min(candidates, key=lambda c: simulate(c, costs).makespan)
     solved = _solve(shape, costs, cap, seed, effort, split)
@@ -58,7 +58,7 @@ def best_order(stages: int, microbatches: int, costs: CostModel | None = None, p
         candidates.append(solved)
     best = min(candidates, key=lambda c: simulate(c, costs).makespan)  # min keeps the first of equals
     name = "chimera-split-best" if split else "chimera-best"
-    return Schedule(name, stages, microbatches, best.placement, best.workers,
+    return Schedule(name, depth, microbatches, best.placement, best.workers,
                     meta={"concat": "direct", "order": "best", "cap": cap})
 
 

@@ -98,7 +98,7 @@ class Schedule:
         placement is inferred from where the actions run (the validator then checks it is a function)."""
         try:
             workers = tuple(tuple(Action.from_json(a) for a in w) for w in obj["workers"])
-            stages, microbatches = int(obj["stages"]), int(obj["microbatches"])
+            depth, microbatches = int(obj["stages"]), int(obj["microbatches"])
         except KeyError as e:
             raise ValueError(f"not a schedule JSON object: missing {e}") from None
         except (TypeError, ValueError) as e:
@@ -106,10 +106,10 @@ class Schedule:
         chunks = int(obj.get("chunks", 1))
         placement = obj.get("placement")
         if placement is None:
-            placement = infer_placement(workers, stages * chunks)
+            placement = infer_placement(workers, depth * chunks)
         return cls(
             name=str(obj.get("name", "custom")),
-            depth=stages,
+            depth=depth,
             microbatches=microbatches,
             placement=tuple(tuple(int(w) for w in row) for row in placement),
             workers=workers,

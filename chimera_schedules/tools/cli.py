@@ -52,7 +52,8 @@ def _options() -> argparse.ArgumentParser:
 def _schedule_options(g) -> None:
     g.add_argument("--schedule", default="chimera",
                    help=OPTION["schedule"].describe() + f": one of {', '.join(SCHEDULES)} (default chimera)")
-    g.add_argument("--stages", "-D", type=int, default=4, help=OPTION["depth"].describe() + " (default 4)")
+    g.add_argument("--stages", "--depth", "-D", dest="depth", type=int, default=4,
+                   help=OPTION["depth"].describe() + " (default 4)")
     g.add_argument("--microbatches", "-N", type=int, help=OPTION["microbatches"].describe() + " (default D)")
     add_arguments(g, "cli", ("virtual_stages",) + SHARED)
     g.add_argument("--file", help="read the schedule from this JSON file instead of generating it")
@@ -125,7 +126,7 @@ def _schedule(args) -> Schedule:
         if schedule.lowered:  # a file may hold either kind: a lowered one's communication must be whole too
             check_structure(schedule)
         return schedule
-    spec = ScheduleSpec(args.schedule, args.stages, args.microbatches or args.stages, virtual_stages=args.chunks,
+    spec = ScheduleSpec(args.schedule, args.depth, args.microbatches or args.depth, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,
                         split_backward=args.split_backward)
     return build_spec(spec, _costs(args))
@@ -133,7 +134,7 @@ def _schedule(args) -> Schedule:
 
 def _compare(args) -> list[dict]:
     """Every registered variant the sizes allow; ``--chunks`` sets the interleaved one's v."""
-    d, n, costs = args.stages, args.microbatches or args.stages, _costs(args)
+    d, n, costs = args.depth, args.microbatches or args.depth, _costs(args)
     rows = []
     for name in VARIANTS:
         spec = variant(name, d, n)

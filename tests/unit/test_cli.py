@@ -51,6 +51,12 @@ def test_stats_json(capsys):
     assert stats["peak_activations"] == [5, 6, 7, 8, 8, 7, 6, 5] and stats["stage_copies"] == [2] * 8
 
 
+def test_depth_is_an_alias_of_stages(capsys):
+    """--stages stays the option's name (and the JSON key); --depth spells the same D."""
+    by_stages = run(capsys, "stats", "--json", "--stages", "4", "--microbatches", "8")
+    assert run(capsys, "stats", "--json", "--depth", "4", "--microbatches", "8") == by_stages
+    assert json.loads(by_stages[1])["stages"] == 4
+
 def test_export_then_validate_then_stats_describe_the_same_schedule(capsys, tmp_path):
     opts = ["--schedule", "chimera", "--stages", "4", "--microbatches", "8"]
     path = tmp_path / "s.json"
