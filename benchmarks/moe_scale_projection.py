@@ -12,12 +12,10 @@ python -m benchmarks.quick. Writes benchmarks/results/moe_scale_projection.{md,j
 import argparse
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from chimera_schedules.tools.planner import (Experts, ModelShape, Precision, Profile, best_per_schedule,  # noqa: E402
-                                             family, plan)
+from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile, best_per_schedule, family, plan  # noqa: E402
 
 # DeepSeek-V3's sizes, with 64 layers (V3 has 61, the first 3 dense) so that 8, 16 and 32 stages divide
 # them; attention priced as standard attention (V3's MLA computes less), flash attention (no stored scores).

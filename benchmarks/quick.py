@@ -171,8 +171,8 @@ def _measure_case(flags, cfg):
     import torch.distributed as dist
 
     from megatron.chimera import Trainer, make_run_plan
-    from megatron.chimera.observability.startup import model_state_bytes
     from megatron.chimera.model.gpt_step import forward_step
+    from megatron.chimera.observability.startup import model_state_bytes
 
     args = _case_args(flags, cfg)
     timing = _timing(forward_step)
@@ -212,9 +212,9 @@ def _summarize(label, n, args, rounds, cfg, comm):
     """One result row from the measured iterations of every round: times, ratios' raw material, the
     measured timeline of the median iteration, and the simulator's prediction from this run's costs."""
     from chimera_schedules import CostModel, simulate
-    from chimera_schedules.passes.lowering import lower
     from chimera_schedules.analysis.measure import measured_result
     from chimera_schedules.ir.costs import Event
+    from chimera_schedules.passes.lowering import lower
 
     gathered = _merge(rounds)
     iters = len(gathered[0]["steps"])

@@ -11,7 +11,6 @@ than 1: benchmarks/results/scale_projection_batchK.*).
 import argparse
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

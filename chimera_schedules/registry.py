@@ -13,8 +13,8 @@ Errors name ScheduleSpec fields; each front end spells them as its own flags (``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .analysis.simulator import peak_activations
 from .analysis.validator import validate

@@ -14,7 +14,6 @@ forward_backward came from (a sync in sync-debug mode, or any other), or null; `
 """
 import json
 import os
-import sys
 import traceback
 
 import torch

@@ -10,11 +10,9 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 
 import numpy as np
-
 
 
 class Encoder:
@@ -46,8 +44,9 @@ def main(argv=None):
     p.add_argument("--input", required=True, help="JSON lines, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    from megatron.chimera.data.tokenizer import check_arguments
     from megatron.training.arguments import _add_tokenizer_args
+
+    from megatron.chimera.data.tokenizer import check_arguments
 
     _add_tokenizer_args(p)  # Megatron-LM's tokenizer flags, as its tools/preprocess_data.py adds them
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")

@@ -25,6 +25,7 @@ def one_process_group():
     """A one-process gloo group with megatron-core's parallel state and the CPU layer, for tests that
     build megatron-core models inside the test process."""
     from megatron.core import parallel_state
+
     from megatron.chimera.model import cpu_compat
 
     port = free_port()

@@ -59,6 +59,7 @@ def our_schedules(setup, microbatches: list[int]) -> tuple[list, list[str]]:
     import torch.distributed as dist
 
     from chimera_schedules import ConfigError
+
     from . import runtimes
 
     built, skipped = [], []
@@ -181,8 +182,9 @@ def row(setup, case, samples) -> dict:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from . import runtimes
     from megatron.chimera.model import cpu_compat
+
+    from . import runtimes
 
     dist.init_process_group("gloo")
     cpu_compat.apply()  # megatron-core's schedules allocate their p2p buffers on "the" CUDA device

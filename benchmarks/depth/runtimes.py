@@ -6,17 +6,17 @@ is one iteration on this rank. Its ``schedule`` is what the simulator replays fo
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from chimera_schedules import Schedule, build, build_spec, check, variant
-from chimera_schedules.registry import REGISTRY
 from chimera_schedules.ir.channels import P2P_GROUPS, stage_group
 from chimera_schedules.passes.lowering import lower
+from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import Transport, make_forward_backward
 from chimera_schedules.runtime.p2p import TorchP2P
 

@@ -30,7 +30,7 @@ class StageTimes:
     input: float
     weight: float
 
-    def scaled(self, factor: float) -> "StageTimes":
+    def scaled(self, factor: float) -> StageTimes:
         return StageTimes(self.forward * factor, self.input * factor, self.weight * factor)
 
 

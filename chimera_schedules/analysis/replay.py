@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..ir.actions import Action, Op
 from ..ir.costs import CostModel, Event
 from ..ir.dataflow import dependencies, describe, products
 from ..ir.errors import InvalidSchedule
-from ..ir.actions import Action, Op
 from ..ir.schedule import Schedule
 
 

@@ -9,8 +9,8 @@ reduction are done (the flush).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..ir.actions import Op
 from ..ir.costs import CostModel, Event, activation_units

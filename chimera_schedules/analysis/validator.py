@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..ir.actions import Op
 from ..ir.costs import CostModel
 from ..ir.dataflow import compute_part
 from ..ir.errors import InvalidSchedule
-from ..ir.actions import Op
 from ..ir.schedule import Schedule
 from .replay import replay
 

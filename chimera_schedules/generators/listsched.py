@@ -8,8 +8,8 @@ earlier makespan, and the validator checks them like any other.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..ir.actions import Action, B, F
 from ..ir.costs import CostModel, activation_units

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     """Kinds of action. I and W split a backward into input- and weight-gradient parts (zero-bubble
     style); a schedule uses either B or the pair I, W for a given pass. R is the gradient all-reduce
     of one stage copy over its replica group: posted without blocking, completed before the step."""
@@ -71,7 +71,7 @@ class Action:
         return text + (f"#{self.batch}" if self.batch >= 0 else "")
 
     @classmethod
-    def parse(cls, token: str) -> "Action":
+    def parse(cls, token: str) -> Action:
         """Inverse of ``str``: ``F3p1s2`` is the forward of micro-batch 3, pipeline 1, stage 2."""
         token = token.strip()
         if "@" in token:
@@ -85,7 +85,7 @@ class Action:
         return cls(Op(op), int(mb) if mb else -1, int(pipeline), int(stage))
 
     @classmethod
-    def _parse_comm(cls, token: str) -> "Action":
+    def _parse_comm(cls, token: str) -> Action:
         m = _COMM_TOKEN.match(token)
         if not m:
             raise ValueError(f"not a communication token: {token!r} (expected e.g. sA3p0s1>1@down or ARp0s1@stage1)")
@@ -110,7 +110,7 @@ class Action:
         return obj
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Action":
+    def from_json(cls, obj: dict) -> Action:
         op = Op(obj["op"])
         batch = int(obj.get("batch", -1))
         if op in P2P_OPS:

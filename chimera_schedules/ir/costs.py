@@ -3,8 +3,8 @@ simulator, the list scheduler, the search and the split-backward pass price acti
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .actions import Action, Op
 from .schedule import Schedule

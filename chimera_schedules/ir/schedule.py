@@ -16,8 +16,8 @@ Vocabulary:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .actions import COMM_OPS, COMPUTE_OPS, P2P_OPS, Action, Op
 
@@ -93,7 +93,7 @@ class Schedule:
         return json.dumps(self.to_json(), indent=1)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Schedule":
+    def from_json(cls, obj: dict) -> Schedule:
         """Read the JSON form. Only ``stages``, ``microbatches`` and ``workers`` are required: a missing
         placement is inferred from where the actions run (the validator then checks it is a function)."""
         try:
@@ -119,7 +119,7 @@ class Schedule:
         )
 
     @classmethod
-    def loads(cls, text: str) -> "Schedule":
+    def loads(cls, text: str) -> Schedule:
         return cls.from_json(json.loads(text))
 
 

@@ -68,7 +68,7 @@ class EmulatedNCCL:
     def irecv(self, tensor: torch.Tensor, rank: int, group):
         return self._enqueue("recv", tensor, rank, group)
 
-    def wait(self, work: "_Pending") -> None:
+    def wait(self, work: _Pending) -> None:
         if not work.done.wait(self.timeout.total_seconds()):
             raise RuntimeError(f"emulated NCCL: timed out after {self.timeout.total_seconds():g}s waiting for "
                                f"the {work.kind} with rank {work.rank} (the peer's stream never reached its partner)")
@@ -76,7 +76,7 @@ class EmulatedNCCL:
             raise RuntimeError(f"emulated NCCL: {work.error}")
 
     @staticmethod
-    def done(work: "_Pending") -> bool:
+    def done(work: _Pending) -> bool:
         return work.done.is_set()
 
     def close(self) -> None:
@@ -85,7 +85,7 @@ class EmulatedNCCL:
             ops.put(None)
         self.streams.clear()
 
-    def _enqueue(self, kind: str, tensor: torch.Tensor, rank: int, group) -> "_Pending":
+    def _enqueue(self, kind: str, tensor: torch.Tensor, rank: int, group) -> _Pending:
         key = (id(group), rank)
         if key not in self.streams:
             self.streams[key] = queue.Queue()

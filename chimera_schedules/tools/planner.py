@@ -134,7 +134,7 @@ class Profile:
     source: str = ""
 
     @classmethod
-    def load(cls, path: str) -> "Profile":
+    def load(cls, path: str) -> Profile:
         with open(path) as f:
             data = json.load(f)
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

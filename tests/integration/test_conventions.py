@@ -2,9 +2,7 @@
 --save X --load X on a first launch, --exit-interval and --exit-duration-in-mins saving and exiting
 like SIGTERM, a launch after the run's end changing nothing, an error printed once per job (not once
 per rank), and no hang on an empty split."""
-import os
 import re
-import sys
 
 import pytest
 

@@ -1,11 +1,11 @@
 """The depth benchmark's smallest case: every runtime completes on the emulated device and the JSON
 has its fields. No time is checked here (the benchmark itself measures)."""
 import json
-import os
 import subprocess
 import sys
 
 from megatron.chimera.testing.launch import ROOT
+
 COLUMNS = {"runtime", "schedule", "D", "N", "ms", "ms_min", "ms_max", "predicted_ms", "bubble", "predicted_bubble"}
 
 

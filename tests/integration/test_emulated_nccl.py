@@ -2,8 +2,6 @@
 former design (one group per pipeline, receives at need) hangs, and the timeout names the wait.
 (The emulated equivalence cases, losses equal to one process, run in test_training.py.)"""
 import json
-import os
-import sys
 
 import pytest
 

@@ -15,8 +15,8 @@ import torch
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
-
 from megatron.chimera.testing.launch import ROOT
+
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
          "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
@@ -128,7 +128,7 @@ def test_a_killed_rank_ends_the_other_with_a_clear_message():
     p1.communicate(timeout=30)
     assert time.time() - start < 60
     assert p1.returncode == -signal.SIGKILL and p0.returncode != 0
-    line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
+    line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line, line
     assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \
         or "a collective failed" in line, line
@@ -144,7 +144,7 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
     finally:
         p1.kill()
         p1.communicate()
-    line = next(l for l in err0.splitlines() if l.startswith("pretrain_gpt.py: error:"))
+    line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line and "Timed out" in line, line
     assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line)
 
@@ -152,6 +152,7 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
     from megatron.core import parallel_state
+
     from megatron.chimera.distributed.process_groups import setup_parallel
 
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)

@@ -2,7 +2,6 @@
 parallelism exactly as in one process. The DeepSeek-V2-Lite-style one carries the most: multi-latent
 attention, a dense first layer, a shared expert, the alltoall dispatcher, --moe-grouped-gemm (sequential
 experts on the CPU, said once); fp32 here (PRECISION empty), so the printed losses agree to the digit."""
-import os
 import re
 import subprocess
 

@@ -6,7 +6,6 @@ Removed, and only these: the GPU-only fp8 flags. The GPT-3 script also passes --
 with --train-iters, which Megatron-LM itself refuses ("expected no batch-size rampup for iteration-based
 training"); we refuse any rampup (one schedule per batch size), and run the script without it.
 """
-import os
 import re
 import subprocess
 import sys

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from megatron.chimera.distributed.ports import free_port
-
 from megatron.chimera.testing.launch import ROOT
+
 MUNGE_SOCKET = "/run/munge/munge.socket.2"
 
 pytestmark = pytest.mark.skipif(

@@ -1,7 +1,6 @@
 """Megatron-LM's tokenizer types: the vocabulary size (so the padded embedding matches Megatron-LM's),
 the end-of-document id, and preprocess_data.py writing what the tokenizer says."""
 import json
-import os
 import subprocess
 import sys
 
@@ -10,8 +9,8 @@ import pytest
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.data.tokenizer import build_tokenizer
-
 from megatron.chimera.testing.launch import ROOT
+
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
          "--train-iters", "1", "--lr", "1e-3", "--mock-data"]

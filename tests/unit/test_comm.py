@@ -5,22 +5,19 @@ executor's former design (one group per pipeline, receives at need) are rejected
 accepted under gloo. Every generated schedule of the grid, lowered, passes under all three modes.
 """
 import json
-import os
-import sys
 
 import pytest
 import torch
 
 from chimera_schedules import InvalidSchedule, build, simulate
-from chimera_schedules.tools.cli import main
+from chimera_schedules.analysis.nccl_model import MODES, check
 from chimera_schedules.ir.actions import Op
+from chimera_schedules.ir.costs import CostModel
+from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.schedule import Schedule
 from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
-from chimera_schedules.ir.dataflow import forward_only
-from chimera_schedules.analysis.nccl_model import MODES, check
-from chimera_schedules.ir.costs import CostModel
 from chimera_schedules.runtime.executor import Transport, make_forward_backward
-
+from chimera_schedules.tools.cli import main
 from megatron.chimera.testing.legacy_lowering import legacy_lower
 
 # The classic deadlock (NCCL_MODEL.md): 1F1B on two workers, one group carrying activations down and

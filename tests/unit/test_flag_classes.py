@@ -6,8 +6,8 @@ import pytest
 
 from megatron.chimera.config import flag_classes
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
+from megatron.chimera.config.run_plan import make_run_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

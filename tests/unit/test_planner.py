@@ -4,8 +4,8 @@ import pytest
 
 from chimera_schedules import Action, build
 from chimera_schedules.analysis.measure import measured_result
-from chimera_schedules.tools.planner import Candidate, ModelShape, Profile, evaluate, plan
 from chimera_schedules.ir.costs import Event
+from chimera_schedules.tools.planner import Candidate, ModelShape, Profile, evaluate, plan
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0)  # no logits: equal stages
 

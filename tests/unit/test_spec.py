@@ -4,13 +4,13 @@ import argparse
 
 import pytest
 
-from chimera_schedules import ConfigError, ScheduleSpec, VARIANTS, build, build_spec, check, variant
+from chimera_schedules import VARIANTS, ConfigError, ScheduleSpec, build, build_spec, check, variant
+from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
+from chimera_schedules.registry import REGISTRY
 from chimera_schedules.tools.cli import _options as cli_parser
 from chimera_schedules.tools.options import describe
-from chimera_schedules.registry import REGISTRY
-from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
-from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.arguments import parse_args, schedule_flags
+from megatron.chimera.config.parser import build_parser as trainer_parser
 from megatron.chimera.config.run_plan import make_run_plan
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -17,11 +17,11 @@ from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
-from .parser import PROG, enforce_classes, fail, megatron_validate, parse
-from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import uses_transformer_engine
+from .parser import PROG, enforce_classes, fail, megatron_validate, parse
+from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
             "micro_batch_size", "lr")
@@ -275,7 +275,9 @@ def _require_documents(args, prefix: str) -> None:
     """Every part of --split that training reads (train; valid with --eval-iters) gets at least one
     document of ``prefix``, counted as megatron-core splits it."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     documents = IndexedDataset(prefix).sequence_lengths.shape[0]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-
 from .tokenizer import build_tokenizer
 
 

@@ -21,7 +21,6 @@ import zlib
 
 import torch
 
-
 # TransformerConfig fields a GPT recipe sets whose Megatron-LM flag stores them under the field's name
 # (--norm-epsilon in layernorm_epsilon, --apply-layernorm-1p in layernorm_zero_centered_gamma); the other
 # honoured model flags are mapped in transformer_config.
@@ -53,8 +52,11 @@ def _transformer_engine_installed() -> bool:
 def _layer_spec(args, config, device: torch.device):
     """Transformer Engine's spec where ``uses_transformer_engine``, megatron-core's local spec otherwise;
     with --num-experts, each layer dense or mixture-of-experts as ``config.moe_layer_freq`` says."""
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_layer_specs, get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     te = uses_transformer_engine(args, device.type)
     if config.num_moe_experts is not None:
@@ -275,7 +277,9 @@ def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=No
     gather the sequence (reduce-scatter its gradient) or all-reduce the input gradient over the
     tensor-parallel group, then the matrix multiply."""
     from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(input, group=tp_group)

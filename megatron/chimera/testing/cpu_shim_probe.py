@@ -8,7 +8,6 @@ with every shim in place, which must all be null.
 import contextlib
 import inspect
 import json
-import os
 import sys
 import warnings
 
@@ -18,17 +17,17 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.strategies import async_utils  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa: E402
-from megatron.core.dist_checkpointing.strategies import async_utils  # noqa: E402
 from megatron.core.tensor_parallel import random  # noqa: E402
 from megatron.core.transformer import utils  # noqa: E402
 from megatron.core.transformer.moe import token_dispatcher  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron.chimera.model import cpu_compat  # noqa: E402
 from megatron.chimera.distributed.ports import free_port  # noqa: E402
+from megatron.chimera.model import cpu_compat  # noqa: E402
 
 ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
             "get_state": random._get_cuda_rng_state, "set_state": random._set_cuda_rng_state,

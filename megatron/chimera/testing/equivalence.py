@@ -15,11 +15,9 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-
 
 from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args  # noqa: E402
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard  # noqa: E402

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from chimera_schedules.ir.actions import Action, Op
-
-from chimera_schedules.ir.schedule import Schedule
 from chimera_schedules.ir.dataflow import consumed_message, produced_message, source_worker
+from chimera_schedules.ir.schedule import Schedule
 
 
 def legacy_lower(schedule: Schedule) -> Schedule:

@@ -22,11 +22,10 @@ import sys
 
 import torch
 
-
 from megatron.chimera import make_run_plan, parse_args  # noqa: E402
 from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
-from megatron.chimera.model.chunk import transformer_config  # noqa: E402
 from megatron.chimera.distributed.process_groups import init_distributed  # noqa: E402
+from megatron.chimera.model.chunk import transformer_config  # noqa: E402
 
 
 def gpt_model(args):
@@ -88,10 +87,9 @@ def megatron_lm_on_cpu(args):
     """Megatron-LM's globals for its checkpoint functions, and the two CUDA answers (see above)."""
     import types
 
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training import checkpointing
     from megatron.training.global_vars import set_args
-
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
     set_args(args)
     init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1, False)

@@ -1,12 +1,10 @@
 """pretrain_gpt.py with the faults of ``fault_hooks.py`` injected through the hooks protocol; the tests
 launch it in place of pretrain_gpt.py, with the same flags."""
-import os
-import sys
 
 
-from megatron.chimera.testing.fault_hooks import FaultInjection  # noqa: E402
 from megatron.chimera import parse_args, pretrain  # noqa: E402
 from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
+from megatron.chimera.testing.fault_hooks import FaultInjection  # noqa: E402
 
 if __name__ == "__main__":
     pretrain(parse_args(), forward_step, FaultInjection.from_environment())
