@@ -20,7 +20,6 @@ never used, and no tampered file runs code. A foreign checkpoint (no manifest) i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import logging
@@ -185,6 +184,7 @@ def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
 def save_checkpoint(trainer, iteration: int, consumed_samples: int) -> str:
     """Collective. Returns the final directory."""
     from megatron.core import dist_checkpointing
+    from megatron.training.training import preprocess_common_state_dict  # already imported by the loop
 
     args, rt = trainer.args, trainer.rt
     final = iteration_dir(args.save, iteration)
@@ -203,7 +203,11 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int) -> str:
              "opt_param_scheduler": trainer.scheduler.state_dict(),
              "layout": {"schedule": args.pipeline_schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
     _synchronous_writer()
-    dist_checkpointing.save(state, tmp)
+    # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
+    # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
+    # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
+    # unchanged state, args included.
+    dist_checkpointing.save(state, tmp, preprocess_common_before_consistancy_check=preprocess_common_state_dict)
     trainer.hooks.during_save(trainer, iteration)
     dist.barrier()
     if dist.get_rank() == 0:
