@@ -15,7 +15,8 @@ says so only when waited for. The prediction is the simulator's ``peak_activatio
 micro-batch's bytes per model stage measured in the same run (what one forward of that stage saved):
 the simulator says how many micro-batches are alive at once on each worker, the model says how big
 one is. A split backward's I also keeps the gradients its W needs; what one I kept is measured the
-same way and priced from I to W. Writes benchmarks/results/activation_memory.json (rows: schedule, D, N, measured_peak_bytes,
+same way and priced from I to W.
+Writes benchmarks/results/activation_memory.json (rows: schedule, D, N, measured_peak_bytes,
 predicted_peak_bytes, per rank beside them) and activation_memory.png.
 """
 from __future__ import annotations
@@ -191,8 +192,8 @@ def main() -> None:
         return
     port = str(free_port())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(DEPTH),
-                           "--master_port", port, "-m", "benchmarks.activation_memory", "--worker", "--out", args.out], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "--master_port", port, "-m", "benchmarks.activation_memory", "--worker", "--out", args.out],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(proc.returncode)
     with open(args.out) as f:

@@ -52,12 +52,14 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "communicators.json"))
     args = p.parse_args()
     rows = [per_rank(name, args.depth, args.microbatches, args.dp, args.tp) for name in SCHEDULES]
-    print(f"{'schedule':<18}{'worker':>7}{'collective':>11}{'p2p':>5}{'total':>7}{'p2p before':>12}{'total before':>14}")
+    print(f"{'schedule':<18}{'worker':>7}{'collective':>11}{'p2p':>5}{'total':>7}"
+          f"{'p2p before':>12}{'total before':>14}")
     for r in rows:
         print(f"{r['schedule']:<18}{r['worker']:>7}{r['collectives']:>11}{r['p2p']:>5}{r['total']:>7}"
               f"{r['p2p_former']:>12}{r['total_former']:>14}")
     with open(args.out, "w") as f:
-        json.dump({"command": "python -m benchmarks.communicators " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        json.dump({"command": "python -m benchmarks.communicators " + " ".join(sys.argv[1:]), "rows": rows}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ and chimera with --split-backward, DualPipe), megatron-core's 1F1B, and plain da
 the same ranks. Per case it measures the median, min and max iteration time
 after warm-up, tokens/s, the bubble ratio from per-action timestamps on every rank, peak activation
 bytes (saved-tensor accounting) and weight bytes per rank. The simulator, fed with this run's
-measured per-stage forward/backward times (I and W for a split backward), p2p latency and all-reduce time, replays the lowered
-schedule (what the executor posts) under gloo's rules and predicts each schedule's bubbles and
-iteration time next to the measurement. Each rank has one core here, so all-reduces are priced as
+measured per-stage forward/backward times (I and W for a split backward), p2p latency and all-reduce time,
+replays the lowered schedule (what the executor posts) under gloo's rules and predicts each schedule's
+bubbles and iteration time next to the measurement. Each rank has one core here, so all-reduces are priced as
 occupying it (``CostModel.collectives_use_compute``). Process groups are freed after every case: idle
 gloo groups poll, and leaked ones slowed later cases.
 
@@ -440,8 +440,8 @@ def write_profile(rows, comm, cfg, out) -> None:
     grad_bytes = 2 * 12 * shape.hidden ** 2 * 4
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = {"name": f"cpu-{socket.gethostname()} (measured {date.today()})",
-               "source": f"Measured by python -m benchmarks.quick --quick on {date.today()}: {os.cpu_count()} cores, one "
-                         f"thread per rank, gloo over loopback.",
+               "source": f"Measured by python -m benchmarks.quick --quick on {date.today()}: "
+                         f"{os.cpu_count()} cores, one thread per rank, gloo over loopback.",
                "flops": flops, "p2p_latency": 0.0, "p2p_bandwidth": act_bytes / (comm["p2p_ms"] / 1e3),
                "allreduce_latency": 0.0, "allreduce_bandwidth": grad_bytes / (comm["allreduce_ms"] / 1e3),
                "memory": mem}
@@ -530,14 +530,15 @@ def main() -> None:
         worker({**QUICK, "only": args.only}, args.out, args.name)
         return
     if not args.quick:
-        p.error("only --quick exists so far; see benchmarks/results/scale_projection.md for the cluster-scale projection")
+        p.error("only --quick exists so far; see benchmarks/results/scale_projection.md "
+                "for the cluster-scale projection")
     os.makedirs(args.out, exist_ok=True)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(port), "-m", "benchmarks.quick", "--worker", "--name", args.name, "--out", args.out,
-                           "--only", args.only],
+                           "--master_port", str(port), "-m", "benchmarks.quick", "--worker", "--name", args.name,
+                           "--out", args.out, "--only", args.only],
                           env=env, cwd=ROOT)
     if proc.returncode:
         sys.exit(proc.returncode)

@@ -5,8 +5,8 @@ as in the paper) for pipeline depth D from 4 to 64 and up to 2,048 workers, unde
 
 A prediction, not a measurement: it rests on the profile's numbers and on the planner's cost model
 (chimera_schedules/tools/planner.py), whose schedule simulator is checked against real runs by
-python -m benchmarks.quick. Writes benchmarks/results/scale_projection.{md,json,png} (with ``--batch-per-worker K`` other
-than 1: benchmarks/results/scale_projection_batchK.*).
+python -m benchmarks.quick. Writes benchmarks/results/scale_projection.{md,json,png} (with
+``--batch-per-worker K`` other than 1: benchmarks/results/scale_projection_batchK.*).
 """
 import argparse
 import json

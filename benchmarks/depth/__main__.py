@@ -14,7 +14,8 @@ forward is ``--forward-ms`` (benchmarks/depth/costs.py).
 The same modules run under our executor (every registry schedule the sizes allow), megatron-core's
 1F1B and interleaved schedules, and torch.distributed.pipelining's Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV,
-at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this machine's memory). Each case is built once and warmed up once; then every round runs every case,
+at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this machine's memory). Each case is
+built once and warmed up once; then every round runs every case,
 so that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
 micro-batches from a barrier to the last rank's return (no optimizer step: the peers' runtimes have
 none); its bubble is the share of the D ranks' time not spent in a stage's wait.
@@ -213,8 +214,8 @@ def launch(depth: int, args, out: str) -> dict:
     port = str(free_port())
     extra = ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
-           "-m", "benchmarks.depth", "--worker", "--out", out, "--forward-ms", str(args.forward_ms), "--rounds", str(args.rounds),
-           "--iters", str(args.iters), *extra]
+           "-m", "benchmarks.depth", "--worker", "--out", out, "--forward-ms", str(args.forward_ms),
+           "--rounds", str(args.rounds), "--iters", str(args.iters), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode:

@@ -60,7 +60,8 @@ OPTIONS = (
            trainer_derives="micro-batches per pipeline replica (global batch / (micro-batch size x "
                            "data-parallel size))"),
     Option("virtual_stages", "--chunks", "--num-layers-per-virtual-pipeline-stage",
-           "model chunks per worker (virtual stages)", default=2, trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
+           "model chunks per worker (virtual stages)", default=2,
+           trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
     Option("pipelines", "--pipelines", "--chimera-pipelines", "pipelines, an even number", default=2),
     Option("concat", "--concat", "--chimera-concat", "how basic units join for N > D", str, CONCATS, "direct"),
     Option("order", "--order", "--chimera-order", "order of the actions", str, ORDERS, "paper"),

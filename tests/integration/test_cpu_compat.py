@@ -39,10 +39,12 @@ def test_gpt_forward_and_backward_on_cpu(one_process_group, positions):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a driver the real CUDA calls work; the shims are for CPU hosts")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="with a driver the real CUDA calls work; the shims are for CPU hosts")
 def test_every_redirection_is_still_needed_by_megatron_core():
-    """Each shim undone in turn breaks the megatron-core code it exists for (megatron/chimera/testing/cpu_shim_probe.py):
-    when a megatron-core release stops needing one, this names it, and it should go."""
+    """Each shim undone in turn breaks the megatron-core code it exists for
+    (megatron/chimera/testing/cpu_shim_probe.py): when a megatron-core release stops needing one, this names it,
+    and it should go."""
     import json
     import os
     import subprocess

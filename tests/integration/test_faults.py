@@ -45,13 +45,16 @@ RULES = [  # (flags, world size, what the one line must say)
       "--num-layers", "8", "--global-batch-size", "12"], 4, "--chimera-pipelines=6: P/2 must divide D/2 = 2"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "7"], 2, "--num-layers=7: must be divisible by the 2"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved", "--num-layers", "8",
-      "--num-layers-per-virtual-pipeline-stage", "3"], 2, "--num-layers-per-virtual-pipeline-stage=3: PP x it must divide"),
-    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size=6: must be a multiple of micro-batch size"),
+      "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     "--num-layers-per-virtual-pipeline-stage=3: PP x it must divide"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1,
+     "--global-batch-size=6: must be a multiple of micro-batch size"),
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--global-batch-size", "6"], 4,
      "--global-batch-size=6: gives 6 micro-batches per pipeline replica"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--chimera-concat", "doubling",
       "--global-batch-size", "6"], 2, "forward doubling pairs basic units"),
-    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size=2: TP x PP = 2 must divide the world size 3"),
+    (["--pipeline-model-parallel-size", "2"], 3,
+     "--pipeline-model-parallel-size=2: TP x PP = 2 must divide the world size 3"),
     (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
     (["--data-path", "/nonexistent/corpus"], 1, "--data-path="),
     (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/nonexistent/tok.model"], 1,
@@ -92,7 +95,8 @@ def test_every_rule_fails_before_anything_starts(tmp_path, capsys, flags, world,
 
 def ranks(*argv, env=None, per_rank=((), ())):
     """Two ranks as plain processes (no torchrun, whose agent would kill the survivor for us); with ``env``,
-    pretrain_gpt.py with the faults it names injected (megatron/chimera/testing/fault_hooks.py). ``per_rank``: flags one rank adds."""
+    pretrain_gpt.py with the faults it names injected (megatron/chimera/testing/fault_hooks.py).
+    ``per_rank``: flags one rank adds."""
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -117,7 +121,8 @@ def test_ranks_that_built_different_schedules_fail_in_one_line_before_training()
     assert (p0.returncode, p1.returncode) == (1, 1)
     lines = [line for line in (err0 + err1).splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert len(lines) == 1 and re.fullmatch(r"pretrain_gpt.py: error: --pipeline-schedule=chimera: the ranks built "
-                                            r"different schedules \(ranks 0 built \w+; ranks 1 built \w+\): .*", lines[0])
+                                            r"different schedules \(ranks 0 built \w+; ranks 1 built \w+\): .*",
+                                            lines[0])
     assert not re.search(r"iteration\s+\d+/", out0 + out1)  # nothing trained
 
 
@@ -130,8 +135,8 @@ def test_a_killed_rank_ends_the_other_with_a_clear_message():
     assert p1.returncode == -signal.SIGKILL and p0.returncode != 0
     line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line, line
-    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line) \
-        or "a collective failed" in line, line
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1",
+                     line) or "a collective failed" in line, line
 
 
 def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
@@ -146,7 +151,8 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
         p1.communicate()
     line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line and "Timed out" in line, line
-    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1", line)
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1",
+                     line)
 
 
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
@@ -160,7 +166,8 @@ def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
               parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
               parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]
-    assert [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups] == [30.0] * len(groups)
+    assert ([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+            == [30.0] * len(groups))
 
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")

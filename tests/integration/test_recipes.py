@@ -1,6 +1,6 @@
-"""Megatron-LM's own example scripts (core_v0.16 to core_v0.19, the same flags: examples/gpt3/train_gpt3_175b_distributed.sh and
-examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag, with the sizes scaled down and
-``--pipeline-schedule chimera`` added, run under Chimera D=2.
+"""Megatron-LM's own example scripts (core_v0.16 to core_v0.19, the same flags:
+examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag,
+with the sizes scaled down and ``--pipeline-schedule chimera`` added, run under Chimera D=2.
 
 Removed, and only these: the GPU-only fp8 flags. The GPT-3 script also passes --rampup-batch-size
 with --train-iters, which Megatron-LM itself refuses ("expected no batch-size rampup for iteration-based
@@ -22,8 +22,8 @@ def gpt3(vocab: str, merges: str, data: str, out: str) -> list[str]:
              "--max-position-embeddings", "32", "--attention-backend", "auto"]
     training = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--weight-decay", "0.1",
                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
-                "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-                "--lr-decay-iters", "4"]
+                "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+                "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4"]
     parallel = ["--tensor-model-parallel-size", "1", *CHIMERA]
     data_args = ["--data-path", data, "--vocab-file", vocab, "--merge-file", merges, "--split", "949,50,1"]
     logging = ["--log-interval", "1", "--save-interval", "2", "--eval-interval", "2", "--save", out, "--load", out,
@@ -61,8 +61,9 @@ def gpt2_corpus(gpt2_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2data")
     proc = subprocess.run([sys.executable, "scripts/preprocess_data.py", "--input", "data/corpus.jsonl",
                            "--output-prefix", str(out / "corpus"), "--tokenizer-type", "GPT2BPETokenizer",
-                           "--vocab-file", str(gpt2_files / "vocab.json"), "--merge-file", str(gpt2_files / "merges.txt"),
-                           "--append-eod"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--vocab-file", str(gpt2_files / "vocab.json"),
+                           "--merge-file", str(gpt2_files / "merges.txt"), "--append-eod"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return str(out / "corpus_text_document")
 

@@ -90,7 +90,8 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
         deadline, state = time.monotonic() + 60, ""
         while "idle" not in state:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the test cluster did not come up: {state!r}\n" + (d / "slurmctld.log").read_text()[-2000:])
+                raise RuntimeError(f"the test cluster did not come up: {state!r}\n"
+                                   + (d / "slurmctld.log").read_text()[-2000:])
             time.sleep(0.5)
             state = slurm(["sinfo", "-h", "-o", "%T"], env)
         yield env, d

@@ -75,7 +75,8 @@ def test_validate_names_the_offending_action(capsys, tmp_path):
     path.write_text(json.dumps(doc))
     code, _, err = run(capsys, "validate", str(path))
     assert code == 1
-    assert err.strip() == "invalid schedule: worker 1, action Rp0s1: gradient reduction before the last backward of its stage copy"
+    assert err.strip() == ("invalid schedule: worker 1, action Rp0s1: "
+                           "gradient reduction before the last backward of its stage copy")
 
 
 @pytest.mark.parametrize("argv,needle", [

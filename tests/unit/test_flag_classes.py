@@ -54,8 +54,9 @@ def test_flag_table_is_generated_from_the_classes():
      "--moe-router-topk=9: must be between 1 and --num-experts (8)"),
     (["--num-experts", "8", "--disable-bias-linear", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1",
       "--moe-router-topk", "3"], "--moe-router-topk=3: is greater than the experts in the 1 selected groups of 2"),
-    (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size",
-      "0"], "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
+    (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1",
+      "--expert-tensor-parallel-size", "0"],
+     "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
     (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
      "--moe-token-dispatcher-type=flex: pretrain_gpt.py runs allgather, alltoall only"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "global_aux_loss"],
@@ -90,7 +91,8 @@ def test_refused_flags_at_megatron_lms_default_and_no_effect_flags_parse():
 
 @pytest.mark.parametrize("extra, line", [
     (["--yaml-cfg", "/nonexistent.yaml"], "--yaml-cfg: Megatron-LM's experimental YAML configuration"),
-    (["--heterogeneous-layers-config-encoded-json", '{"a":\n 1}'], '--heterogeneous-layers-config-encoded-json={"a": 1}'),
+    (["--heterogeneous-layers-config-encoded-json", '{"a":\n 1}'],
+     '--heterogeneous-layers-config-encoded-json={"a": 1}'),
     (["--attention-backend", "local"], "(Megatron-LM's validate_args)"),
 ])
 def test_inputs_megatron_lm_reads_while_parsing_still_fail_in_one_line(capsys, extra, line):

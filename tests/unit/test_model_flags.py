@@ -103,7 +103,8 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
         getattr(module, leaf).sequence_parallel = sequence_parallel
 
     def marks(sequence_parallel, qk_layernorm):
-        mark_tensor_parallel_sums(model, SimpleNamespace(sequence_parallel=sequence_parallel, qk_layernorm=qk_layernorm))
+        mark_tensor_parallel_sums(model, SimpleNamespace(sequence_parallel=sequence_parallel,
+                                                         qk_layernorm=qk_layernorm))
         return {name.split(".", 3)[3] for name, p in model.named_parameters() if p.sums_over_tensor_parallel}
 
     assert marks(True, True) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias",

@@ -69,7 +69,8 @@ def test_moe_costs_count_routed_and_shared_experts_and_the_all_to_all():
                 allreduce_bandwidth=float("inf"), memory=1e12)
     # dispatch and combine: 2 x (latency + tokens x hidden x 2 bytes x top-k x (EP-1)/EP / bandwidth)
     model = costs(shape, p, depth=2, b=1, width=2, ep=2)
-    assert model.forward == [shape.layer_forward_flops(1), shape.moe_layer_forward_flops(1) + 2 * (1 + 64 * 2 * 2 / 2 / 2)]
+    assert model.forward == [shape.layer_forward_flops(1),
+                             shape.moe_layer_forward_flops(1) + 2 * (1 + 64 * 2 * 2 / 2 / 2)]
 
 
 def test_planner_counts_expert_memory_per_expert_parallel_rank():

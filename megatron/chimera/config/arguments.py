@@ -84,7 +84,8 @@ def _expert_layout(args) -> None:
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
-    require(ep > 0 and etp > 0, "--expert-model-parallel-size", ep, "and --expert-tensor-parallel-size must be positive")
+    require(ep > 0 and etp > 0, "--expert-model-parallel-size", ep,
+            "and --expert-tensor-parallel-size must be positive")
     require(ep == 1 or args.num_experts is not None, "--expert-model-parallel-size", ep, "needs --num-experts")
     if args.num_experts is None:
         return
@@ -163,12 +164,13 @@ def _validate_run(args) -> None:
     require(args.kv_channels is not None or args.hidden_size % args.num_attention_heads == 0, "--num-attention-heads",
             args.num_attention_heads, f"must divide --hidden-size ({args.hidden_size}) unless --kv-channels is given")
     _validate_precision(args)
-    require(not args.emulate_nccl or not args.p2p_host_staging and not torch.cuda.is_available(), "--emulate-nccl", True,
-            "is for the CPU (gloo): on a GPU, run NCCL itself")
+    require(not args.emulate_nccl or not args.p2p_host_staging and not torch.cuda.is_available(), "--emulate-nccl",
+            True, "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    require(not (args.split_backward and uses_transformer_engine(args, device_type)), "--transformer-impl", args.transformer_impl, "Transformer Engine's fused linears compute the input and "
+    require(not (args.split_backward and uses_transformer_engine(args, device_type)), "--transformer-impl",
+            args.transformer_impl, "Transformer Engine's fused linears compute the input and "
             "weight gradients together, which --split-backward separates: give --transformer-impl local")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,

@@ -36,7 +36,8 @@ MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type
        "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
-GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")  # Transformer Engine's grouped experts
+# Transformer Engine's grouped experts
+GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
@@ -111,7 +112,8 @@ def latent_core_attention():
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             super().__init__(config, *args, **kwargs)
             if v_channels is not None:  # megatron-core's Attention first builds one without them
-                self.hidden_size_per_partition = v_channels * config.num_attention_heads // config.tensor_model_parallel_size
+                self.hidden_size_per_partition = (v_channels * config.num_attention_heads
+                                                  // config.tensor_model_parallel_size)
 
     return LatentCoreAttention
 
@@ -160,7 +162,8 @@ def _latent_attention(args) -> dict:
     as Megatron-LM reads them (rope_type left to MLA's default, yarn, unless given)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    own = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+    own = ({f.name for f in dataclasses.fields(MLATransformerConfig)}
+           - {f.name for f in dataclasses.fields(TransformerConfig)})
     fields = {name: getattr(args, name) for name in sorted(own) if hasattr(args, name)}
     if args.rope_type is None:
         fields.pop("rope_type", None)

@@ -52,7 +52,8 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
             by_stage.setdefault(stage, []).append(routers)
     counts = {}
     for stage, copies in sorted(by_stage.items()):
-        counts[stage] = torch.stack([torch.stack([r.local_tokens_per_expert for r in routers]) for routers in copies]).sum(0)
+        counts[stage] = torch.stack([torch.stack([r.local_tokens_per_expert for r in routers])
+                                     for routers in copies]).sum(0)
         if rt.stage_groups.get(stage) is not None:
             rt.all_reduce(counts[stage], group=rt.stage_groups[stage])
     if counts and rt.tp > 1:

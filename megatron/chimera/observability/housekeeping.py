@@ -22,7 +22,8 @@ class Housekeeping:
     def before_iteration(self, done: int) -> None:
         """``done`` iterations are complete; the next one is ``done + 1``."""
         args = self.args
-        if args.profile and (not args.profile_ranks or self.rank in args.profile_ranks) and done == args.profile_step_start:
+        if (args.profile and (not args.profile_ranks or self.rank in args.profile_ranks)
+                and done == args.profile_step_start):
             self._start_profiler()
 
     def after_iteration(self, done: int) -> None:

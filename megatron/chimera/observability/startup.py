@@ -1,6 +1,7 @@
 """Megatron-LM's startup output, so a user's log parsers find it (its validate_args prints the arguments
-banner): "building GPT model ...", the parameter count of every model chunk (for Chimera, one line per stage copy), and the
-bytes of model state each rank holds; and ours: the line saying the schedule's communication was proven."""
+banner): "building GPT model ...", the parameter count of every model chunk (for Chimera, one line per stage
+copy), and the bytes of model state each rank holds; and ours: the line saying the schedule's communication
+was proven."""
 from __future__ import annotations
 
 import torch

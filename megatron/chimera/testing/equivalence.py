@@ -35,8 +35,8 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
          "--disable-bias-linear"]
 MIXTRAL = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
-           "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
-           "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "allgather"]
+           "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss",
+           "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "allgather"]
 VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weights"],
             "rope": ["--position-embedding-type", "rope"],
             # Llama's architecture flags as Megatron-LM's Llama recipes spell them (biases are off for all)
@@ -129,8 +129,9 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
         out["chimera fp16 D=2"] = ("fp16", schedule_cases(2)["chimera direct D=2"])
         out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
-        out["chimera halving D=2"] = ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
-                                                        "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
+        out["chimera halving D=2"] = (
+            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                             "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
         out["mixtral chimera D=2"] = ("mixtral", schedule_cases(2)["chimera direct D=2"])
         out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
         out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
@@ -146,7 +147,8 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera D=2 DP=2": ("tied-learned", chimera2),
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
-        "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward", "--tensor-model-parallel-size", "2"]),
+        "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward",
+                                                                "--tensor-model-parallel-size", "2"]),
         "chimera untied D=4": ("untied", chimera4),
         "chimera rope D=4": ("rope", chimera4),
         "chimera llama D=4": ("llama", chimera4),
@@ -159,16 +161,19 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
         "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
                                                                  + ["--overlap-grad-reduce", "--overlap-param-gather"]),
-        "chimera distributed optimizer D=2 TP=2": ("tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
+        "chimera distributed optimizer D=2 TP=2": (
+            "tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
         "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
         "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),
         "chimera llama distributed optimizer D=2 TP=2 sequence parallel": (
             "llama", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        "1f1b distributed optimizer D=2 DP=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-                                                                 "--pipeline-schedule", "1f1b"] + DISTOPT),
-        "megatron-interleaved v=2 D=4": ("tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
-                                                          "--pipeline-schedule", "megatron-interleaved",
-                                                          "--num-layers-per-virtual-pipeline-stage", "1"]),
+        "1f1b distributed optimizer D=2 DP=2": (
+            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                             "--pipeline-schedule", "1f1b"] + DISTOPT),
+        "megatron-interleaved v=2 D=4": (
+            "tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+                             "--pipeline-schedule", "megatron-interleaved",
+                             "--num-layers-per-virtual-pipeline-stage", "1"]),
         "mixtral chimera D=4": ("mixtral", chimera4),
         "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
         "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
@@ -327,8 +332,9 @@ def main() -> None:
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
             "hooks_saw_everything": trainer.hooks_saw_everything,
             "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
-            "moe_rel": max((abs(f[k] - r[k]) / abs(r[k]) for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r),
-                           default=0.0) if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0,
+            "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k])
+                             for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r), default=0.0)
+                        if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0),
         }
         trainer.close()
         if dist.get_rank() == 0:

@@ -2,10 +2,10 @@
 loaded by Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (megatron.training.checkpointing,
 from the megatron-core wheel), as a Megatron-LM user's run does.
 
-    python -m megatron.chimera.testing.mcore_checkpoint_probe save DIR -- FLAGS   # DIR/torch_dist: Megatron-LM's save_checkpoint
-                                                              # (torch_dist, iteration 1); DIR/torch: its legacy files
-    python -m megatron.chimera.testing.mcore_checkpoint_probe load DIR -- FLAGS   # Megatron-LM's load_checkpoint of DIR (a --save
-                                                              # directory; --probe-step N picks iteration N)
+    python -m megatron.chimera.testing.mcore_checkpoint_probe save DIR -- FLAGS
+        # DIR/torch_dist: Megatron-LM's save_checkpoint (torch_dist, iteration 1); DIR/torch: its legacy files
+    python -m megatron.chimera.testing.mcore_checkpoint_probe load DIR -- FLAGS
+        # Megatron-LM's load_checkpoint of DIR (a --save directory; --probe-step N picks iteration N)
 
 Each prints ``loss BATCH VALUE``: the LM loss of training batch BATCH (``--probe-batch``, default 0)
 as pretrain_gpt.py's data gives it, with the saved or loaded weights. FLAGS are pretrain_gpt.py's.
