@@ -16,8 +16,8 @@ import re
 
 import torch
 
-from .format import CheckpointError, safe_globals
 from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
+from .format import CheckpointError, safe_globals
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -44,7 +44,8 @@ def _load(path: str, root: str) -> dict:
         with safe_globals():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(root, f"{path} holds objects we do not unpickle ({str(e).splitlines()[0][:200]})") from None
+        first_line = str(e).splitlines()[0][:200]
+        raise CheckpointError(root, f"{path} holds objects we do not unpickle ({first_line})") from None
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(root, f"{path} is unreadable ({str(e).splitlines()[0][:200]})") from None
 

@@ -99,7 +99,9 @@ def optimizer_state(trainer, models: dict, loading: bool, main_weights: bool) ->
         for pname, param in chunk.named_parameters():
             kept = full.get(id(param), {})
             for name in names:
-                value = kept[name] if name in kept else torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                value = kept.get(name)
+                if value is None:
+                    value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
                                                                             f"optimizer.state.{name}")
     out = {"state": state, "step": trainer.optimizer_steps(), "fp32_param": main_weights}

@@ -1,0 +1,13 @@
+"""The tree stays clean under ruff as pyproject.toml configures it (line length 120; rules E, F, I and
+UP), so the suite's command checks style too."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_ruff_check_is_clean():
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
