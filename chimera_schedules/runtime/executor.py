@@ -13,17 +13,23 @@ schedule made it or which channel a message takes:
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
+Each action runs inside a profiler range named ``PP:`` and its IR token (``PP:F3p1s2``, ``PP:sA3p0s1>1@down``),
+so a trace reads as the lowered list; with ``nvtx_ranges`` on a GPU, an NVTX range of the same name too.
+A PipelineFault names the action the worker was at, in the lowered list around it.
 No action synchronises the host with the device: an observer's action times are device times
 (clock.py), read once after the flush.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..ir.actions import Action, Op
 from ..ir.dataflow import consumed_message, forward_only, produced_message
@@ -33,7 +39,14 @@ from .clock import Clock
 
 
 class PipelineFault(RuntimeError):
-    """A peer died or stopped answering: names the rank, the message it waited for and the peer."""
+    """A peer died or stopped answering. ``headline``, the first line, names the rank, the message it
+    waited for and the peer; ``context``, on the following lines once the executor has placed it, shows
+    the worker's lowered list around the action it was at, so the failure can be read against the
+    schedule without rerunning it. ``action`` is the send or receive that failed."""
+
+    def __init__(self, headline: str, context: str = "", action: Action | None = None):
+        super().__init__(f"{headline}\n{context}" if context else headline)
+        self.headline, self.context, self.action = headline, context, action
 
 
 class GradSync(Protocol):
@@ -126,7 +139,7 @@ class _Messages:
             self.t.p2p.wait(work)
         except RuntimeError as e:  # the peer died or the timeout passed
             raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) waited for the "
-                                f"{_describe(a, self.t)}: {_first_line(e)}") from None
+                                f"{_describe(a, self.t)}: {_first_line(e)}", action=a) from None
         return buf.to(self.t.device)
 
     def drain(self) -> None:
@@ -140,7 +153,7 @@ class _Messages:
             self.t.p2p.wait(work)
         except RuntimeError as e:
             raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}) could not deliver the "
-                                f"{_describe(a, self.t)}: {_first_line(e)}") from None
+                                f"{_describe(a, self.t)}: {_first_line(e)}", action=a) from None
 
 
 def _describe(a: Action, t: Transport) -> str:
@@ -152,6 +165,45 @@ def _describe(a: Action, t: Transport) -> str:
 
 def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _ranges(a: Action, nvtx: bool) -> AbstractContextManager:
+    """The profiler ranges around one action, named as torch.distributed.pipelining names its own
+    (``PP:`` and the action), so a trace holds exactly one range per action run. record_function costs
+    tens of microseconds even when no profiler listens, hence the check (a profiler that starts inside
+    a list sees the actions that follow); ``nvtx`` (--nvtx-ranges, on a GPU) adds an NVTX range of the
+    same name for nsys. The ranges are open when this returns and close when its ``with`` ends."""
+    profiling = torch.autograd._profiler_enabled()
+    if not (profiling or nvtx):
+        return _NO_RANGE
+    name, ranges = f"PP:{a}", ExitStack()
+    if profiling:
+        ranges.enter_context(record_function(name))
+    if nvtx:
+        ranges.enter_context(torch.cuda.nvtx.range(name))
+    return ranges
+
+
+_NO_RANGE = nullcontext()
+
+
+def _located(fault: PipelineFault, actions: Sequence[Action], at: int | None) -> PipelineFault:
+    """``fault`` with the lowered list around ``actions[at]``, the action the worker was running; with
+    ``at`` None (the flush, after the last action), around the send that failed. The headline stays
+    the first line: the trainer and the tests read it."""
+    flush = at is None
+    if flush:
+        at = actions.index(fault.action)
+    where = f"at the flush, waiting for action {at}" if flush else f"at action {at}"
+    return PipelineFault(fault.headline, "\n".join([f"the worker's lowered list ({len(actions)} actions), {where}:",
+                                                    *_around(actions, at)]), fault.action)
+
+
+def _around(actions: Sequence[Action], at: int, width: int = 3) -> list[str]:
+    """``width`` actions either side of ``actions[at]``, one a line with its index, ``at`` marked ``>>``."""
+    digits = len(str(len(actions) - 1))
+    return [f"{'>>' if i == at else '  '} {i:>{digits}} {actions[i]}"
+            for i in range(max(0, at - width), min(len(actions), at + width + 1))]
 
 
 def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
@@ -167,16 +219,18 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
 
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
-                          observer: Observer | None = None) -> Callable:
+                          observer: Observer | None = None, nvtx_ranges: bool = False) -> Callable:
     """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
     ``observer`` (the Observer protocol), when given, sees every action as it is posted and every
-    compute action's device time after the flush. megatron-core's options that this executor does not
-    implement are refused when set, not ignored."""
+    compute action's device time after the flush. ``nvtx_ranges`` (--nvtx-ranges) adds an NVTX range
+    per action when the device is a GPU (there is no NVTX on the CPU). megatron-core's options that this
+    executor does not implement are refused when set, not ignored."""
     if any(a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
+    nvtx = nvtx_ranges and transport.device.type == "cuda"
     held = lowered.held(transport.worker)
     plans = {False: lowered.workers[transport.worker], True: forward_only(lowered).workers[transport.worker]}
 
@@ -198,7 +252,7 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
                    _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only,
                    Clock(transport.device, enabled=observer is not None))
-        return run.execute(plans[forward_only], grad_sync, observer)
+        return run.execute(plans[forward_only], grad_sync, observer, nvtx)
 
     return forward_backward
 
@@ -249,22 +303,27 @@ class _Run:
             if h is not None:
                 h.remove()
 
-    def execute(self, actions, grad_sync: GradSync, observer: Observer | None) -> list:
-        """Run this worker's list; the flush waits for every send and, in training, every reduction.
-        The observer's action times are read after it, once."""
-        timeline = []
+    def execute(self, actions, grad_sync: GradSync, observer: Observer | None, nvtx: bool = False) -> list:
+        """Run this worker's list, each action in its profiler range (``_ranges``); the flush waits for
+        every send and, in training, every reduction. A PipelineFault shows where in the list it came
+        (``_located``). The observer's action times are read after the flush, once."""
+        timeline, at = [], None
         self.clock.begin()
         try:
             with torch.no_grad() if self.forward_only else torch.enable_grad():
-                for a in actions:
-                    ran = self.step(a, grad_sync)
+                for at, a in enumerate(actions):
+                    with _ranges(a, nvtx):
+                        ran = self.step(a, grad_sync)
                     if ran is not None:
                         timeline.append((a, ran, self.clock.stamp()))
                     if observer is not None:
                         observer.after_action(a, self.held)
+            at = None  # the flush
+            self.messages.drain()
+        except PipelineFault as fault:
+            raise _located(fault, actions, at) from None
         finally:
             self.close()
-        self.messages.drain()
         if not self.forward_only:
             grad_sync.finish()
         if observer is not None:

@@ -43,7 +43,7 @@ HONOURED = _flags("""
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
     --tokenizer-model --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
-    --no-barrier-with-level-1-timing
+    --no-barrier-with-level-1-timing --nvtx-ranges
     --num-experts --moe-ffn-hidden-size --moe-router-topk --moe-layer-freq --moe-router-load-balancing-type
     --moe-aux-loss-coeff --moe-z-loss-coeff --moe-token-dispatcher-type --moe-router-score-function
     --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
@@ -298,7 +298,6 @@ REFUSED = {
     'a profiler option this trainer does not implement': _flags("""
         --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack
         --pytorch-profiler-collect-chakra --record-memory-history --memory-snapshot-path --record-shapes
-        --nvtx-ranges
     """),
     'every batch size needs its own pipeline schedule: not supported yet': _flags("""
         --rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed

@@ -59,12 +59,13 @@ class RunPlan:
         return [[a.mb for a in actions if a.op is Op.FORWARD and (a.pipeline, a.stage) == key]
                 for key in self.held(worker)]
 
-    def runner(self, models, transport, grad_sync, observer=None):
+    def runner(self, models, transport, grad_sync, observer=None, nvtx_ranges: bool = False):
         """The iteration's forward_backward function, megatron-core's keyword signature. ``transport``
         (ours only) carries the messages; ``observer`` (the executor's Observer protocol: the trainer's
-        hooks) sees our actions."""
+        hooks) sees our actions; ``nvtx_ranges`` (--nvtx-ranges) gives each of our actions an NVTX range
+        on a GPU."""
         if self.lowered is not None:
-            return make_forward_backward(self.lowered, transport, grad_sync, observer)
+            return make_forward_backward(self.lowered, transport, grad_sync, observer, nvtx_ranges)
         return _megatron_core_runner(models, grad_sync, self.megatron_virtual_stages)
 
 
