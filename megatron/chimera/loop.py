@@ -21,26 +21,31 @@ from megatron.training.training import num_floating_point_operations, print_date
 from megatron.training.utils import print_rank_last
 
 from chimera_schedules import ConfigError
-from chimera_schedules.runtime.executor import PipelineFault, Transport
 from chimera_schedules.ir.channels import stage_group
+from chimera_schedules.runtime.executor import PipelineFault, Transport
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
 from .config.run_plan import make_run_plan
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
-from .optim.distributed_optimizer import ShardedMainParams
-from .optim.gradients import ReplicaGradSync
-from .observability.hooks import Hooks
-from .observability.housekeeping import Housekeeping
-from .model.chunk import build_chunk, uses_transformer_engine
-from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses, update_expert_bias
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
-from .optim.precision import LossScaler, MainParams, scaled_loss
-from .observability.startup import (print_building, print_model_state, print_parameter_counts,
-                                    print_schedule_proof, print_warm_up)
+from .model.chunk import build_chunk, uses_transformer_engine
+from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses, update_expert_bias
+from .observability.hooks import Hooks
+from .observability.housekeeping import Housekeeping
+from .observability.startup import (
+    print_building,
+    print_model_state,
+    print_parameter_counts,
+    print_schedule_proof,
+    print_warm_up,
+)
 from .observability.timing import ITERATION, SETUP, make_timers, print_times
+from .optim.distributed_optimizer import ShardedMainParams
+from .optim.gradients import ReplicaGradSync
+from .optim.precision import LossScaler, MainParams, scaled_loss
 
 
 def _param_groups(params, args):
@@ -113,7 +118,7 @@ class Trainer:
         self._build_model_and_optimizer(forward_step_func, device)
         self.transport = _transport(args, self.rt, backend) if plan.schedule is not None else None
         self.forward_backward = plan.runner(self.models, self.transport, self.sync,
-                                              hooks if hooks.observes_actions() else None)
+                                              hooks if hooks.observes_actions() else None, args.nvtx_ranges)
         started = time.perf_counter()
         warmed = warm_up_communicators(self.rt, self.transport, plan.lowered, self.tied)
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
@@ -188,8 +193,8 @@ class Trainer:
             m.train()
         try:
             loss, norm = self._gradients(iteration)
-        except PipelineFault as e:
-            raise PipelineFault(f"{e} (iteration {iteration + 1})") from None
+        except PipelineFault as e:  # the iteration joins the headline, the first line
+            raise PipelineFault(f"{e.headline} (iteration {iteration + 1})", e.context, e.action) from None
         except NotImplementedError:  # a configuration the executor refuses: not a failed peer
             raise
         except RuntimeError as e:  # a collective failed: a peer died or timed out
@@ -279,9 +284,11 @@ class _Board:
 def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     """Train until --train-iters, printing Megatron's log lines; resume from --load, save to --save.
     Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
-    checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit."""
+    checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit.
+    A caller that created the default process group keeps it: only the group made here is destroyed."""
+    owns_process_group = not dist.is_initialized()
     try:
-        return _pretrain(args, forward_step_func, hooks)
+        return _pretrain(args, forward_step_func, hooks, owns_process_group)
     except (PipelineFault, ConfigError, TrainingStopped) as e:
         if not isinstance(e, ScheduleMismatch) or dist.get_rank() == 0:  # a mismatch is raised on every rank
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
@@ -322,7 +329,7 @@ class _ExitPolicy:
         return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}" if flags[1] else None
 
 
-def _pretrain(args, forward_step_func, hooks: Hooks) -> list[dict]:
+def _pretrain(args, forward_step_func, hooks: Hooks, owns_process_group: bool) -> list[dict]:
     exit_policy = _ExitPolicy(args)
     trainer = Trainer(args, make_run_plan(args), forward_step_func, hooks)
     first = _resume(trainer)
@@ -333,7 +340,7 @@ def _pretrain(args, forward_step_func, hooks: Hooks) -> list[dict]:
                         " nothing to train")
         if args.eval_iters:  # as Megatron-LM, evaluate what was loaded
             _evaluate_and_print(trainer, board, first)
-        _shut_down(trainer)
+        _shut_down(trainer, owns_process_group)
         return []
     print_rank_last("done with setup ...")
     print_times(trainer.timers, SETUP)
@@ -344,18 +351,19 @@ def _pretrain(args, forward_step_func, hooks: Hooks) -> list[dict]:
         history = _train(trainer, first, progress, housekeeping, board, exit_policy)
     finally:
         housekeeping.stop()
-    _shut_down(trainer)
+    _shut_down(trainer, owns_process_group)
     return history
 
 
-def _shut_down(trainer) -> None:
+def _shut_down(trainer, owns_process_group: bool) -> None:
     """Destroy every process group before the interpreter finalizes: a gloo group left alive keeps
     worker threads whose clean-up during finalization can abort the process (SIGABRT, 'terminate called
     without an active exception') after a run that succeeded. The barrier keeps a rank from tearing
-    down while a peer still talks to it."""
+    down while a peer still talks to it. The default group is the caller's to destroy if it made it."""
     dist.barrier()
     trainer.close()
-    dist.destroy_process_group()
+    if owns_process_group:
+        dist.destroy_process_group()
 
 
 def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import VALID, losses, run, train_args
-
 
 CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
 
@@ -82,78 +82,104 @@ def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupte
         == losses(proc)[3]
 
 
-def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(corpus, tmp_path):
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32", "--disable-bias-linear",
+       "--eval-iters", "0", "--global-batch-size", "8"]
+FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
+MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
+                         r" optimizer: (\d+) \| total: (\d+)")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(corpus, tmp_path_factory):
+    """The 4-process runs, in one launch: each saving run before the run that resumes from it."""
+    d4, moe = tmp_path_factory.mktemp("d4"), tmp_path_factory.mktemp("moe")
+    return run_cases(4, {
+        "chimera D=4": train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
+                                  "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+        "1f1b D=2 TP=2": train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
+                                    "--make-vocab-size-divisible-by", "64", "--load", str(d4 / "iter_0000002")),
+        "moe chimera EP=2": train_args(corpus, *MOE, *CHIMERA2, "--expert-model-parallel-size", "2", "--save", str(moe),
+                                       "--save-interval", "2"),
+        "moe 1f1b EP=1": train_args(corpus, *MOE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                                    "--load", str(moe / "iter_0000002")),
+    })
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus, tmp_path_factory):
+    """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own)."""
+    mcore, fp16, distopt = (tmp_path_factory.mktemp(name) for name in ("mcore", "fp16", "distopt"))
+    expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
+    bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
+    return expected, run_cases(2, {
+        "megatron-lm torch_dist": train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load",
+                                             str(mcore / "torch_dist"), "--finetune"),
+        "megatron-lm legacy": train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(mcore / "torch"),
+                                         "--no-load-optim"),
+        "fp16": train_args(corpus, *FP16, "--save", str(fp16), "--save-interval", "2", "--eval-iters", "0"),
+        "fp16 resumed": train_args(corpus, *FP16, "--load", str(fp16 / "iter_0000002"), "--eval-iters", "0"),
+        "sharded": bf16 + ["--use-distributed-optimizer", "--save", str(distopt / "sharded"), "--log-memory-per-rank"],
+        "plain": bf16 + ["--load", str(distopt / "sharded" / "iter_0000002"), "--save", str(distopt / "plain")],
+        "sharded again": bf16 + ["--use-distributed-optimizer", "--load", str(distopt / "plain" / "iter_0000004")],
+        "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
+                                  "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
+    })
+
+
+def ok(runs: dict, name: str):
+    proc = runs[name]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
     Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
-    flags = train_args(corpus, "--train-iters", "1")[1:]
-    expected = probe("save", str(tmp_path), "--", *flags)
-    dist = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch_dist"),
-                              "--finetune"))
-    legacy = run(2, *train_args(corpus, *CHIMERA2, "--train-iters", "1", "--load", str(tmp_path / "torch"),
-                                "--no-load-optim"))
+    expected, runs = two_ranks
+    dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
 
 
-def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(corpus, tmp_path):
+def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):
     """Weights and AdamW moments re-cut by dist_checkpointing: the resumed iteration 3 repeats the
     Chimera run's (tensor parallelism reorders fp32 sums, hence 1e-5). As in Megatron-LM, TP=2 pads the
     vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape."""
-    chimera = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
-                                 "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0",
-                                 "--train-iters", "3"))
-    resharded = run(4, *train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                   "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
-                                   "--make-vocab-size-divisible-by", "64", "--load", str(tmp_path / "iter_0000002")))
+    chimera, resharded = ok(four_ranks, "chimera D=4"), ok(four_ranks, "1f1b D=2 TP=2")
     assert list(losses(resharded)) == [3]
     for i in (3,):
         assert abs(float(losses(resharded)[i]) / float(losses(chimera)[i]) - 1) < 1e-5
 
 
-def test_moe_expert_parallel_chimera_checkpoint_resumes_at_ep1_under_1f1b(corpus, tmp_path):
+def test_moe_expert_parallel_chimera_checkpoint_resumes_at_ep1_under_1f1b(four_ranks):
     """A model mixing dense and MoE layers (megatron-core keys each layer on its own, by its number in
     the whole model, and each expert by its number among all experts) saved by Chimera D=2 with
     expert parallelism 2 resumes without expert parallelism under 1F1B D=2, with the uninterrupted
     run's losses (fp32: they differ only in the order of sums)."""
-    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
-           "1e-2", "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32",
-           "--disable-bias-linear", "--eval-iters", "0", "--global-batch-size", "8"]
-    whole = run(4, *train_args(corpus, *moe, *CHIMERA2, "--expert-model-parallel-size", "2", "--save", str(tmp_path),
-                               "--save-interval", "2"))
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = run(4, *train_args(corpus, *moe, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
-                                 "--load", str(tmp_path)))
+    whole, resumed = ok(four_ranks, "moe chimera EP=2"), ok(four_ranks, "moe 1f1b EP=1")
     assert list(losses(resumed)) == [3, 4]
     for i in (3, 4):
         assert abs(float(losses(resumed)[i]) / float(losses(whole)[i]) - 1) < 1e-5
     assert "load_balancing_loss:" in resumed.stdout
 
 
-def test_fp16_resume_repeats_losses_and_loss_scale(corpus, tmp_path):
+def test_fp16_resume_repeats_losses_and_loss_scale(two_ranks):
     """Megatron-LM's --fp16: the fp32 main weights and the dynamic loss scale are checkpointed, so a
     resumed run logs the uninterrupted run's losses and loss scales."""
-    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
-    whole = run(2, *train_args(corpus, *fp16, "--save", str(tmp_path), "--save-interval", "2", "--eval-iters", "0"))
+    whole, again = ok(two_ranks[1], "fp16"), ok(two_ranks[1], "fp16 resumed")
     scales = re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", whole.stdout)
     assert [s for _, s in scales] == ["2048.0", "4096.0", "8192.0", "16384.0"]  # doubles after each clean step
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
-    again = run(2, *train_args(corpus, *fp16, "--load", str(tmp_path), "--eval-iters", "0"))
     assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
     assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]
 
 
-MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
-                         r" optimizer: (\d+) \| total: (\d+)")
-
-
-def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_path):
+def test_distributed_optimizer_checkpoints_load_without_it_and_back(two_ranks):
     """--bf16 with and without --use-distributed-optimizer compute the same numbers, and both write the
     whole optimizer state (the sharded one gathers it): a run without it resumes the sharded run's
     checkpoint, a sharded run resumes that one's, and both repeat the sharded run's losses as printed."""
-    bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
-    sharded = run(2, *bf16, "--use-distributed-optimizer", "--save", str(tmp_path / "sharded"),
-                  "--log-memory-per-rank")
-    plain = run(2, *bf16, "--load", str(tmp_path / "sharded" / "iter_0000002"), "--save", str(tmp_path / "plain"))
-    back = run(2, *bf16, "--use-distributed-optimizer", "--load", str(tmp_path / "plain" / "iter_0000004"))
+    runs = two_ranks[1]
+    sharded, plain, back = ok(runs, "sharded"), ok(runs, "plain"), ok(runs, "sharded again")
     assert losses(plain) == {i: v for i, v in losses(sharded).items() if i > 2}
     assert losses(back) == {5: losses(sharded)[5]}
     assert len(MODEL_STATE.findall(plain.stdout)) == 1 and "max model state (bytes) |" in plain.stdout
@@ -163,14 +189,13 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_back(corpus, tmp_
         assert sum(map(int, fields)) == int(total) and int(fields[1]) > 0  # bf16: fp32 main weights exist
 
 
-def test_model_state_line_matches_the_planners_formula(corpus):
+def test_model_state_line_matches_the_planners_formula(two_ranks):
     """Each rank's counted bytes are what the planner's model_state_bytes predicts for the stage copies
     it holds (untied embeddings: no stage shares a tensor with another), with --bf16
     --use-distributed-optimizer, where Chimera's two copies of a stage split its optimizer state."""
     from chimera_schedules.tools.planner import Precision, model_state_bytes
 
-    proc = run(2, *train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
-                              "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"))
+    proc = ok(two_ranks[1], "model state")
     held = {}
     for worker, count in re.findall(r"model parallel rank \(0, (\d)\): (\d+) \(pipeline", proc.stdout):
         held.setdefault(int(worker), []).append(int(count))
