@@ -9,14 +9,16 @@ launch builds the same GPT (8 layers x 256, tied embeddings), prints Megatron-st
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
 
+from megatron.chimera.distributed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
          "--max-position-embeddings", "128", "--vocab-size", "1000", "--mock-data", "--micro-batch-size", "1",
@@ -57,6 +59,10 @@ def predicted(schedule: str, depth: int, dp: int, precision: str) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
+                        help="the folder for memory.json and memory.md")
+    out = parser.parse_args().out
     rows = []
     for precision, flags in PRECISIONS.items():
         for depth in (2, 4):
@@ -69,7 +75,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{precision:<30} D={depth} DP={dp}: 1f1b {row['1f1b']['total']:>10,}  chimera "
                       f"{row['chimera']['total']:>10,}  chimera/1f1b {row['chimera/1f1b']:.2f}x", flush=True)
-    out = os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "memory.json"), "w") as f:
         json.dump({"model": MODEL, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "memory.md"), "w") as f:
