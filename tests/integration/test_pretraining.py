@@ -1,12 +1,17 @@
 """The pretraining program as a user runs it: the shipped corpus, tokenizer and preprocessing,
 Chimera with evaluation, checkpoints that resume exactly, load into another layout, and survive a
-crash mid-save. Each run is a new launch, as on a cluster."""
+crash mid-save, and profiler traces that show every action. A run that resumes or survives a crash is
+a new launch, as on a cluster; the others share one launch per world size (megatron.chimera.testing's
+cases launcher), each with its own output and exit code."""
+import json
 import os
 import re
 import shutil
 
 import pytest
 
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import VALID, losses, run, train_args
 
@@ -86,6 +91,12 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32", "--disable-bias-linear",
        "--eval-iters", "0", "--global-batch-size", "8"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
+# profiled: mock data, two iterations, the executor's ranges traced in the second
+PROFILED = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+             "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+             "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+             "--lr-decay-style", "constant", "--train-iters", "2", "--eval-iters", "1"]
 MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
                          r" optimizer: (\d+) \| total: (\d+)")
 
@@ -109,8 +120,9 @@ def four_ranks(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(corpus, tmp_path_factory):
-    """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own)."""
-    mcore, fp16, distopt = (tmp_path_factory.mktemp(name) for name in ("mcore", "fp16", "distopt"))
+    """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
+    profiled run last, so that no profiler is left on for another case."""
+    mcore, fp16, distopt, traces = (tmp_path_factory.mktemp(n) for n in ("mcore", "fp16", "distopt", "traces"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -125,7 +137,10 @@ def two_ranks(corpus, tmp_path_factory):
         "sharded again": bf16 + ["--use-distributed-optimizer", "--load", str(distopt / "plain" / "iter_0000004")],
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
-    })
+        "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                                "--profile-step-end", "2", "--profile-ranks", "0", "1",
+                                "--tensorboard-dir", str(traces)],
+    }), traces
 
 
 def ok(runs: dict, name: str):
@@ -137,7 +152,7 @@ def ok(runs: dict, name: str):
 def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
     Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
-    expected, runs = two_ranks
+    expected, runs, _ = two_ranks
     dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
 
@@ -205,3 +220,22 @@ def test_model_state_line_matches_the_planners_formula(two_ranks):
         want = [sum(model_state_bytes(p, 1, 2, Precision(True, True))[k] for p in held[int(rank)])
                 for k in ("parameters", "main parameters", "gradients", "optimizer", "total")]
         assert [int(x) for x in fields] == pytest.approx(want, rel=1e-3), (rank, fields, want)
+
+
+def pp_ranges(events) -> list[str]:
+    """The names of a trace's ``PP:`` ranges, in the order they started."""
+    return [e["name"] for e in sorted(events, key=lambda e: e["ts"]) if e.get("name", "").startswith("PP:")]
+
+
+def test_a_profiled_two_rank_run_traces_one_range_per_action_of_each_worker(two_ranks):
+    """Megatron-LM's profiler flags on iteration 2: each rank's trace holds the executor's range for
+    every action of its worker's lowered list, in order."""
+    ok(two_ranks[1], "profiled")
+    lowered = make_run_plan(parse_args(PROFILED, world_size=2)).lowered
+    traces = {}
+    for path in two_ranks[2].glob("*.pt.trace.json"):
+        trace = json.loads(path.read_text())
+        traces[trace["distributedInfo"]["rank"]] = pp_ranges(trace["traceEvents"])
+    assert sorted(traces) == [0, 1]
+    for rank, names in traces.items():  # world 2, PP 2: worker = rank
+        assert names == [f"PP:{a}" for a in lowered.workers[rank]], (rank, names)

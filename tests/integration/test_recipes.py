@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from megatron.chimera.testing.launch import LOSS, ROOT, VALID, run
+from megatron.chimera.testing.cases import run_cases
+from megatron.chimera.testing.launch import LOSS, ROOT, VALID
 
 CHIMERA = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
 
@@ -68,9 +69,22 @@ def gpt2_corpus(gpt2_files, tmp_path_factory):
     return str(out / "corpus_text_document")
 
 
-def test_megatron_lm_gpt3_recipe_runs_under_chimera(gpt2_files, gpt2_corpus, tmp_path):
-    flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), gpt2_corpus, str(tmp_path / "ckpt"))
-    proc = run(2, "pretrain_gpt.py", *flags)
+@pytest.fixture(scope="module")
+def recipes(gpt2_files, gpt2_corpus, tmp_path_factory):
+    """Both recipes, in one launch of 2 processes."""
+    out = tmp_path_factory.mktemp("recipes")
+    gpt = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), gpt2_corpus, str(out / "gpt3"))
+    return out, run_cases(2, {"gpt3": gpt, "llama3": llama3(str(out / "llama3"))})
+
+
+def ran(recipes, name: str):
+    proc = recipes[1][name]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_megatron_lm_gpt3_recipe_runs_under_chimera(recipes):
+    proc = ran(recipes, "gpt3")
     # --fp16 starts at Megatron-LM's loss scale 2^32: every step overflows and is skipped, the scale halves
     # from the second on (hysteresis 2), and, as in Megatron-LM, a line with no step has no lm loss
     lines = re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \| number of skipped iterations:\s+(\d+)",
@@ -79,8 +93,7 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(gpt2_files, gpt2_corpus, tmp
                      ("4", "536870912.0", "1")]
     assert not LOSS.findall(proc.stdout)
     assert [int(i) for i, _ in VALID.findall(proc.stdout)] == [2, 4]
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
-
+    assert (recipes[0] / "gpt3" / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 
 @pytest.mark.parametrize("length", [[], ["--train-samples", "32", "--lr-decay-samples", "32"]])
@@ -101,8 +114,8 @@ def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path, 
         "schedule: not supported yet"]
 
 
-def test_megatron_lm_llama3_recipe_runs_under_chimera(tmp_path):
-    proc = run(2, "pretrain_gpt.py", *llama3(str(tmp_path / "ckpt")))
+def test_megatron_lm_llama3_recipe_runs_under_chimera(recipes):
+    proc = ran(recipes, "llama3")
     assert [int(i) for i, _ in LOSS.findall(proc.stdout)] == [1, 2, 3, 4]
     assert re.search(r"throughput per GPU \(TFLOP/s/GPU\): \d+\.\d", proc.stdout)
     assert "no checkpoint in" in proc.stdout and "saved checkpoint at iteration 4" in proc.stdout

@@ -6,9 +6,10 @@ one per case (about 5 s and 0.9 GB per process on this project's CI machine).
 
 CASES.json maps a case's name to its flags (``pretrain_gpt.py`` first is allowed and dropped). This
 program creates the process group once and passes it to every case, so ``pretrain`` leaves it alive
-between cases. Each rank writes what a case printed, stdout and stderr at the file-descriptor level,
-to ``DIR/<case index>.<rank>.out`` and ``.err``, and rank 0 writes ``DIR/<case index>.rc``: 0, or the
-exit code the case's ``SystemExit`` carried. A configuration that ``parse_args`` refuses (exit code 2,
+between cases; each case starts from the launch's environment variables and garbage collector. Each
+rank writes what a case printed, stdout and stderr at the file-descriptor level, to
+``DIR/<case index>.<rank>.out`` and ``.err``, and rank 0 writes ``DIR/<case index>.rc``: 0, or the exit
+code the case's ``SystemExit`` carried. A configuration that ``parse_args`` refuses (exit code 2,
 nothing started) lets the next case run; any other failure ends the launch, since the ranks may
 disagree about where they stopped: the cases after it are not run (they have no ``.rc``).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -82,6 +84,20 @@ def _output_to(stem: str):
             os.close(saved[1])
 
 
+@contextlib.contextmanager
+def _process_state_kept():
+    """What a run may change for its whole process and a launch of its own would not pass on: the
+    environment (megatron-core sets NVTE_*_ATTN for the attention backend it builds) and the garbage
+    collector (--manual-gc turns it off). Each case starts from the launch's."""
+    environment, collecting = dict(os.environ), gc.isenabled()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        (gc.enable if collecting else gc.disable)()
+
+
 def _run_one(flags: list[str]) -> tuple[int, bool]:
     """One case as ``pretrain_gpt.py`` runs it: its exit code, and whether the launch can go on. A
     configuration refused by ``parse_args`` stops every rank alike before anything starts, so the next
@@ -120,7 +136,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank = dist.get_rank()
     for index, flags in enumerate(cases.values()):
-        with _output_to(os.path.join(options.out, f"{index}.{rank}")):
+        with _output_to(os.path.join(options.out, f"{index}.{rank}")), _process_state_kept():
             code, go_on = _run_one(flags)
         if rank == 0:
             with open(os.path.join(options.out, f"{index}.rc"), "w") as f:
