@@ -32,8 +32,8 @@ from megatron.chimera.testing.launch import launch
 
 
 def run_cases(nproc: int, cases: dict[str, list[str]], timeout: int = 900) -> dict[str, subprocess.CompletedProcess]:
-    """Run every case in one launch of ``nproc`` processes; a case the launch never reached has
-    return code None."""
+    """Run every case in one launch of ``nproc`` processes; a case that did not finish (it crashed, or
+    the launch ended before it) has return code None."""
     with tempfile.TemporaryDirectory(prefix="chimera-cases-") as out:
         path = os.path.join(out, "cases.json")
         with open(path, "w") as f:
@@ -59,7 +59,7 @@ def _collect(out: str, index: int, name: str, nproc: int, launch_proc) -> subpro
             returncode = int(f.read())
     stderr = read("err")
     if returncode is None:  # what the launch itself said, for the failing test's message
-        stderr += f"\n[case {name!r} was not reached: the launch exited {launch_proc.returncode}]\n"
+        stderr += f"\n[case {name!r} did not finish: the launch exited {launch_proc.returncode}]\n"
         stderr += launch_proc.stdout[-3000:] + launch_proc.stderr[-5000:]
     return subprocess.CompletedProcess([name], returncode, read("out"), stderr)
 
