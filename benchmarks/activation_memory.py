@@ -28,8 +28,9 @@ import subprocess
 import sys
 import weakref
 
+from megatron.chimera.distributed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 DEPTH, MICROBATCHES, TOLERANCE = 4, 16, 0.15
 SCHEDULES = ("1f1b", "chimera direct", "chimera split", "dualpipe")
@@ -183,7 +184,7 @@ def plot(doc: dict, path: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.activation_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "activation_memory.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -44,7 +44,7 @@ def per_rank(name: str, depth: int, microbatches: int, dp: int, tp: int) -> dict
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.communicators", description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=64)
     p.add_argument("--dp", type=int, default=64)

@@ -59,7 +59,7 @@ def predicted(schedule: str, depth: int, dp: int, precision: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
                         help="the folder for memory.json and memory.md")
     out = parser.parse_args().out

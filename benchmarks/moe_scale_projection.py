@@ -13,9 +13,9 @@ import argparse
 import json
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile, best_per_schedule, family, plan
 
-from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile, best_per_schedule, family, plan  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # DeepSeek-V3's sizes, with 64 layers (V3 has 61, the first 3 dense) so that 8, 16 and 32 stages divide
 # them; attention priced as standard attention (V3's MLA computes less), flash attention (no stored scores).
@@ -28,7 +28,7 @@ EXPERT_PARALLEL = (8, 16, 32, 64)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.moe_scale_projection", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=os.path.join(ROOT, "profiles", "h100-datasheet.json"))
     p.add_argument("--workers", type=int, default=2048)
     p.add_argument("--global-batch", type=int, default=4096, help="sequences per iteration")

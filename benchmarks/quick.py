@@ -30,8 +30,9 @@ import sys
 import time
 from datetime import date
 
+from megatron.chimera.distributed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iters": 4,
          "model": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
@@ -518,7 +519,7 @@ def _split_markdown(doc: dict, ns: list[int]) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quick", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 CPU ranks, D=2, N=2,4,8 (the only mode so far)")
     p.add_argument("--name", default="quick")
     p.add_argument("--only", default="", help="only the cases whose label contains this text, plus 1f1b (the "

@@ -12,9 +12,9 @@ import argparse
 import json
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from chimera_schedules.tools.planner import GPT2_1_3B, Profile, best_per_schedule, plan
 
-from chimera_schedules.tools.planner import GPT2_1_3B, Profile, best_per_schedule, plan  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GPT2 = GPT2_1_3B
 DEPTHS = (4, 8, 16, 32, 64)
@@ -27,7 +27,7 @@ def _ratio(cells: dict, schedule: str, others: tuple[str, ...]) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_projection", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=os.path.join(ROOT, "profiles", "piz-daint-p100.json"))
     p.add_argument("--workers", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--batch-per-worker", type=int, default=1, help="global batch = workers x this")

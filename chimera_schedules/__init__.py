@@ -2,7 +2,7 @@
 NCCL checker, a time-weighted simulator, renderers and one executor. See
 ``python -m chimera_schedules --help``.
 
-Layers, each importing only the ones before it (``tests/test_layers.py`` walks the imports):
+Layers, each importing only the ones before it (``tests/unit/test_layers.py`` walks the imports):
 ``ir`` -> ``analysis`` -> ``passes`` -> ``generators`` -> ``registry`` -> ``tools``; ``runtime``
 imports only ``ir``.
 """

@@ -66,8 +66,9 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import date
 
+from megatron.chimera.distributed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from megatron.chimera.distributed.ports import free_port  # noqa: E402
 
 LAUNCHER = os.path.join(ROOT, "scripts", "gpu_check_pretrain.py")
 ITERS = 6

@@ -18,10 +18,8 @@ import traceback
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from megatron.chimera import Hooks, parse_args, pretrain  # noqa: E402
-from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
+from megatron.chimera import Hooks, parse_args, pretrain
+from megatron.chimera.model.gpt_step import forward_step
 
 
 class CheckObserver(Hooks):

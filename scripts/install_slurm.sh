@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Slurm and munge for the single-node cluster that tests/test_slurm.py brings up (Debian packages).
+# Slurm and munge for the single-node cluster that tests/integration/test_slurm.py brings up (Debian packages).
 # Without root or apt-get it installs nothing and says so; the Slurm test then skips with that reason.
 set -euo pipefail
 if command -v slurmctld >/dev/null && command -v munged >/dev/null; then

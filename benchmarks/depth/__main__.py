@@ -227,7 +227,7 @@ def launch(depth: int, args, out: str) -> dict:
 def main() -> None:
     from .report import document, markdown, plot, table
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", "--depth", dest="depths", type=int, nargs="+", default=list(DEPTHS),
                    help="pipeline depths D (one launch each)")
     p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D; D and 2D at D=16)")

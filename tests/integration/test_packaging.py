@@ -3,6 +3,7 @@
 and ``torchrun <repo>/pretrain_gpt.py`` trains."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -39,10 +40,17 @@ def test_torchrun_of_the_repo_script_trains_from_another_directory(tmp_path):
 
 def test_a_built_wheel_holds_every_module(tmp_path):
     """A wheel, as ``pip install .`` builds it from pyproject.toml, carries every sub-package (an
-    editable install would not show a missing one)."""
+    editable install would not show a missing one). Built from a copy of the tracked files: setuptools
+    builds in the source tree, and a stale build/ there could hide a module that is gone."""
+    source = tmp_path / "source"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in tracked.splitlines():
+        if os.path.exists(os.path.join(ROOT, name)):  # a file deleted but not yet committed is skipped
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), source / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(tmp_path), ROOT], env=OUTSIDE_ENV, capture_output=True, text=True,
-                          timeout=300)
+                           "--wheel-dir", str(tmp_path), str(source)], env=OUTSIDE_ENV, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("chimera_megatron-*.whl")
     with zipfile.ZipFile(wheel) as archive:

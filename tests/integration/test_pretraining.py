@@ -1,8 +1,10 @@
 """The pretraining program as a user runs it: the shipped corpus, tokenizer and preprocessing,
 Chimera with evaluation, checkpoints that resume exactly, load into another layout, and survive a
-crash mid-save, and profiler traces that show every action. A run that resumes or survives a crash is
-a new launch, as on a cluster; the others share one launch per world size (megatron.chimera.testing's
-cases launcher), each with its own output and exit code."""
+crash mid-save, and profiler traces that show every action. The resume in a new launch, the crash and
+the loads into one process are launches of their own, as on a cluster. The other runs share one launch
+per world size (megatron.chimera.testing's cases launcher), each with its own output and exit code; a
+case that loads an earlier case's checkpoint does so through a new ``pretrain`` (a new Trainer, its
+optimizer, loss scaler and data built afresh) in the same processes."""
 import json
 import os
 import re

@@ -109,3 +109,12 @@ def test_each_library_layer_imports_only_the_layers_below_it():
 def test_the_library_is_in_its_layers():
     top = {m.split(".")[1] for m in modules() if m.startswith("chimera_schedules.")}
     assert top == set(LAYERS + ("runtime",))
+
+
+def test_nothing_outside_the_testing_helpers_imports_them():
+    """megatron.chimera.testing serves the tests and gpu_check: the trainer and the library never
+    import it, so test hooks stay out of the production loop."""
+    helpers = "megatron.chimera.testing"
+    wrong = [f"{module} -> {target}" for module, targets in graph().items() if not module.startswith(helpers)
+             for target in targets if target.startswith(helpers)]
+    assert wrong == []

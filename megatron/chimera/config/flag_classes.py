@@ -6,7 +6,7 @@
 - **refused**: a value other than Megatron-LM's default fails before anything starts, in one line
   naming the flag and the reason.
 
-``tests/test_flag_classes.py`` fails when the installed Megatron-LM defines a flag that is in none
+``tests/unit/test_flag_classes.py`` fails when the installed Megatron-LM defines a flag that is in none
 of these (or in two), so a new megatron-core release cannot slip flags past us;
 ``python -m megatron.chimera.config.flag_table`` writes the table ``docs/flags.md`` from these.
 """

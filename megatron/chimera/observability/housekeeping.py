@@ -1,5 +1,6 @@
 """What Megatron-LM does around iterations besides training: manual garbage collection
-(--manual-gc), releasing the CUDA cache (--empty-unused-memory-level) and profiling (--profile).
+(--manual-gc), releasing the CUDA cache (--empty-unused-memory-level) and profiling (--profile, with
+megatron-core's NVTX ranges on between --profile-step-start and --profile-step-end under --nvtx-ranges).
 
 Python's collector pauses a rank at unpredictable moments; in a pipeline one paused rank stalls all of
 them, so --manual-gc turns it off and collects on every rank at the same iteration boundaries.
@@ -44,6 +45,8 @@ class Housekeeping:
             torch.cuda.empty_cache()
 
     def _start_profiler(self) -> None:
+        if self.args.nvtx_ranges:  # megatron-core's own ranges, inside the profiled steps as in Megatron-LM
+            _megatron_core_nvtx(True)
         if self.args.use_pytorch_profiler:
             handler = (torch.profiler.tensorboard_trace_handler(self.args.tensorboard_dir)
                        if self.args.tensorboard_dir else None)
@@ -57,6 +60,14 @@ class Housekeeping:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+            if self.args.nvtx_ranges:
+                _megatron_core_nvtx(False)
+
+
+def _megatron_core_nvtx(enabled: bool) -> None:
+    from megatron.core.utils import configure_nvtx_profiling
+
+    configure_nvtx_profiling(enabled)
 
 
 class _NsysRange:

@@ -11,7 +11,9 @@ rank writes what a case printed, stdout and stderr at the file-descriptor level,
 ``DIR/<case index>.<rank>.out`` and ``.err``, and rank 0 writes ``DIR/<case index>.rc``: 0, or the exit
 code the case's ``SystemExit`` carried. A configuration that ``parse_args`` refuses (exit code 2,
 nothing started) lets the next case run; any other failure ends the launch, since the ranks may
-disagree about where they stopped: the cases after it are not run (they have no ``.rc``).
+disagree about where they stopped: the cases after it are not run (they have no ``.rc``). The ranks
+agree on each case's code (the worst one) before going on. A case that saved is loaded by a later one
+in the same processes, through a new ``pretrain``: a resume that must be a new launch is not a case.
 
 Tests call ``run_cases``, which launches this and returns one ``CompletedProcess`` per case, its
 output the ranks' files in rank order, as a launch of that case alone would have printed it.
@@ -42,6 +44,10 @@ def run_cases(nproc: int, cases: dict[str, list[str]], timeout: int = 900) -> di
         return {name: _collect(out, i, name, nproc, proc) for i, name in enumerate(cases)}
 
 
+def _launch_failed(launch_proc) -> str:
+    return f"[the launch exited {launch_proc.returncode}]\n" + launch_proc.stdout[-3000:] + launch_proc.stderr[-5000:]
+
+
 def _collect(out: str, index: int, name: str, nproc: int, launch_proc) -> subprocess.CompletedProcess:
     def read(suffix: str) -> str:
         parts = []
@@ -59,8 +65,10 @@ def _collect(out: str, index: int, name: str, nproc: int, launch_proc) -> subpro
             returncode = int(f.read())
     stderr = read("err")
     if returncode is None:  # what the launch itself said, for the failing test's message
-        stderr += f"\n[case {name!r} did not finish: the launch exited {launch_proc.returncode}]\n"
-        stderr += launch_proc.stdout[-3000:] + launch_proc.stderr[-5000:]
+        stderr += f"\n[case {name!r} did not finish] " + _launch_failed(launch_proc)
+    elif returncode == 0 and launch_proc.returncode != 0:  # e.g. an abort while the processes tore down
+        returncode = launch_proc.returncode
+        stderr += "\n" + _launch_failed(launch_proc)
     return subprocess.CompletedProcess([name], returncode, read("out"), stderr)
 
 
@@ -93,8 +101,11 @@ def _process_state_kept():
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(environment)
+        for key in set(os.environ) - set(environment):
+            del os.environ[key]
+        for key, value in environment.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         (gc.enable if collecting else gc.disable)()
 
 
@@ -119,13 +130,27 @@ def _run_one(flags: list[str]) -> tuple[int, bool]:
 
 
 def _exit_code(e: SystemExit) -> int:
+    """What the process would have exited with: None is success, a message is failure."""
+    if e.code is None:
+        return 0
     return e.code if isinstance(e.code, int) else 1
+
+
+def _agreed(code: int, go_on: bool) -> tuple[int, bool]:
+    """The case's exit code and whether to go on, the same on every rank: the worst code any rank saw,
+    and go on only if every rank can (a collective, so no rank waits at a barrier another has left)."""
+    import torch
+    import torch.distributed as dist
+
+    verdict = torch.tensor([code, int(not go_on)])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    return int(verdict[0]), not verdict[1]
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m megatron.chimera.testing.cases")
     parser.add_argument("--cases", required=True)
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
@@ -133,17 +158,17 @@ def main() -> None:
         cases = json.load(f)
     if "RANK" not in os.environ:  # a lone process, as pretrain_gpt.py runs without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    # gloo: the launcher runs the suite's CPU cases; each case's own groups take its flags' timeout
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank = dist.get_rank()
     for index, flags in enumerate(cases.values()):
         with _output_to(os.path.join(options.out, f"{index}.{rank}")), _process_state_kept():
-            code, go_on = _run_one(flags)
+            code, go_on = _agreed(*_run_one(flags))
         if rank == 0:
             with open(os.path.join(options.out, f"{index}.rc"), "w") as f:
                 f.write(str(code))
         if not go_on:
             break
-        dist.barrier()
     dist.destroy_process_group()
 
 

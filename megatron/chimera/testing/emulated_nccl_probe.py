@@ -13,10 +13,10 @@ import dataclasses
 import json
 import os
 
-from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward  # noqa: E402
-from megatron.chimera import Trainer, make_run_plan, parse_args  # noqa: E402
-from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
-from megatron.chimera.testing.legacy_lowering import legacy_lower  # noqa: E402
+from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward
+from megatron.chimera import Trainer, make_run_plan, parse_args
+from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.testing.legacy_lowering import legacy_lower
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "128", "--mock-data", "--lr", "1e-3",

@@ -19,9 +19,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args  # noqa: E402
-from megatron.chimera.model.chunk import global_name, is_gated, tp_shard  # noqa: E402
-from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
+from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
+from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
+from megatron.chimera.model.gpt_step import forward_step
 
 ITERS = 3
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -1,5 +1,5 @@
 """Faults the tests inject, through the training loop's hooks protocol, read once from the environment
-by ``tests/pretrain_with_faults.py`` (pretrain_gpt.py with these hooks):
+by ``python -m megatron.chimera.testing.pretrain_with_faults`` (pretrain_gpt.py with these hooks):
 
 - ``CHIMERA_TEST_FAULT="kill|hang RANK@ITERATION"``: that rank dies (SIGKILL), or stays alive but
   silent, at the start of that (1-based) iteration;

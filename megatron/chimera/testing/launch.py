@@ -1,9 +1,13 @@
 """Launching the programs under test as a user does: ``python`` for one process, torchrun for more,
-from the repository root, with one CPU thread per process (two cores are shared by every rank)."""
+from the repository root, with one CPU thread per process (two cores are shared by every rank).
+
+These helpers run the repository's own ``pretrain_gpt.py``, scripts and recipes, so they need the
+source tree beside the package: the editable install ``scripts/setup_env.sh`` makes."""
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -25,8 +29,16 @@ def launch(nproc: int, *argv: str, env: dict | None = None, timeout: int = 600) 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), *argv]
-    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    # a session of its own, so that a timeout ends torchrun's workers too, not only torchrun
+    with subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def run(nproc: int, *argv: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -22,10 +22,10 @@ import sys
 
 import torch
 
-from megatron.chimera import make_run_plan, parse_args  # noqa: E402
-from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes  # noqa: E402
-from megatron.chimera.distributed.process_groups import init_distributed  # noqa: E402
-from megatron.chimera.model.chunk import transformer_config  # noqa: E402
+from megatron.chimera import make_run_plan, parse_args
+from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes
+from megatron.chimera.distributed.process_groups import init_distributed
+from megatron.chimera.model.chunk import transformer_config
 
 
 def gpt_model(args):

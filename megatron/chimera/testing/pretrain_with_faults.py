@@ -2,9 +2,9 @@
 launch it in place of pretrain_gpt.py, with the same flags."""
 
 
-from megatron.chimera import parse_args, pretrain  # noqa: E402
-from megatron.chimera.model.gpt_step import forward_step  # noqa: E402
-from megatron.chimera.testing.fault_hooks import FaultInjection  # noqa: E402
+from megatron.chimera import parse_args, pretrain
+from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.testing.fault_hooks import FaultInjection
 
 if __name__ == "__main__":
     pretrain(parse_args(), forward_step, FaultInjection.from_environment())
