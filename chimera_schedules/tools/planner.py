@@ -30,9 +30,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..analysis.simulator import simulate
+from ..analysis.simulator import peak_activations, simulate
+from ..ir import layout
 from ..ir.costs import CostModel
 from ..ir.errors import ConfigError
+from ..ir.layout import Layout
 from ..registry import VARIANTS, build_spec, variant
 
 
@@ -61,6 +63,7 @@ class ModelShape:
     gated: bool = False
     experts: Experts | None = None
     stores_attention_scores: bool = True  # False: flash attention, no 5 a s / h term in the activations
+    mtp: int = 0  # multi-token-prediction layers (DeepSeek-V3's), after the last layer
 
     @property
     def params_per_layer(self) -> int:
@@ -94,7 +97,18 @@ class ModelShape:
         return 8 * b * self.seq * self.hidden ** 2 + 4 * b * self.seq ** 2 * self.hidden
 
     def is_moe(self, layer: int) -> bool:
+        """Layers past the model's (MTP layers) are shaped like its last one."""
         return self.experts is not None and layer >= self.layers - self.experts.moe_layers
+
+    def logits_flops(self, b: int) -> float:
+        """The output layer's forward (the loss's softmax is negligible beside it)."""
+        return 2 * b * self.seq * self.hidden * self.vocab
+
+    def mtp_layer_forward_flops(self, b: int) -> float:
+        """One MTP depth (megatron-core's): the projection of [hidden; embedded next token] (2h -> h), a
+        transformer layer shaped like the model's last, and its own pass through the output layer."""
+        last = self.moe_layer_forward_flops(b) if self.is_moe(self.layers) else self.layer_forward_flops(b)
+        return 2 * b * self.seq * 2 * self.hidden * self.hidden + last + self.logits_flops(b)
 
     def moe_layer_forward_flops(self, b: int) -> float:
         e = self.experts
@@ -117,6 +131,15 @@ class ModelShape:
 # The Chimera paper's GPT-2 (64 layers, 1.3B parameters, sequence 632): the projections' and the depth
 # benchmark's model.
 GPT2_1_3B = ModelShape(layers=64, hidden=1280, heads=20, seq=632, vocab=50257)
+# The shapes people train now, for the balancer and the depth benchmark: Llama 3 8B (SwiGLU, a
+# 128,256-token vocabulary, flash attention) and DeepSeek-V3 (61 layers, the first 3 dense, then 256
+# routed experts top-8 with a shared one, a 129,280-token vocabulary, one MTP layer).
+LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, gated=True,
+                       stores_attention_scores=False)
+DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, heads=128, seq=4096, vocab=129280, ffn=18432, gated=True,
+                         experts=Experts(count=256, topk=8, ffn=2048, moe_layers=58, shared_ffn=2048),
+                         stores_attention_scores=False, mtp=1)
+MODELS = {"gpt2-1.3b": GPT2_1_3B, "llama3-8b": LLAMA3_8B, "deepseek-v3": DEEPSEEK_V3}
 
 
 @dataclass(frozen=True)
@@ -190,11 +213,11 @@ def family(name: str) -> str:
     return v["schedule"] + (" split" if v.get("split_backward") else "")
 
 
-def _stage_layers(shape: ModelShape, stages: int, stage: int) -> tuple[int, int]:
-    """(dense, MoE) layers of model stage ``stage`` of ``stages``."""
-    per_stage = shape.layers // stages
-    moe = sum(shape.is_moe(i) for i in range(stage * per_stage, (stage + 1) * per_stage))
-    return per_stage - moe, moe
+def _stage_layers(shape: ModelShape, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, MoE) transformer layers of model stage ``stage`` of the layout."""
+    first = layout.first_layer(stage)
+    moe = sum(shape.is_moe(i) for i in range(first, first + layout.stages[stage].layers))
+    return layout.stages[stage].layers - moe, moe
 
 
 def _all_to_all(shape: ModelShape, profile: Profile, b: int, ep: int) -> float:
@@ -205,30 +228,75 @@ def _all_to_all(shape: ModelShape, profile: Profile, b: int, ep: int) -> float:
     return 2 * (profile.p2p_latency + leaving / profile.p2p_bandwidth)
 
 
+def even_layout(shape: ModelShape, stages: int) -> Layout:
+    return layout.even(shape.layers, stages, shape.mtp)
+
+
+def stage_forward(shape: ModelShape, profile: Profile, held: Layout, stage: int, b: int, ep: int = 1) -> float:
+    """Seconds of one micro-batch's forward through model stage ``stage``: its layers, its MTP layers
+    and its output layer (the embedding's lookup is negligible; its weights count in memory)."""
+    dense, moe = _stage_layers(shape, held, stage)
+    st = held.stages[stage]
+    flops = dense * shape.layer_forward_flops(b) + (moe * shape.moe_layer_forward_flops(b) if moe else 0)
+    flops += st.mtp * shape.mtp_layer_forward_flops(b) + st.loss * shape.logits_flops(b)
+    moe_layers = moe + (st.mtp if shape.is_moe(shape.layers) else 0)
+    return flops / profile.flops + (moe_layers * _all_to_all(shape, profile, b, ep) if moe_layers else 0)
+
+
 def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int, ep: int = 1,
-          virtual_stages: int = 1) -> CostModel:
-    """Per model stage (``depth`` x ``virtual_stages`` of them): its forward time, and the gradient
-    bytes one worker all-reduces per stage copy."""
-    stages = depth * virtual_stages
-    forward, grad_bytes = [], 0.0
-    for stage in range(stages):
-        dense, moe = _stage_layers(shape, stages, stage)
-        flops = dense * shape.layer_forward_flops(b) + (moe * shape.moe_layer_forward_flops(b) if moe else 0)
-        forward.append(flops / profile.flops + (moe * _all_to_all(shape, profile, b, ep) if moe else 0))
-        grad_bytes = max(grad_bytes, 2 * virtual_stages * _stage_params(shape, stages, stage, ep)[0])  # fp16
-    forward[-1] += 2 * b * shape.seq * shape.hidden * shape.vocab / profile.flops
+          virtual_stages: int = 1, held: Layout | None = None) -> CostModel:
+    """Per model stage (``depth`` x ``virtual_stages`` of them, split as ``held`` says, evenly by
+    default): its forward time, and the gradient bytes one worker all-reduces per stage copy."""
+    held = held or even_layout(shape, depth * virtual_stages)
+    stages = range(len(held.stages))
+    forward = [stage_forward(shape, profile, held, s, b, ep) for s in stages]
+    grad_bytes = max(2 * virtual_stages * _stage_params(shape, held, s, ep)[0] for s in stages)  # fp16
     return CostModel(forward=forward, backward=[2 * f for f in forward], p2p_latency=profile.p2p_latency,
                      p2p_bandwidth=profile.p2p_bandwidth, activation_bytes=b * shape.seq * shape.hidden * 2,
                      allreduce_latency=profile.allreduce_latency, allreduce_bandwidth=profile.allreduce_bandwidth,
                      grad_bytes=grad_bytes, data_parallel=width)
 
 
-def _stage_params(shape: ModelShape, stages: int, stage: int, ep: int) -> tuple[float, float]:
-    """(all parameters a rank holds of the model stage, the routed experts' among them)."""
-    dense, moe = _stage_layers(shape, stages, stage)
-    shared, experts = shape.moe_layer_params(ep) if moe else (0, 0)
-    total = dense * shape.params_per_layer + moe * (shared + experts) + shape.embedding_params / stages
-    return total, moe * experts
+def _stage_params(shape: ModelShape, held: Layout, stage: int, ep: int) -> tuple[float, float]:
+    """(all parameters a rank holds of the model stage, the routed experts' among them): its layers,
+    its MTP layers (a layer shaped like the last, plus the 2h -> h projection) and a copy of the
+    vocabulary matrix for each of the embedding, the output layer and MTP's embedding."""
+    dense, moe = _stage_layers(shape, held, stage)
+    st = held.stages[stage]
+    mtp_moe = shape.is_moe(shape.layers)
+    shared, experts = shape.moe_layer_params(ep) if shape.experts else (0, 0)
+    total = dense * shape.params_per_layer + moe * (shared + experts)
+    total += st.mtp * ((shared + experts if mtp_moe else shape.params_per_layer) + 2 * shape.hidden ** 2)
+    total += shape.hidden * shape.vocab * (st.embedding + st.loss + bool(st.mtp))
+    return total, (moe + st.mtp * mtp_moe) * experts
+
+
+def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int) -> float:
+    """Activations one micro-batch leaves in model stage ``stage`` until its backward."""
+    dense, moe = _stage_layers(shape, held, stage)
+    st = held.stages[stage]
+    per_moe = shape.moe_layer_activation_bytes(b) if shape.experts else 0
+    mtp = st.mtp * (per_moe if shape.is_moe(shape.layers) else shape.layer_activation_bytes(b))
+    logits = (st.loss + st.mtp) * 4 * b * shape.seq * shape.vocab  # fp32 logits kept for the loss
+    return dense * shape.layer_activation_bytes(b) + moe * per_moe + mtp + logits
+
+
+def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int, ep: int = 1,
+                  precision: Precision = Precision()) -> float:
+    """The largest worker's bytes: the model state of the stage copies it holds (routed experts sharded
+    over their expert-data-parallel ranks), plus the most activation bytes it keeps alive at once."""
+    replicas, scale = schedule.pipelines * width, schedule.microbatch_scale
+    stage_bytes = [scale * stage_activation_bytes(shape, held, s, b) for s in range(len(held.stages))]
+    live = peak_activations(schedule, stage_bytes)
+    most = 0.0
+    for worker, act in enumerate(live):
+        state = 0.0
+        for s in (s for row in schedule.placement for s, w in enumerate(row) if w == worker):
+            params, experts = _stage_params(shape, held, s, ep)
+            state += model_state_bytes(params - experts, 1, replicas, precision)["total"]
+            state += model_state_bytes(experts, 1, replicas // ep, precision)["total"]
+        most = max(most, state + act)
+    return most
 
 
 def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate,
@@ -237,15 +305,9 @@ def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidat
     schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
     v = schedule.virtual_stages
     result = simulate(schedule, costs(shape, profile, c.depth, c.micro_batch, c.width, ep, v))
-    params, experts = (v * x for x in max(_stage_params(shape, c.depth * v, s, ep) for s in range(c.depth * v)))
-    copies, replicas = max(result.stage_copies), schedule.pipelines * c.width
-    state = model_state_bytes(params - experts, copies, replicas, precision)["total"]
-    state += model_state_bytes(experts, copies, replicas // ep, precision)["total"]
-    per_layer = max(shape.layer_activation_bytes(c.micro_batch),
-                    shape.moe_layer_activation_bytes(c.micro_batch) if shape.experts else 0)
-    act = max(result.peak_activations) * (shape.layers // c.depth) * per_layer
+    c.memory = worker_memory(shape, schedule, even_layout(shape, c.depth * v), c.micro_batch, c.width, ep,
+                             precision)
     c.seconds, c.bubble_ratio = result.makespan, result.bubble_ratio
-    c.memory = state + act
     c.fits = c.memory <= profile.memory
     c.tokens_per_s = global_batch * shape.seq / c.seconds
     return c
