@@ -1,22 +1,49 @@
 """Pipeline schedules at real depths on an emulated device, side by side with megatron-core's and
-torch.distributed.pipelining's runtimes.
+torch.distributed.pipelining's runtimes, each at the layouts a user would run it at.
 
-    python -m benchmarks.depth                          # D = 4, 8, 16 into benchmarks/results/depth.json
+    python -m benchmarks.depth                          # GPT-2 1.3B, D = 4, 8, 16 into benchmarks/results/depth.json
     python -m benchmarks.depth --stages 8 --out FILE    # one depth
+    python -m benchmarks.depth --stages 8 --model llama3-8b --runtimes ours megatron-core \\
+        --schedules 1f1b "chimera direct" "chimera doubling" --microbatches 8 16 --rounds 2 --out FILE
 
 One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
 and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
-real parameters and real activations of GPT-2 1.3B's shape in bf16, so the schedules, the runtimes
-and the messages are real while the ranks no longer compete for this machine's two cores, as GPU
-ranks do not. The times are the planner's for GPT-2 1.3B on the Piz Daint profile, scaled so a
-forward is ``--forward-ms`` (benchmarks/depth/costs.py).
+real parameters and real bf16 activations, so the schedules, the runtimes and the messages are real
+while the ranks no longer compete for this machine's two cores, as GPU ranks do not.
 
-The same modules run under our executor (every registry schedule the sizes allow), megatron-core's
-1F1B and interleaved schedules, and torch.distributed.pipelining's Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV,
-at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this machine's memory). Each case is
-built once and warmed up once; then every round runs every case,
-so that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
+Models (``--model``): GPT-2 1.3B (the default; the Piz Daint profile, the paper's), Llama 3 8B and
+DeepSeek-V3 (an H100's datasheet profile; ``--profile`` picks another). A stage's time is the
+planner's for the layers its layout gives it, the logits (and MTP) on the last stage, on one clock per
+model and depth: the even split's median 1F1B forward is ``--forward-ms`` (benchmarks/depth/costs.py).
+
+Layouts (``--layouts``): every schedule of our executor and megatron-core's runs at three, each found
+for that schedule (benchmarks/depth/layouts.py): ``even`` (Megatron-LM's default, the first stages one
+layer more where the layers do not divide), ``megatron`` (the best split Megatron-LM's hand flags can
+ask for, with the flags) and ``balanced`` (the balancer's). Both searches simulate the case's own
+order at the costs its emulated stages wait: the stages wait the simulator's own costs, so this
+measures the balancer's search and the executor, not the cost model. megatron-core's 1F1B is priced
+with our 1f1b's order, its interleaved with our interleaved's (the first and last flags then count a
+rank's v stages). The layouts are decided on rank 0, with our schedules, and sent to every rank.
+torch.distributed.pipelining's cases run at the even layout only: their orders, which a search would
+price, exist only once their stages are built on every rank.
+
+Messages: one activation costs, relative to a stage, what the profile's interconnect says: the
+profile's p2p time of one (latency + s h x 2 bytes / bandwidth) over its median even 1F1B forward,
+times ``--forward-ms``. Each launch measures a message of GPT-2 1.3B's shape (632 x 1 x 1280 bf16),
+scales its rows linearly to that target (at least 1 row, at most 4 x 632), and measures again at the
+rows chosen, which is what the predictions price; the JSON keeps the target, both measurements and
+the shape. Gloo's fixed cost per message on this machine meets small targets from above: Llama 3 8B
+at D=4 and ``--forward-ms 5`` targets 0.07 ms, and its 20 rows measured 0.71 ms (the full shape 2.1
+ms). GPT-2 1.3B at D=8 and 20 ms targets 0.11 ms (a Piz Daint message is 0.6% of a stage), about 23
+rows: cheaper than the full shape's 3.2 ms that results before layouts used, still dearer than the
+profile's share.
+
+The runtimes: our executor (every registry schedule the sizes allow), megatron-core's 1F1B and
+interleaved schedules, and torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (``--runtimes`` and
+``--schedules`` select), at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this
+machine's memory). Each case is built once and warmed up once; then every round runs every case, so
+that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
 micro-batches from a barrier to the last rank's return (no optimizer step: the peers' runtimes have
 none); its bubble is the share of the D ranks' time not spent in a stage's wait.
 
@@ -26,8 +53,9 @@ launch): our executor's lowered lists under gloo's rules, the peers' compute ord
 ``pipeline_order``; megatron-core's are our 1f1b's and interleaved's) with each message a fixed
 delay.
 
-Writes FILE (rows: runtime, schedule, D, N, ms, ms_min, ms_max, predicted_ms, bubble,
-predicted_bubble, and more; the ratios and the targets), its tables (.md) and a plot (.png) beside it.
+Writes FILE (rows: model, runtime, schedule, layout_kind, layout, D, N, ms, ms_min, ms_max,
+predicted_ms, bubble, predicted_bubble, and more; the ratios and the targets), its tables (.md) and a
+plot (.png) beside it.
 """
 from __future__ import annotations
 
@@ -45,53 +73,79 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 DEPTHS = (4, 8, 16)
 MEMORY_BOUND_DEPTH = 16  # here N = 4D does not fit: 16 ranks of N=64 cases ran out of this machine's 24 GB
+RUNTIMES = ("ours", "megatron-core", "torch")
 
 
 def default_microbatches(depth: int) -> list[int]:
     """N = D, 2D and 4D; at D=16 only D and 2D (``--microbatches 64`` asks for 4D on a bigger machine)."""
     return [depth, 2 * depth] + ([4 * depth] if depth < MEMORY_BOUND_DEPTH else [])
+
+
 OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best", "chimera split",
         "dualpipe", "dualpipev", "gpipe", "1f1b split")
 
 
-def our_schedules(setup, microbatches: list[int]) -> tuple[list, list[str]]:
-    """Our cases' schedules, generated on rank 0 (``--order best`` searches for a minute at D=8) and
-    sent to every rank; and why the sizes rule some out."""
-    import torch.distributed as dist
+def _selected(names, args) -> list[str]:
+    return [name for name in names if args.schedules is None or name in args.schedules]
 
+
+def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
+    """(runtime, schedule name, the order it runs) for each of our cases and megatron-core's at N=n that
+    ``--runtimes`` and ``--schedules`` select; ours are built at the even layout's costs (``--order
+    best`` and a split backward's W placement depend on them) and run unchanged at every layout."""
     from chimera_schedules import ConfigError
 
     from . import runtimes
 
-    built, skipped = [], []
+    out = []
+    if "ours" in args.runtimes:
+        for name in _selected(OURS, args):
+            try:
+                out.append(("ours", name, runtimes.ours_schedule(setup, name, n)))
+            except ConfigError as e:
+                skipped.append(f"ours {name} N={n}: {e}")
+    if "megatron-core" in args.runtimes:
+        out += [("megatron-core", name, runtimes.megatron_order(setup.depth, n, name))
+                for name in _selected(runtimes.MEGATRON, args)]
+    return out
+
+
+def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
+    """Our cases and megatron-core's, each with its layout, decided on rank 0 (``--order best``
+    searches for a minute at D=8, a layout search takes about a second) and sent to every rank: tuples
+    (runtime, schedule name, N, order, layouts.Chosen); and why the sizes rule some out."""
+    import torch.distributed as dist
+
+    from . import layouts
+
+    entries, skipped = [], []
     if dist.get_rank() == 0:
         for n in microbatches:
-            for name in OURS:
-                try:
-                    built.append((name, n, runtimes.ours_schedule(setup, name, n)))
-                except ConfigError as e:
-                    skipped.append(f"ours {name} N={n}: {e}")
-    box = [(built, skipped)]
+            for runtime, name, order in _references(setup, n, args, skipped):
+                for chosen in layouts.choose(setup, order, args.layouts, skipped, f"{runtime} {name} N={n}"):
+                    entries.append((runtime, name, n, order, chosen))
+    box = [(entries, skipped)]
     dist.broadcast_object_list(box, 0)
     return box[0]
 
 
-def build_cases(setup, microbatches: list[int]) -> tuple[list, list[str]]:
-    """Every case the sizes allow, built on this rank; and why the others were left out."""
+def build_cases(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
+    """Every case the sizes and the options allow, built on this rank; and why the others were left out."""
     import torch.distributed as dist
 
     from . import runtimes
 
-    ours, skipped = our_schedules(setup, microbatches)
-    setup.create_groups([s for _, _, s in ours])
-    cases = [runtimes.ours(setup, name, n, s) for name, n, s in ours]
-    for n in microbatches:
-        cases += [runtimes.megatron(setup, name, n) for name in runtimes.MEGATRON]
-        for cls in runtimes.TORCH:
-            try:
-                cases.append(runtimes.torch_pipelining(setup, cls, n))
-            except ValueError as e:  # torch's own rules, e.g. N below the number of stages
-                skipped.append(f"torch {runtimes.TORCH[cls][0]} N={n}: {str(e).splitlines()[0]}")
+    entries, skipped = plan(setup, args, microbatches)
+    setup.create_groups([order for runtime, _, _, order, _ in entries if runtime == "ours"])
+    cases = [runtimes.ours(setup, name, n, order, chosen) if runtime == "ours"
+             else runtimes.megatron(setup, name, n, chosen) for runtime, name, n, order, chosen in entries]
+    if "torch" in args.runtimes and "even" in args.layouts:
+        for n in microbatches:
+            for cls in (c for c, (name, _, _) in runtimes.TORCH.items() if _selected([name], args)):
+                try:
+                    cases.append(runtimes.torch_pipelining(setup, cls, n))
+                except ValueError as e:  # torch's own rules, e.g. N below the number of stages
+                    skipped.append(f"torch {runtimes.TORCH[cls][0]} N={n}: {str(e).splitlines()[0]}")
     dist.barrier()
     return cases, skipped
 
@@ -117,6 +171,21 @@ def p2p_ms(shape: tuple, dtype) -> float:
     every = [None] * world
     dist.all_gather_object(every, statistics.median(times))
     return statistics.median(every)
+
+
+def size_messages(setup) -> dict:
+    """Sets the messages' rows and their measured cost (see the module): GPT-2 1.3B's shape measured,
+    its rows scaled linearly to the profile's share of a stage, the rows chosen measured again. Every
+    rank chooses the same rows (the measurements are gathered)."""
+    from .costs import message_target_ms
+    from .runtimes import DTYPE, HIDDEN, SEQ
+
+    target = message_target_ms(setup.shape, setup.profile, setup.depth, setup.forward_ms)
+    full = p2p_ms((SEQ, 1, HIDDEN), DTYPE)
+    setup.seq = min(4 * SEQ, max(1, round(SEQ * target / full)))
+    setup.p2p_ms = p2p_ms((setup.seq, 1, HIDDEN), DTYPE)
+    return {"target_ms": target, "measured_ms": setup.p2p_ms, "shape": [setup.seq, 1, HIDDEN],
+            "full_shape_ms": full, "full_shape": [SEQ, 1, HIDDEN]}
 
 
 def iteration(case) -> tuple[float, float]:
@@ -153,7 +222,8 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
             gc.collect()
             if dist.get_rank() == 0:
                 print(f"[D={world} round {r + 1}/{rounds} {i + 1:2d}/{len(cases)}] {case.runtime:<13} "
-                      f"{case.schedule_name:<28} N={case.microbatches:<3} {samples[i][-1][0]:8.1f} ms", flush=True)
+                      f"{case.schedule_name:<28} {case.chosen.kind:<9} N={case.microbatches:<3} "
+                      f"{samples[i][-1][0]:8.1f} ms", flush=True)
     return samples
 
 
@@ -167,22 +237,29 @@ def _timed(case, world: int) -> tuple[float, float]:
 
 
 def row(setup, case, samples) -> dict:
-    """One result row: the measured iterations' median and spread, the simulator's prediction."""
+    """One result row: the measured iterations' median and spread, the simulator's prediction, the
+    layout (Megatron-LM's string; the flags that ask for it where it is Megatron-LM's best; the
+    planner's memory of its largest worker, which the emulated device does not hold)."""
     from .costs import predict
 
     ms = [m for m, _ in samples]
     median = statistics.median(ms)
     bubble = statistics.median(b for _, b in samples)
-    model = setup.costs(case.schedule.virtual_stages, case.first_input_in_weight)
+    chosen = case.chosen
+    model = setup.costs(case.schedule.virtual_stages, chosen.layout, case.first_input_in_weight)
     pred = predict(case.schedule, model, case.lowered)
-    return {"runtime": case.runtime, "schedule": case.schedule_name, "D": setup.depth, "N": case.microbatches,
-            "ms": median, "ms_min": min(ms), "ms_max": max(ms), "samples_ms": ms, **pred, "bubble": bubble,
-            "measured_over_predicted": median / pred["predicted_ms"]}
+    layout = {"layout": str(chosen.layout), "layout_kind": chosen.kind,
+              "layout_memory_gib": None if chosen.memory is None else chosen.memory / 2 ** 30,
+              "layout_fits": chosen.fits, **({"megatron_flags": chosen.flags} if chosen.kind == "megatron" else {})}
+    return {"model": setup.model, "runtime": case.runtime, "schedule": case.schedule_name, "D": setup.depth,
+            "N": case.microbatches, **layout, "ms": median, "ms_min": min(ms), "ms_max": max(ms), "samples_ms": ms,
+            **pred, "bubble": bubble, "measured_over_predicted": median / pred["predicted_ms"]}
 
 
 def worker(args) -> None:
     import torch.distributed as dist
 
+    from chimera_schedules.tools.planner import Profile
     from megatron.chimera.model import cpu_compat
 
     from . import runtimes
@@ -193,15 +270,17 @@ def worker(args) -> None:
 
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
-    setup = runtimes.Setup(d, args.forward_ms)
-    setup.p2p_ms = p2p_ms((runtimes.SEQ, 1, runtimes.HIDDEN), runtimes.DTYPE)
+    profile = Profile.load(args.profile)
+    setup = runtimes.Setup(d, args.forward_ms, args.model, profile)
+    message = size_messages(setup)
     microbatches = args.microbatches or default_microbatches(d)
-    cases, skipped = build_cases(setup, microbatches)
+    cases, skipped = build_cases(setup, args, microbatches)
     samples = measure(cases, args.rounds, args.iters)
     if dist.get_rank() == 0:
         rows = [row(setup, c, s) for c, s in zip(cases, samples)]
-        doc = {"D": d, "forward_ms": args.forward_ms, "p2p_ms": setup.p2p_ms, "rounds": args.rounds,
-               "iters": args.iters, "skipped": skipped, "rows": rows}
+        doc = {"D": d, "model": args.model, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
+               ROOT)}, "forward_ms": args.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
+               "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters, "skipped": skipped, "rows": rows}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     dist.barrier()
@@ -213,9 +292,11 @@ def launch(depth: int, args, out: str) -> dict:
     """One torchrun of ``depth`` processes; its JSON."""
     port = str(free_port())
     extra = ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
+    extra += ["--schedules", *args.schedules] if args.schedules else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out, "--forward-ms", str(args.forward_ms),
-           "--rounds", str(args.rounds), "--iters", str(args.iters), *extra]
+           "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
+           "--layouts", *args.layouts, "--runtimes", *args.runtimes, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode:
@@ -224,19 +305,42 @@ def launch(depth: int, args, out: str) -> dict:
         return json.load(f)
 
 
-def main() -> None:
-    from .report import document, markdown, plot, table
+def arguments() -> argparse.Namespace:
+    """The options; ``--profile`` defaults to the model's (costs.PROFILES) and must exist."""
+    from chimera_schedules.tools.planner import MODELS
+
+    from .costs import default_profile
+    from .layouts import KINDS
+    from .runtimes import MEGATRON, TORCH
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", "--depth", dest="depths", type=int, nargs="+", default=list(DEPTHS),
                    help="pipeline depths D (one launch each)")
     p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D; D and 2D at D=16)")
-    p.add_argument("--forward-ms", type=float, default=20.0, help="a 1F1B stage's median forward")
+    p.add_argument("--model", choices=list(MODELS), default="gpt2-1.3b", help="whose stage times the stages wait")
+    p.add_argument("--profile", help="hardware profile JSON (default: Piz Daint's P100 for gpt2-1.3b, "
+                   "profiles/h100-datasheet.json for the others)")
+    p.add_argument("--layouts", nargs="+", choices=KINDS, default=list(KINDS), help="layout kinds to run at")
+    p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    names = list(dict.fromkeys([*OURS, *MEGATRON, *(name for name, _, _ in TORCH.values())]))
+    p.add_argument("--schedules", nargs="+", choices=names, metavar="NAME",
+                   help=f"schedules to run, in whichever runtimes have them (default: all of {', '.join(names)})")
+    p.add_argument("--forward-ms", type=float, default=20.0, help="the even split's median 1F1B stage forward")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.profile = os.path.abspath(args.profile or default_profile(args.model))
+    if not os.path.exists(args.profile):
+        p.error(f"--profile {args.profile}: no such file")
+    return args
+
+
+def main() -> None:
+    from .report import document, markdown, plot, table
+
+    args = arguments()
     if args.worker:
         worker(args)
         return

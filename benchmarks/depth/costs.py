@@ -1,10 +1,13 @@
-"""What each emulated stage costs, and what the simulator predicts for a case at those costs.
+"""What each emulated stage costs, what one message should cost, and what the simulator predicts for a
+case at those costs.
 
-The times are the planner's for GPT-2 1.3B (64 layers, hidden 1280, sequence 632, micro-batch 1) on a
-profile (Piz Daint's P100 by default): a model stage's forward from Megatron's FLOP count, the last
-stage's with the logits; backward = 2 x forward, and a split backward's W = F (so I = F). They are
-scaled so that the median forward of a 1F1B stage at this depth is ``forward_ms``: every schedule at
-one depth runs the same stages, and at every depth a forward is a few tens of milliseconds.
+The times are the planner's for the chosen model (``planner.MODELS``: GPT-2 1.3B, Llama 3 8B,
+DeepSeek-V3; micro-batch 1) on a profile (Piz Daint's P100 for GPT-2 1.3B, the paper's machine; an
+H100 for the others, the machine they are trained on): a model stage's forward from Megatron's FLOP
+count for the layers the layout gives it, with the logits (and MTP) on the last stage; backward = 2 x
+forward, and a split backward's W = F (so I = F). One scale per model and depth makes the median
+forward of the even split's 1F1B stages ``forward_ms``, whatever the layout or schedule: every case
+of one launch runs on the same clock, so an uneven layout's slower stages really are slower.
 """
 from __future__ import annotations
 
@@ -13,21 +16,41 @@ import statistics
 
 from chimera_schedules import CostModel, Schedule, simulate
 from chimera_schedules.ir.actions import Action, Op
+from chimera_schedules.ir.layout import Layout
 from chimera_schedules.passes.lowering import lower
-from chimera_schedules.tools.planner import GPT2_1_3B, Profile, costs
+from chimera_schedules.tools.planner import ModelShape, Profile, costs
 
 from .stage import StageTimes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROFILE = os.path.join(ROOT, "profiles", "piz-daint-p100.json")
+PROFILES = {"gpt2-1.3b": "piz-daint-p100.json", "llama3-8b": "h100-datasheet.json",
+            "deepseek-v3": "h100-datasheet.json"}  # each model's default profile, in profiles/
 
 
-def stage_times(depth: int, virtual_stages: int, forward_ms: float, profile: str = PROFILE) -> list[StageTimes]:
-    """Per model stage (depth x virtual_stages of them), seconds of F, I and W."""
-    p = Profile.load(profile)
-    scale = forward_ms / 1e3 / statistics.median(costs(GPT2_1_3B, p, depth, 1, 1).forward)
-    forward = costs(GPT2_1_3B, p, depth, 1, 1, virtual_stages=virtual_stages).forward
+def default_profile(model: str) -> str:
+    return os.path.join(ROOT, "profiles", PROFILES[model])
+
+
+def _unscaled_forward(shape: ModelShape, profile: Profile, depth: int) -> float:
+    """Seconds of the median forward of the even split's 1F1B stages on the profile: the clock's unit."""
+    return statistics.median(costs(shape, profile, depth, 1, 1).forward)
+
+
+def stage_times(shape: ModelShape, depth: int, virtual_stages: int, forward_ms: float, profile: Profile,
+                held: Layout | None = None) -> list[StageTimes]:
+    """Per model stage (depth x virtual_stages of them, split as ``held`` says, evenly by default),
+    seconds of F, I and W."""
+    scale = forward_ms / 1e3 / _unscaled_forward(shape, profile, depth)
+    forward = costs(shape, profile, depth, 1, 1, virtual_stages=virtual_stages, held=held).forward
     return [StageTimes(f * scale, f * scale, f * scale) for f in forward]
+
+
+def message_target_ms(shape: ModelShape, profile: Profile, depth: int, forward_ms: float) -> float:
+    """What one activation between neighbours should cost on the emulated clock: the profile's p2p time
+    of one (latency + s h x 2 bytes / bandwidth) as the same share of the median 1F1B stage forward
+    that it is on the profile."""
+    p2p = profile.p2p_latency + shape.seq * shape.hidden * 2 / profile.p2p_bandwidth
+    return forward_ms * p2p / _unscaled_forward(shape, profile, depth)
 
 
 def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False) -> CostModel:

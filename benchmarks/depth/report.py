@@ -1,4 +1,12 @@
-"""The depth benchmark's JSON, its ratios and targets, the table it prints and its plot."""
+"""The depth benchmark's JSON, its ratios and targets, the tables it prints and its plot.
+
+Every row names its model and its layout kind (rows written before the benchmark had them read as GPT-2
+1.3B at the even layout, which is what it ran then). The ratios and targets of issue 24 (``ratios``,
+``overheads``, ``targets``) still compare the even layout's rows, so that their keys mean what they
+meant. Those of issue 32, "measured at depth, fairly" (``layout_wins``, ``fair_ratios``,
+``fairness_targets``), compare layouts: each schedule at its balanced layout against its even and
+Megatron-LM's best, Chimera at its balanced layout against megatron-core's 1F1B at its best.
+"""
 from __future__ import annotations
 
 import platform
@@ -6,8 +14,21 @@ import socket
 from datetime import date
 
 FAMILIES = ("1f1b", "interleaved v=2", "dualpipev")  # schedules more than one runtime runs
-TOLERANCE = 0.03  # our executor's measured makespan against the simulator's, at D >= 8
-TARGET_MEGATRON = 1.20  # chimera direct over megatron-core's 1F1B at D=8, N=8
+TOLERANCE = 0.03  # our executor's measured makespan against the simulator's, at D >= 8 (at N = D for issue 32)
+TOLERANCE_LONG = 0.05  # the same at N > D, at the balanced layouts
+TARGET_MEGATRON = 1.20  # chimera direct over megatron-core's 1F1B at D=8, N=8 (even layouts)
+TARGET_FAIR = 1.15  # the best Chimera without a split backward, balanced, over megatron-core's 1F1B at its best
+FAIR_DEPTH = 8  # where issue 32's targets are measured
+KINDS = ("even", "megatron", "balanced")  # layouts.KINDS, the order tables and panels follow
+CHIMERA = ("chimera direct", "chimera doubling", "chimera best")  # the Chimera variants without a split backward
+
+
+def kind(r: dict) -> str:
+    return r.get("layout_kind", "even")
+
+
+def model(r: dict) -> str:
+    return r.get("model", "gpt2-1.3b")
 
 
 def _by(rows: list[dict]) -> dict:
@@ -16,6 +37,10 @@ def _by(rows: list[dict]) -> dict:
 
 def _memory(r: dict) -> str:
     return f"{r['peak_activations']:g} M_a, {r['weight_copies']:g}x weights"
+
+
+def _per_round(ours: dict, other: dict) -> list[float]:
+    return [y / x for x, y in zip(ours["samples_ms"], other["samples_ms"])]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -30,7 +55,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             a, b = by.get((ra, sa, d, n)), by.get((rb, sb, d, n))
             if a and b:
                 out.append({"ratio": f"{sa} / {rb} {sb}", "D": d, "N": n, "value": b["ms"] / a["ms"],
-                            "per_round": [y / x for x, y in zip(a["samples_ms"], b["samples_ms"])],
+                            "per_round": _per_round(a, b),
                             "memory": f"{_memory(a)} vs {_memory(b)}"})
     return out
 
@@ -48,7 +73,7 @@ def overheads(rows: list[dict]) -> list[dict]:
 
 
 def targets(rows: list[dict], ratio_rows: list[dict], overhead_rows: list[dict]) -> dict:
-    """Each target of issue 24, measured: what holds, and the rows that miss."""
+    """Each target of issue 24, measured on the even layout's rows: what holds, and the rows that miss."""
     deep = [r for r in rows if r["runtime"] == "ours" and r["D"] >= 8]
     off = [f"{r['schedule']} D={r['D']} N={r['N']}: {r['measured_over_predicted']:.3f}" for r in deep
            if abs(r["measured_over_predicted"] - 1) > TOLERANCE]
@@ -65,82 +90,223 @@ def targets(rows: list[dict], ratio_rows: list[dict], overhead_rows: list[dict])
             "our overhead no worse than the best peer's": {"met": not worse, "misses": worse}}
 
 
+def layout_wins(rows: list[dict]) -> list[dict]:
+    """Per model, runtime, schedule, D and N that ran at the balanced layout and another: the balanced
+    row beside the faster of the others. It holds ("met") within the measured spread: the balanced
+    layout's fastest iteration no slower than the other's slowest."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((model(r), r["runtime"], r["schedule"], r["D"], r["N"]), {})[kind(r)] = r
+    out = []
+    for (m, runtime, schedule, d, n), by_kind in groups.items():
+        balanced, others = by_kind.get("balanced"), [r for k, r in by_kind.items() if k != "balanced"]
+        if balanced and others:
+            best = min(others, key=lambda r: r["ms"])
+            out.append({"model": m, "runtime": runtime, "schedule": schedule, "D": d, "N": n,
+                        "balanced_ms": balanced["ms"], "balanced_spread": [balanced["ms_min"], balanced["ms_max"]],
+                        "other": kind(best), "other_ms": best["ms"], "other_spread": [best["ms_min"], best["ms_max"]],
+                        "speedup": best["ms"] / balanced["ms"], "met": balanced["ms_min"] <= best["ms_max"]})
+    return out
+
+
+def fair_ratios(rows: list[dict]) -> list[dict]:
+    """Per model, D and N: megatron-core's 1F1B at its best layout (the fastest of its kinds) over the
+    fastest Chimera variant without a split backward at its balanced layout, with both layouts."""
+    out = []
+    for m, d, n in dict.fromkeys((model(r), r["D"], r["N"]) for r in rows):
+        here = [r for r in rows if (model(r), r["D"], r["N"]) == (m, d, n)]
+        chimera = [r for r in here if r["runtime"] == "ours" and r["schedule"] in CHIMERA and kind(r) == "balanced"]
+        mega = [r for r in here if (r["runtime"], r["schedule"]) == ("megatron-core", "1f1b")]
+        if chimera and mega:
+            a, b = min(chimera, key=lambda r: r["ms"]), min(mega, key=lambda r: r["ms"])
+            out.append({"model": m, "D": d, "N": n, "chimera": a["schedule"], "chimera_layout": a.get("layout", ""),
+                        "megatron_kind": kind(b), "megatron_layout": b.get("layout", ""),
+                        "megatron_flags": b.get("megatron_flags", ""), "value": b["ms"] / a["ms"],
+                        "per_round": _per_round(a, b), "memory": f"{_memory(a)} vs {_memory(b)}"})
+    return out
+
+
+def fairness_targets(rows: list[dict], wins: list[dict], fair: list[dict]) -> dict:
+    """Issue 32's targets at D=8, measured: what holds, and the rows that miss."""
+    at = [w for w in wins if w["D"] == FAIR_DEPTH]
+    lost = [f"{w['model']} {w['runtime']} {w['schedule']} N={w['N']}: balanced {w['balanced_ms']:.0f} ms "
+            f"({w['balanced_spread'][0]:.0f}-{w['balanced_spread'][1]:.0f}), {w['other']} {w['other_ms']:.0f} ms "
+            f"({w['other_spread'][0]:.0f}-{w['other_spread'][1]:.0f})" for w in at if not w["met"]]
+    first = [f for f in fair if f["D"] == FAIR_DEPTH and f["N"] == FAIR_DEPTH]
+    ours = [r for r in rows if r["runtime"] == "ours" and kind(r) == "balanced" and r["D"] == FAIR_DEPTH]
+    off = [f"{r['schedule']} N={r['N']}: {r['measured_over_predicted']:.3f}" for r in ours
+           if abs(r["measured_over_predicted"] - 1) > (TOLERANCE if r["N"] == r["D"] else TOLERANCE_LONG)]
+    value = min((f["value"] for f in first), default=None)
+    return {
+        f"balanced at least as fast as the better of even and megatron at D={FAIR_DEPTH} (within the spread)": {
+            "met": bool(at) and not lost, "misses": lost},
+        f"best chimera (no split backward) balanced >= {TARGET_FAIR:.2f}x megatron-core 1f1b at its best layout, "
+        f"D={FAIR_DEPTH} N={FAIR_DEPTH}": {
+            "met": value is not None and value >= TARGET_FAIR, "value": value,
+            "layouts": [f"{f['chimera']} at {f['chimera_layout']}; megatron-core 1f1b at {f['megatron_layout']} "
+                        f"({f['megatron_kind']})" for f in first]},
+        f"executor at balanced layouts within 3% of the simulator at D={FAIR_DEPTH} N={FAIR_DEPTH}, 5% at larger N": {
+            "met": bool(ours) and not off, "misses": off}}
+
+
 def document(per_depth: list[dict], command: str) -> dict:
+    """The launches' JSON together. The old ratios and targets read the even layout's rows."""
     rows = [r for doc in per_depth for r in doc["rows"]]
-    ratio_rows, overhead_rows = ratios(rows), overheads(rows)
+    even = [r for r in rows if kind(r) == "even"]
+    ratio_rows, overhead_rows = ratios(even), overheads(even)
+    wins, fair = layout_wins(rows), fair_ratios(rows)
+    first = per_depth[0]
     return {"command": command, "date": str(date.today()),
-            "machine": f"{platform.machine()}, {socket.gethostname()}",
-            "forward_ms": per_depth[0]["forward_ms"], "rounds": per_depth[0]["rounds"],
-            "iters": per_depth[0]["iters"], "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "machine": f"{platform.machine()}, {socket.gethostname()}", "model": first.get("model", "gpt2-1.3b"),
+            "profile": first.get("profile"), "layouts": first.get("layouts", ["even"]),
+            "forward_ms": first["forward_ms"], "rounds": first["rounds"], "iters": first["iters"],
+            "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "message": {str(doc["D"]): doc["message"] for doc in per_depth if "message" in doc},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "ratios": ratio_rows,
-            "overheads": overhead_rows, "targets": targets(rows, ratio_rows, overhead_rows)}
+            "overheads": overhead_rows, "layout_wins": wins, "fair_ratios": fair,
+            "targets": {**targets(even, ratio_rows, overhead_rows), **fairness_targets(rows, wins, fair)}}
+
+
+def _note(t: dict) -> str:
+    """A target's misses, or its value and the layouts it was measured at; or that no row measured it."""
+    if not t["met"] and not t.get("misses") and t.get("value") is None:
+        return "not measured"
+    if t.get("misses"):
+        return "; ".join(t["misses"])
+    value = f"{t['value']:.3f}x" if t.get("value") is not None else ""
+    return "; ".join([value, *t.get("layouts", [])]).strip("; ")
 
 
 def table(doc: dict) -> str:
-    lines = [f"{'runtime':<14}{'schedule':<29}{'D':>3}{'N':>4}{'ms':>9}{'(min-max)':>16}{'pred':>9}{'m/p':>7}"
-             f"{'bubble':>8}{'pred':>7}"]
+    lines = [f"{'runtime':<14}{'schedule':<29}{'layout':<10}{'D':>3}{'N':>4}{'ms':>9}{'(min-max)':>16}{'pred':>9}"
+             f"{'m/p':>7}{'bubble':>8}{'pred':>7}  layout"]
     for r in doc["rows"]:
         spread = f"({r['ms_min']:.0f}-{r['ms_max']:.0f})"
-        lines.append(f"{r['runtime']:<14}{r['schedule']:<29}{r['D']:>3}{r['N']:>4}{r['ms']:9.1f}{spread:>16}"
-                     f"{r['predicted_ms']:9.1f}{r['measured_over_predicted']:7.3f}{r['bubble']:8.1%}"
-                     f"{r['predicted_bubble']:7.1%}")
+        lines.append(f"{r['runtime']:<14}{r['schedule']:<29}{kind(r):<10}{r['D']:>3}{r['N']:>4}{r['ms']:9.1f}"
+                     f"{spread:>16}{r['predicted_ms']:9.1f}{r['measured_over_predicted']:7.3f}{r['bubble']:8.1%}"
+                     f"{r['predicted_bubble']:7.1%}  {r.get('layout', '')}")
     for r in doc["ratios"]:
-        lines.append(f"{r['ratio']} D={r['D']} N={r['N']}: {r['value']:.3f}x "
+        lines.append(f"{r['ratio']} D={r['D']} N={r['N']} (even): {r['value']:.3f}x "
                      f"({min(r['per_round']):.3f}-{max(r['per_round']):.3f}); memory {r['memory']}")
+    for f in doc.get("fair_ratios", []):
+        lines.append(f"{f['chimera']} (balanced) / megatron-core 1f1b ({f['megatron_kind']}) D={f['D']} N={f['N']}: "
+                     f"{f['value']:.3f}x ({min(f['per_round']):.3f}-{max(f['per_round']):.3f})")
     for name, t in doc["targets"].items():
-        lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {t.get('misses') or t.get('value') or ''}")
+        lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {_note(t)}")
     return "\n".join(lines)
 
 
-def markdown(doc: dict) -> str:
-    """Every row as a table per depth, then the ratios and the targets (the README quotes them)."""
-    out = []
-    for d in sorted({r["D"] for r in doc["rows"]}):
-        out += [f"### D={d} (one message: {doc['p2p_ms'][str(d)]:.2f} ms)",
-                "", "| runtime | schedule | N | ms (min-max) | predicted ms | measured / predicted | bubble | "
-                "predicted bubble |", "|---|---|---|---|---|---|---|---|"]
-        for r in (r for r in doc["rows"] if r["D"] == d):
-            out.append(f"| {r['runtime']} | {r['schedule']} | {r['N']} | {r['ms']:.0f} ({r['ms_min']:.0f}-"
-                       f"{r['ms_max']:.0f}) | {r['predicted_ms']:.0f} | {r['measured_over_predicted']:.3f} | "
-                       f"{r['bubble']:.1%} | {r['predicted_bubble']:.1%} |")
+def _layout_cell(r: dict) -> str:
+    """The layout string, with the flags that ask for it where it is Megatron-LM's best."""
+    flags = r.get("megatron_flags")
+    return (f"`{r['layout']}`" if "layout" in r else "-") + (f" (`{flags}`)" if flags else "")
+
+
+def _memory_cell(r: dict) -> str:
+    gib = r.get("layout_memory_gib")
+    return "-" if gib is None else f"{gib:.0f}" + ("" if r.get("layout_fits") else " (does not fit)")
+
+
+def _depth_tables(doc: dict, m: str, d: int) -> list[str]:
+    """One table per layout kind of one model at one depth."""
+    message = doc.get("message", {}).get(str(d))
+    note = (f"; {message['target_ms']:.2f} ms the profile's share, {message['shape'][0]} x {message['shape'][2]} "
+            f"bf16" if message else "")
+    out = [f"### {m}, D={d} (one message: {doc['p2p_ms'][str(d)]:.2f} ms measured{note})", ""]
+    for k in KINDS:
+        rows = [r for r in doc["rows"] if model(r) == m and r["D"] == d and kind(r) == k]
+        if not rows:
+            continue
+        out += [f"#### {k} layout", "", "| runtime | schedule | N | layout | memory GiB | ms (min-max) | predicted ms "
+                "| measured / predicted | bubble | predicted bubble |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            out.append(f"| {r['runtime']} | {r['schedule']} | {r['N']} | {_layout_cell(r)} | {_memory_cell(r)} | "
+                       f"{r['ms']:.0f} ({r['ms_min']:.0f}-{r['ms_max']:.0f}) | {r['predicted_ms']:.0f} | "
+                       f"{r['measured_over_predicted']:.3f} | {r['bubble']:.1%} | {r['predicted_bubble']:.1%} |")
         out.append("")
-    out += ["| ratio | D | N | measured (per round) | memory, busiest rank |", "|---|---|---|---|---|"]
+    return out
+
+
+def _comparisons(doc: dict) -> list[str]:
+    """Issue 32's two comparisons: the balanced layout against the others, Chimera against megatron-core
+    (none in a document without layouts)."""
+    if not doc.get("layout_wins") and not doc.get("fair_ratios"):
+        return []
+    out = ["| model | runtime | schedule | D | N | balanced ms (min-max) | faster other ms (min-max) | speedup | "
+           "within the spread |", "|---|---|---|---|---|---|---|---|---|"]
+    for w in doc.get("layout_wins", []):
+        out.append(f"| {w['model']} | {w['runtime']} | {w['schedule']} | {w['D']} | {w['N']} | {w['balanced_ms']:.0f} "
+                   f"({w['balanced_spread'][0]:.0f}-{w['balanced_spread'][1]:.0f}) | {w['other']}: {w['other_ms']:.0f} "
+                   f"({w['other_spread'][0]:.0f}-{w['other_spread'][1]:.0f}) | {w['speedup']:.3f}x | "
+                   f"{'yes' if w['met'] else 'no'} |")
+    out += ["", "| model | D | N | Chimera (balanced) | its layout | megatron-core 1f1b's best layout | "
+            "measured (per round) | memory, busiest rank |", "|---|---|---|---|---|---|---|---|"]
+    for f in doc.get("fair_ratios", []):
+        flags = f" (`{f['megatron_flags']}`)" if f["megatron_flags"] else ""
+        out.append(f"| {f['model']} | {f['D']} | {f['N']} | {f['chimera']} | `{f['chimera_layout']}` | "
+                   f"{f['megatron_kind']}: `{f['megatron_layout']}`{flags} | {f['value']:.3f}x "
+                   f"({min(f['per_round']):.3f}-{max(f['per_round']):.3f}) | {f['memory']} |")
+    return out + [""]
+
+
+def markdown(doc: dict) -> str:
+    """Every row as a table per model, depth and layout kind; then the layouts compared, the ratios and
+    the targets (the README quotes them)."""
+    out = []
+    for m in dict.fromkeys(model(r) for r in doc["rows"]):
+        for d in sorted({r["D"] for r in doc["rows"] if model(r) == m}):
+            out += _depth_tables(doc, m, d)
+    out += _comparisons(doc)
+    out += ["| ratio (even layouts) | D | N | measured (per round) | memory, busiest rank |", "|---|---|---|---|---|"]
     for r in doc["ratios"]:
         out.append(f"| {r['ratio']} | {r['D']} | {r['N']} | {r['value']:.3f}x ({min(r['per_round']):.3f}-"
                    f"{max(r['per_round']):.3f}) | {r['memory']} |")
-    out += ["", "| target | met | misses |", "|---|---|---|"]
+    out += ["", "| target | met | misses, or the value and its layouts |", "|---|---|---|"]
     for name, t in doc["targets"].items():
-        misses = "; ".join(t.get("misses", [])) or (f"{t['value']:.3f}x" if t.get("value") else "")
-        out.append(f"| {name} | {'yes' if t['met'] else 'no'} | {misses} |")
+        out.append(f"| {name} | {'yes' if t['met'] else 'no'} | {_note(t)} |")
     return "\n".join(out) + "\n"
 
 
 def plot(doc: dict, path: str) -> None:
-    """Per depth: each case's speed over megatron-core's 1F1B at the same N, measured (bars) and
-    predicted (ticks); and measured against predicted iteration time, one point per case."""
+    """Per depth: for each layout kind, each case's speed over megatron-core's 1F1B at its best layout at
+    the same N, measured (bars) and predicted (ticks); and measured against predicted iteration time,
+    one point per case."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     depths = sorted({r["D"] for r in doc["rows"]})
-    fig, axes = plt.subplots(len(depths), 2, figsize=(14, 7 * len(depths)), squeeze=False,
-                             gridspec_kw={"width_ratios": [2, 1]})
+    kinds = [k for k in KINDS if any(kind(r) == k for r in doc["rows"])]
+    fig, axes = plt.subplots(len(depths), len(kinds) + 1, figsize=(8 * len(kinds) + 6, 7 * len(depths)),
+                             squeeze=False, gridspec_kw={"width_ratios": [4] * len(kinds) + [3]})
     for row, d in enumerate(depths):
         rows = [r for r in doc["rows"] if r["D"] == d]
-        _speed_panel(axes[row, 0], rows, d)
-        _accuracy_panel(axes[row, 1], rows, d)
-    fig.suptitle(f"emulated device: GPT-2 1.3B stages (forward {doc['forward_ms']:g} ms), gloo, one process per stage")
+        base = _baseline(rows)
+        for col, k in enumerate(kinds):
+            _speed_panel(axes[row, col], [r for r in rows if kind(r) == k], base, f"D={d}, {k} layouts")
+        _accuracy_panel(axes[row, -1], rows, d)
+    models = ", ".join(dict.fromkeys(model(r) for r in doc["rows"]))
+    fig.suptitle(f"emulated device: {models} stages (forward {doc['forward_ms']:g} ms), gloo, one process per stage")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def _speed_panel(ax, rows: list[dict], d: int) -> None:
+def _baseline(rows: list[dict]) -> dict:
+    """Per N, megatron-core's 1F1B at its fastest layout (measured), the bars' common unit."""
+    base: dict = {}
+    for r in rows:
+        mine = (r["runtime"], r["schedule"]) == ("megatron-core", "1f1b")
+        if mine and (r["N"] not in base or r["ms"] < base[r["N"]]["ms"]):
+            base[r["N"]] = r
+    return base
+
+
+def _speed_panel(ax, rows: list[dict], base: dict, title: str) -> None:
     ns = sorted({r["N"] for r in rows})
-    base = {r["N"]: r for r in rows if (r["runtime"], r["schedule"]) == ("megatron-core", "1f1b")}
     labels = list(dict.fromkeys(f"{r['runtime']}: {r['schedule']}" for r in rows))
-    height = 0.8 / len(ns)
+    height = 0.8 / max(len(ns), 1)
     for k, n in enumerate(ns):
         for i, label in enumerate(labels):
             r = next((r for r in rows if f"{r['runtime']}: {r['schedule']}" == label and r["N"] == n), None)
@@ -152,15 +318,20 @@ def _speed_panel(ax, rows: list[dict], d: int) -> None:
     ax.set_yticks([i + 0.4 - height / 2 for i in range(len(labels))], labels, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("speed over megatron-core's 1F1B at the same N (bars: measured, ticks: simulator)")
-    ax.set_title(f"D={d}")
-    ax.legend(fontsize=8)
+    ax.set_xlabel("speed over megatron-core's 1F1B at its best layout, same N (bars: measured, ticks: simulator)")
+    ax.set_title(title)
+    if base:
+        ax.legend(fontsize=8)
 
 
 def _accuracy_panel(ax, rows: list[dict], d: int) -> None:
+    markers = {"even": "o", "megatron": "s", "balanced": "^"}
     for runtime, color in {"ours": "tab:blue", "megatron-core": "tab:green", "torch": "tab:red"}.items():
-        pts = [(r["predicted_ms"], r["ms"]) for r in rows if r["runtime"] == runtime]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=color, label=runtime)
+        for k, marker in markers.items():
+            pts = [(r["predicted_ms"], r["ms"]) for r in rows if r["runtime"] == runtime and kind(r) == k]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=color, marker=marker,
+                           label=f"{runtime}, {k}")
     top = max(max(r["predicted_ms"], r["ms"]) for r in rows) * 1.05
     ax.plot([0, top], [0, top], color="gray", lw=0.8)
     ax.set_xlabel("simulator: ms per iteration")

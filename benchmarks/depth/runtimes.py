@@ -1,7 +1,11 @@
 """The three runtimes, each driving the same emulated stages for one iteration (forward and backward
 of N micro-batches, no optimizer step): our executor, megatron-core's own schedules and
 torch.distributed.pipelining's. A ``Case`` is built once per process and run many times; ``run()``
-is one iteration on this rank. Its ``schedule`` is what the simulator replays for the prediction.
+is one iteration on this rank. Its ``schedule`` is what the simulator replays for the prediction, its
+``chosen`` the layout whose stage times its emulated stages wait.
+
+Every message is an activation of ``Setup.seq`` rows of the hidden size (GPT-2 1.3B's 1280) in bf16:
+the rows are what sizes a message to cost what the profile's interconnect says (``__main__``).
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import Transport, make_forward_backward
 from chimera_schedules.runtime.p2p import TorchP2P
+from chimera_schedules.tools.planner import MODELS, Profile
 
 from .costs import cost_model, from_torch, stage_times
+from .layouts import Chosen, even
 from .stage import EmulatedStage, forward_step, loss
 
-SEQ, HIDDEN, LAYERS, HEADS = 632, 1280, 64, 20  # GPT-2 1.3B, micro-batch 1
+SEQ, HIDDEN, LAYERS, HEADS = 632, 1280, 64, 20  # GPT-2 1.3B, micro-batch 1: the messages' default shape
 DTYPE = torch.bfloat16
 
 
@@ -35,24 +41,34 @@ class Case:
     run: Callable[[], None]
     schedule: Schedule  # the order the simulator replays
     lowered: bool  # replay it as our executor posts it (lowered), or as compute only
+    chosen: Chosen  # the layout its stages' times come from
     first_input_in_weight: bool = False  # costs.cost_model's option
     release: Callable[[], bool] = lambda: False  # drop what the case holds between rounds; True if it did
 
 
 @dataclass
 class Setup:
-    """What every case of one launch shares: depth, stage times, p2p latency, process groups."""
+    """What every case of one launch shares: depth, the model and profile its stage times come from,
+    the messages' rows and what one costs, process groups."""
     depth: int
     forward_ms: float
+    model: str  # a name in planner.MODELS
+    profile: Profile
+    seq: int = SEQ  # rows of a message
     p2p_ms: float = 0.0
     timeout: timedelta = timedelta(minutes=5)
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
 
-    def times(self, virtual_stages: int):
-        return stage_times(self.depth, virtual_stages, self.forward_ms)
+    @property
+    def shape(self):
+        return MODELS[self.model]
 
-    def costs(self, virtual_stages: int, first_input_in_weight: bool = False):
-        return cost_model(self.times(virtual_stages), self.p2p_ms, first_input_in_weight)
+    def times(self, virtual_stages: int, held=None):
+        """Per model stage, its times under layout ``held`` (the even split by default)."""
+        return stage_times(self.shape, self.depth, virtual_stages, self.forward_ms, self.profile, held)
+
+    def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False):
+        return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight)
 
     def config(self, virtual_stages: int = 1):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without
@@ -115,9 +131,9 @@ def ours_schedule(setup: Setup, name: str, n: int) -> Schedule:
     return build_spec(spec, setup.costs(REGISTRY[spec.schedule].virtual_stages(spec)))
 
 
-def ours(setup: Setup, name: str, n: int, schedule: Schedule) -> Case:
+def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen) -> Case:
     lowered, worker = lower(schedule), dist.get_rank()
-    times, scale = setup.times(schedule.virtual_stages), schedule.microbatch_scale
+    times, scale = setup.times(schedule.virtual_stages, chosen.layout), schedule.microbatch_scale
     held = lowered.held(worker)
     config = setup.config()
     chunks = [EmulatedStage(times[s].scaled(scale), config, first=s == 0) for _, s in held]
@@ -127,39 +143,44 @@ def ours(setup: Setup, name: str, n: int, schedule: Schedule) -> Case:
     transport = Transport(worker, list(range(setup.depth)), groups, torch.device("cpu"), DTYPE,
                           TorchP2P(setup.timeout))
     step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))))
-    seq = round(SEQ * scale)  # a half-size micro-batch of one sample: half the sequence, the same bytes
+    seq = max(1, round(setup.seq * scale))  # a half-size micro-batch of one sample: half the sequence
     data = sample((seq, 1, HIDDEN))
 
     def run():
         step(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in held], model=chunks,
              num_microbatches=lowered.microbatches, seq_length=seq, micro_batch_size=1)
-    return Case("ours", name, n, run, schedule, lowered=True)
+    return Case("ours", name, n, run, schedule, lowered=True, chosen=chosen)
 
 
 # ---------------------------------------------------------------------------------- megatron-core
 MEGATRON = {"1f1b": 1, "interleaved v=2": 2}  # schedule -> model chunks per rank
 
 
-def megatron(setup: Setup, name: str, n: int) -> Case:
+def megatron_order(depth: int, n: int, name: str) -> Schedule:
+    """megatron-core's compute order: our 1f1b's or interleaved's."""
+    v = MEGATRON[name]
+    return build("interleaved", depth, n, virtual_stages=v) if v > 1 else build("1f1b", depth, n)
+
+
+def megatron(setup: Setup, name: str, n: int, chosen: Chosen) -> Case:
     """megatron-core's forward_backward_pipelining_without_interleaving (1F1B) or _with_interleaving:
     chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's."""
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
 
     v, rank, d = MEGATRON[name], dist.get_rank(), setup.depth
-    times, config = setup.times(v), setup.config(v)
+    times, config = setup.times(v, chosen.layout), setup.config(v)
     chunks = [EmulatedStage(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
     for c, chunk in enumerate(chunks):
         chunk.vp_stage, chunk.model_type = (c if v > 1 else None), ModelType.encoder_or_decoder
     func = (schedules.forward_backward_pipelining_with_interleaving if v > 1
             else schedules.forward_backward_pipelining_without_interleaving)
-    data = sample((SEQ, 1, HIDDEN))
+    data = sample((setup.seq, 1, HIDDEN))
 
     def run():
         func(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in chunks], model=chunks,
-             num_microbatches=n, seq_length=SEQ, micro_batch_size=1)
-    ref = build("interleaved", d, n, virtual_stages=v) if v > 1 else build("1f1b", d, n)
-    return Case("megatron-core", name, n, run, ref, lowered=False)
+             num_microbatches=n, seq_length=setup.seq, micro_batch_size=1)
+    return Case("megatron-core", name, n, run, megatron_order(d, n, name), lowered=False, chosen=chosen)
 
 
 # -------------------------------------------------------------------------------------------- torch
@@ -181,14 +202,17 @@ def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
     micro-batches are split from one batch along dim 0 (torch's convention: [1, sequence, hidden]).
     Its stages keep a receive buffer per micro-batch once they have run, so the case is released
     after each round and built again (and warmed up again) in the next: at D=16, N=64 every torch
-    case held at once would not fit in this machine's memory."""
+    case held at once would not fit in this machine's memory. It runs at the even layout only: its
+    order, which a layout search would price, exists only once its stages are built on every rank,
+    after the layouts are decided."""
     from torch.distributed import pipelining
 
     name, v, style = TORCH[cls_name]
     d, rank = setup.depth, dist.get_rank()
     placement = torch_placement(d, v, style)
     mine = [s for s, r in enumerate(placement) if r == rank]
-    times, config = setup.times(v), setup.config()
+    chosen = even(setup, v)
+    times, config = setup.times(v, chosen.layout), setup.config()
 
     def make():
         stages = [pipelining.PipelineStage(EmulatedStage(times[s], config, first=s == 0), s, d * v,
@@ -202,11 +226,12 @@ def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
         if not held:
             held.append(make())
         if len(held) == 1:  # the first stage's batch of N samples, held as long as the case
-            held.append((sample((n, SEQ, HIDDEN)),) if 0 in mine else ())
+            held.append((sample((n, setup.seq, HIDDEN)),) if 0 in mine else ())
         held[0].step(*held[1], target=target, return_outputs=False)
 
     def release() -> bool:
         held.clear()
         return True
     order = (from_torch(name, d, n, placement, held[0].pipeline_order) if v > 1 else build("1f1b", d, n))
-    return Case("torch", name, n, run, order, lowered=False, first_input_in_weight=True, release=release)
+    return Case("torch", name, n, run, order, lowered=False, chosen=chosen, first_input_in_weight=True,
+                release=release)

@@ -55,6 +55,33 @@ class Layout:
     def layer_counts(self) -> tuple[int, ...]:
         return tuple(s.layers for s in self.stages)
 
+    def chunk_slots(self) -> int:
+        """The most layers one stage numbers, MTP included (megatron-core's per-layer metric slots)."""
+        return max(s.layers + s.mtp for s in self.stages)
+
+    def output_rows(self) -> tuple[int, ...]:
+        """Per stage, how many activations' worth of sequence it sends on: 1, or after a stage of MTP
+        layers without the loss, 1 + the MTP depths (megatron-core concatenates their hidden states)."""
+        rows, out = 1, []
+        for s in self.stages:
+            rows += s.mtp
+            out.append(rows)
+        return tuple(out)
+
+    def embedding_stages(self, tied: bool) -> tuple[int, ...]:
+        """The stages holding a copy of the word embedding: the first, a stage of MTP layers (their
+        embedding of the next tokens), the last where the output layer shares it (``tied``). Their
+        gradients are summed, as megatron-core's embedding group sums them."""
+        last = len(self.stages) - 1
+        held = {0} | {i for i, s in enumerate(self.stages) if s.mtp} | ({last} if tied else set())
+        return tuple(sorted(held))
+
+    def embedding_copies(self, tied: bool) -> int:
+        """How many word-embedding parameters one pipeline holds: the first stage's, one per later stage
+        of MTP layers, and the tied output layer of a last stage other than the first."""
+        last = len(self.stages) - 1
+        return 1 + sum(1 for s in self.stages[1:] if s.mtp) + (tied and last > 0)
+
     def holds_last_layer(self, stage: int) -> bool:
         """Whether the stage holds the model's last transformer layer (the final norm follows it)."""
         return self.stages[stage].layers > 0 and self.first_layer(stage + 1) == self.num_layers

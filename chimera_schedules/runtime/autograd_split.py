@@ -113,9 +113,9 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: to
             restarts.append(restart)
             if node is not start:
                 handles.append(node.register_prehook(lambda grads, r=restart: r.grads.update(enumerate(grads))))
-    _check_disjoint(restarts)
+    eager = _nested_shares(restarts, on_path)
     try:
-        (dx,) = torch.autograd.grad(graph_root(output), boundary, grad, retain_graph=True)
+        dx = _input_gradient(output, grad, boundary, eager)
     finally:
         for h in handles:
             h.remove()
@@ -125,13 +125,48 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: to
     return dx, WeightPass(restarts)
 
 
-def _check_disjoint(restarts: list[_Restart]) -> None:
-    """A parameter below two restart points could be reached twice; megatron-core's layers use each
-    weight once per stage, so this only guards the assumption."""
-    seen: set[int] = set()
+def _input_gradient(output: torch.Tensor, grad: torch.Tensor, boundary: torch.Tensor, eager: list) -> torch.Tensor:
+    """The boundary's gradient, and with it the ``eager`` parameters' (accumulated into ``.grad`` by torch,
+    so their gradient hooks run as after a whole backward)."""
+    if not eager:
+        (dx,) = torch.autograd.grad(graph_root(output), boundary, grad, retain_graph=True)
+        return dx
+    held, boundary.grad = boundary.grad, None
+    torch.autograd.backward(graph_root(output), grad, retain_graph=True, inputs=[boundary, *eager])
+    dx, boundary.grad = boundary.grad, held
+    return dx
+
+
+def _nested_shares(restarts: list[_Restart], on_path: set[Node]) -> list:
+    """Parameters below two restart points one of which lies below the other: megatron-core's output
+    layer computes both the main logits and, below them, the multi-token-prediction logits. A restart
+    from the upper point would reach the parameter again through the lower one (and re-run the backward
+    of the loss in between, which megatron-core's cross entropy does not allow twice), so these are
+    taken out of both restarts and computed in I. Parameters below two points neither of which lies
+    below the other stay in both: each restart adds its own use's share. Restarts left without
+    parameters are dropped (in place)."""
+    owner: dict[int, _Restart] = {}
+    nested = {}
     for r in restarts:
         for p in r.params:
-            if id(p) in seen:
-                raise NotImplementedError(f"split backward: parameter of shape {tuple(p.shape)} is used in two "
-                                          "places of one stage; run this model without --split-backward")
-            seen.add(id(p))
+            first = owner.setdefault(id(p), r)
+            if first is not r and (_below(first.node, r.node, on_path) or _below(r.node, first.node, on_path)):
+                nested[id(p)] = p
+    for r in restarts:
+        r.params = [p for p in r.params if id(p) not in nested]
+    restarts[:] = [r for r in restarts if r.params]
+    return list(nested.values())
+
+
+def _below(top: Node, node: Node, on_path: set[Node]) -> bool:
+    """Whether ``node`` is reached from ``top`` along the input's path."""
+    seen, stack = set(), [top]
+    while stack:
+        current = stack.pop()
+        for child in _children(current):
+            if child is node:
+                return True
+            if child in on_path and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return False

@@ -76,7 +76,9 @@ class Transport:
     """Where this worker's peers are. ``ranks[w]`` is the global rank of worker w (same data- and
     tensor-parallel position); ``groups[name]`` the process group a lowered action names (None: the
     default group). ``p2p`` moves the tensors (p2p.py). ``comm_device`` stages p2p through another
-    device, e.g. host memory for gloo with CUDA tensors."""
+    device, e.g. host memory for gloo with CUDA tensors. ``output_rows[s]``: how many activations'
+    worth of sequence model stage s sends on (default 1 each): megatron-core's MTP block, on a stage
+    of its own, hands the loss stage its depths' hidden states concatenated along the sequence."""
 
     worker: int
     ranks: Sequence[int]
@@ -85,6 +87,16 @@ class Transport:
     dtype: torch.dtype
     p2p: object
     comm_device: torch.device | None = None
+    output_rows: Sequence[int] | None = None
+
+    def message_shape(self, shape: tuple, message: tuple) -> tuple:
+        """A message's shape: an activation is its producer's (the stage before) output, a gradient
+        the consumer's own output's."""
+        if self.output_rows is None:
+            return shape
+        kind, _, stage, _ = message
+        rows = self.output_rows[stage - 1 if kind == "act" else stage]
+        return (shape[0] * rows, *shape[1:])
 
 
 class _Messages:
@@ -98,7 +110,8 @@ class _Messages:
         self.sends: dict[tuple, deque] = {}  # (group, peer) -> (handle, tensor kept alive, action), oldest first
 
     def receive(self, a: Action) -> None:
-        buf = torch.empty(self.shape, dtype=self.t.dtype, device=self.t.comm_device or self.t.device)
+        buf = torch.empty(self.t.message_shape(self.shape, a.message), dtype=self.t.dtype,
+                          device=self.t.comm_device or self.t.device)
         work = self.t.p2p.irecv(buf, self.t.ranks[a.peer], self.t.groups[a.group])
         self.posted[a.message] = (work, buf, a)
 

@@ -35,6 +35,11 @@ TRAINER_OPTIONS = (
     ("--max-consecutive-nan-iterations", {"type": int, "default": 5,
                                           "help": "stop after this many iterations in a row with a NaN/Inf loss "
                                                   "or gradient norm"}),
+    ("--balance-pipeline-layout", {"metavar": "PROFILE",
+                                   "help": "split the layers over the model stages as the balancer picks for this "
+                                           "model, schedule and hardware profile (a JSON path, or a name in "
+                                           "profiles/), instead of evenly; prints the layout string it applies, "
+                                           "reusable with --pipeline-model-parallel-layout"}),
     ("--log-memory-per-rank", {"action": "store_true",
                                "help": "print every rank's model-state bytes after setup, not only the largest"}),
 )

@@ -32,7 +32,7 @@ from .distributed.process_groups import init_distributed, release_groups, setup_
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
 from .model.chunk import build_chunk, uses_transformer_engine
-from .model.moe import auxiliary_loss_fields, fresh_metrics, scale_auxiliary_losses, update_expert_bias
+from .model.moe import auxiliary_loss_fields, fresh_metrics, mtp_loss_fields, scale_auxiliary_losses, update_expert_bias
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .observability.startup import (
@@ -87,14 +87,15 @@ def _scheduler(args, optimizer):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
-def _transport(args, rt, backend: str) -> Transport:
+def _transport(args, rt, backend: str, layout) -> Transport:
     """Where our executor's messages go: this worker's peers, the process group of every channel, and
     the p2p implementation (gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not,
     see TorchP2P)."""
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     p2p = EmulatedNCCL(timeout) if args.emulate_nccl else TorchP2P(None if backend == "nccl" else timeout)
     groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
-    return Transport(rt.worker, rt.worker_ranks, groups, rt.device, args.params_dtype, p2p, rt.comm_device)
+    return Transport(rt.worker, rt.worker_ranks, groups, rt.device, args.params_dtype, p2p, rt.comm_device,
+                     layout.output_rows())
 
 
 class Trainer:
@@ -109,14 +110,14 @@ class Trainer:
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
         self.rt = setup_parallel(args, plan, backend, device)
-        fresh_metrics()
+        fresh_metrics(args, plan.layout.chunk_slots())
         print_schedule_proof(plan, agree_on_schedule(plan, args.pipeline_schedule))
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         self.timers = make_timers(args)
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         self._build_model_and_optimizer(forward_step_func, device)
-        self.transport = _transport(args, self.rt, backend) if plan.schedule is not None else None
+        self.transport = _transport(args, self.rt, backend, plan.layout) if plan.schedule is not None else None
         self.forward_backward = plan.runner(self.models, self.transport, self.sync,
                                               hooks if hooks.observes_actions() else None, args.nvtx_ranges)
         started = time.perf_counter()
@@ -140,7 +141,7 @@ class Trainer:
         self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
-        self.tied = not args.untie_embeddings_and_output_weights
+        self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
         if args.use_distributed_optimizer:
             self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, args.overlap_param_gather)
         else:
@@ -200,8 +201,8 @@ class Trainer:
         except RuntimeError as e:  # a collective failed: a peer died or timed out
             raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
                                 f"{str(e).splitlines()[0][:200]}") from None
-        moe = auxiliary_loss_fields(self.args, self.args.num_layers // self.plan.model_stages, self.plan.microbatches,
-                                    iteration + 1)
+        moe = auxiliary_loss_fields(self.args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
+        moe.update(mtp_loss_fields(self.args, self.rt, self.plan.microbatches))
         if self.args.moe_router_enable_expert_bias:
             update_expert_bias(self.chunks, self.rt, self.args.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)

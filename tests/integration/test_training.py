@@ -55,6 +55,27 @@ def test_moe_log_fields_equal_the_one_process_reference(results):
     assert all(r["moe_rel"] <= TOLERANCE["fp32"][0] for r in moe.values()), {c: r["moe_rel"] for c, r in moe.items()}
 
 
+def test_every_rank_holds_exactly_the_layers_its_layout_names(results):
+    """Read from the parameters' names on every rank: a layout silently ignored would still train like
+    one process. The hand layouts (stages of only E or only L, first/last counts, DualPipe's V) and MTP
+    on the last stage or on a stage of its own are applied as written."""
+    layouts = {case: results[case]["layout"] for case in CASES}
+    assert [case for case in CASES if not results[case]["holds_its_layout"]] == []
+    assert layouts["layout E|tttt|tttt|L chimera D=4"] == "E|tttt|tttt|L"
+    assert layouts["layout first=1 last=3 chimera D=4"] == "Et|tt|tt|tttL"
+    assert layouts["layout untied first=2 chimera split D=2"] == "Ett|ttttttL"
+    assert layouts["mtp layout Ett|ttt|tttm|L chimera D=4"] == "Ett|ttt|tttm|L"
+    assert layouts["mtp chimera D=2"] == "Etttt|ttttmL"  # Megatron-LM's place for MTP: with the loss
+
+
+def test_mtp_loss_is_logged_as_one_process_logs_it(results):
+    """Megatron-LM's 'mtp_1 loss' field, non-zero and equal to the one-process run's, under Chimera,
+    DualPipe, split backward and megatron-core's 1F1B, with MTP on the last stage or its own."""
+    mtp = {case: results[case] for case in CASES if case.startswith(("mtp", "mixtral-mtp"))}
+    assert len(mtp) == 8 and all("mtp_1 loss" in r["moe_fields"] and r["mtp_loss"] > 1 for r in mtp.values())
+    assert all(r["moe_rel"] <= TOLERANCE["fp32"][0] for r in mtp.values()), {c: r["moe_rel"] for c, r in mtp.items()}
+
+
 def test_the_reduced_precision_bounds_premise_holds(results):
     """The fp16/bf16 loss bound assumes the loss's condition number with respect to the weights is at
     most KAPPA_MAX; the fp32 references measure it after every step."""

@@ -1,9 +1,9 @@
 """What a rank contributes to a torch_dist checkpoint: megatron-core's sharded state dicts of its model
 chunks, placed in the whole model, plus the optimizer moments and RNG states sharded the same way.
 
-A chunk is a GPTModel of L/S layers built as if unpipelined, so megatron-core numbers its layers from
-0 and sizes the layer axis L/S. Shifting that axis to the chunk's place in the whole model gives the
-keys and offsets megatron-core's own GPTModel writes (``decoder.layers.*`` stacked over all L layers,
+A chunk is a GPTModel of its stage's layers (the run plan's layout) built as if unpipelined, so
+megatron-core numbers its layers from 0 and sizes the layer axis by their count. Shifting that axis to
+the chunk's place in the whole model gives the keys and offsets megatron-core's own GPTModel writes (``decoder.layers.*`` stacked over all L layers,
 Transformer Engine's names via the local spec's key map). Where megatron-core keys each layer on its
 own (``decoder.layers.<n>.*``: a model mixing dense and mixture-of-experts layers), the layer number
 is shifted instead. The copies of a stage that Chimera's second
@@ -63,13 +63,12 @@ def _map(tree, fn):
 def model_state(trainer) -> dict:
     """``{"model0": ..., "model1": ...}``, one entry per chunk this rank holds, as Megatron-LM names
     the chunks of an interleaved model."""
-    args = trainer.args
-    per_stage = args.num_layers // trainer.plan.model_stages
+    args, held = trainer.args, trainer.plan.layout
     out = {}
     for i, (pipeline, stage) in enumerate(trainer.rt.held):
-        chunk = trainer.chunks[(pipeline, stage)]
+        chunk, first = trainer.chunks[(pipeline, stage)], held.first_layer(stage)
         out[f"model{i}"] = _map(chunk.sharded_state_dict(),
-                                lambda x: _placed(x, stage * per_stage, args.num_layers, pipeline))
+                                lambda x, first=first, pipeline=pipeline: _placed(x, first, args.num_layers, pipeline))
     return out
 
 

@@ -20,8 +20,17 @@ from chimera_schedules.registry import check_options
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import uses_transformer_engine
+from .balanced_layout import balanced_layout
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
-from .run_plan import flag_dest, given_options, model_stages, resolved_schedule, schedule_request
+from .run_plan import (
+    INTERLEAVED,
+    flag_dest,
+    given_options,
+    model_stages,
+    resolved_schedule,
+    schedule_request,
+    stage_layout,
+)
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
             "micro_batch_size", "lr")
@@ -43,13 +52,26 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     return args
 
 
+# Megatron-LM's layout flags: validate_args reads them for megatron-core's placement (PP ranks), ours
+# for the schedule's model stages (run_plan.stage_layout), so they wait aside while it runs
+LAYOUT_DESTS = ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split")
+
+
 def _megatron_validate(args) -> None:
     """validate_args sees the flags as given: with --train-samples, Megatron-LM derives the iteration
-    count only when training starts, so ours (derived earlier, for the schedule) waits aside."""
+    count only when training starts, so ours (derived earlier, for the schedule) waits aside; so do
+    the layout flags (LAYOUT_DESTS)."""
     derived = args.train_iters if args.train_samples else None
     if derived:
         args.train_iters = None
+    hidden = {dest: getattr(args, dest) for dest in LAYOUT_DESTS}  # ours are the rules for these (run_plan)
+    for dest, value in hidden.items():
+        setattr(args, dest, False if isinstance(value, bool) else None)
     megatron_validate(args)
+    for dest, value in hidden.items():
+        setattr(args, dest, value)
     if derived:
         args.train_iters = derived
 
@@ -185,11 +207,11 @@ def _validate_layout(args) -> None:
     pp, name = args.pipeline_model_parallel_size, resolved_schedule(args)
     args.pipeline_schedule = name
     check_options(name, given_options(args))
-    v = args.num_layers_per_virtual_pipeline_stage
-    if name in ("interleaved", "megatron-interleaved"):
-        require(v is not None and v > 0, "--num-layers-per-virtual-pipeline-stage", v,
-                f"--pipeline-schedule {name} needs it")
-        require(args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
+    v, text = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_layout
+    if name in INTERLEAVED:
+        require(v is not None and v > 0 or text is not None, "--num-layers-per-virtual-pipeline-stage", v,
+                f"--pipeline-schedule {name} needs it (or --pipeline-model-parallel-layout)")
+        require(text is not None or args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
                 f"PP x it must divide --num-layers ({args.num_layers})")
         if name == "megatron-interleaved":
             require(pp > 2, "--pipeline-model-parallel-size", pp, "megatron-core's interleaved schedule needs more "
@@ -197,10 +219,13 @@ def _validate_layout(args) -> None:
                     "--pipeline-schedule interleaved runs at any depth")
     else:
         require(v is None, "--num-layers-per-virtual-pipeline-stage", v, "applies to the interleaved schedules only")
+    require(v is None or text is None, "--pipeline-model-parallel-layout", text,
+            "cannot be combined with --num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
     request = schedule_request(args)
     stages = model_stages(args, request)
-    require(args.num_layers % stages == 0, "--num-layers", args.num_layers,
-            f"must be divisible by the {stages} pipeline stages")
+    if args.balance_pipeline_layout:
+        args.pipeline_model_parallel_layout = str(balanced_layout(args, stages, request))
+    _check_mtp(args, stage_layout(args, stages), request)
     if request is not None:
         _check_request(args, request)
     if args.chimera_concat == "halving":
@@ -209,6 +234,19 @@ def _validate_layout(args) -> None:
     args.fresh_start = None
     if args.load and _first_launch(args):
         args.fresh_start, args.load = args.load, None
+
+
+def _check_mtp(args, held, request) -> None:
+    """Multi-token prediction: where the layout puts it, under what the run can carry."""
+    if not args.mtp_num_layers:
+        return
+    require(not args.fp16, "--fp16", True, "with --mtp-num-layers is not supported yet (the MTP loss is not "
+            "loss-scaled): give --bf16")
+    alone = any(s.mtp and not s.loss for s in held.stages)
+    require(not alone or request is not None, "--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout,
+            f"puts MTP on a stage of its own, whose output (1 + --mtp-num-layers activations) megatron-core's "
+            f"{args.pipeline_schedule} schedule cannot send (its messages have one shape): put m with L, or run "
+            "one of our schedules")
 
 
 def _megatron_spellings(args) -> None:

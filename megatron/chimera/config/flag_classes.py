@@ -18,6 +18,9 @@ def _flags(text: str) -> frozenset[str]:
 
 
 HONOURED = _flags("""
+    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+    --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --pipeline-model-parallel-layout
+    --mtp-num-layers --mtp-loss-scaling-factor
     --help --tensor-model-parallel-size --pipeline-model-parallel-size --sequence-parallel --fp16 --bf16
     --cross-entropy-loss-fusion --cross-entropy-fusion-impl --num-layers --hidden-size --num-attention-heads
     --attention-backend --num-query-groups --ffn-hidden-size --kv-channels --hidden-dropout
@@ -149,10 +152,8 @@ REFUSED = {
     "the pipeline schedule and stage split are --pipeline-schedule's: equal stages, one executor": _flags("""
         --pipeline-model-parallel-comm-backend --delay-wgrad-compute --use-ring-exchange-p2p
         --defer-embedding-wgrad-compute --wgrad-deferral-limit --overlap-p2p-communication-warmup-flush
-        --microbatch-group-size-per-virtual-pipeline-stage --account-for-embedding-in-pipeline-split
-        --account-for-loss-in-pipeline-split --encoder-num-layers --decoder-num-layers
-        --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
-        --pipeline-model-parallel-layout --no-overlap-p2p-communication --encoder-seq-length
+        --microbatch-group-size-per-virtual-pipeline-stage --encoder-num-layers --decoder-num-layers
+        --no-overlap-p2p-communication --encoder-seq-length
         --decoder-seq-length
     """),
     'context parallelism is not supported yet (1 only)': _flags("""
@@ -221,8 +222,8 @@ REFUSED = {
         --disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs
         --tp-comm-bootstrap-backend --tp-comm-overlap-cfg
     """),
-    'multi-token prediction is not supported yet': _flags("""
-        --mtp-standalone --mtp-num-layers --mtp-loss-scaling-factor --mtp-use-repeated-layer
+    'these multi-token prediction variants are not supported yet (--mtp-num-layers is)': _flags("""
+        --mtp-standalone --mtp-use-repeated-layer
         --mtp-detach-heads --mtp-hybrid-override-pattern
     """),
     'offloading to the CPU is not supported yet': _flags("""

@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
 from chimera_schedules.analysis.nccl_model import check
+from chimera_schedules.ir import layout as layouts
 from chimera_schedules.ir.dataflow import forward_only
+from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import make_forward_backward
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+INTERLEAVED = ("interleaved", "megatron-interleaved")  # megatron's round-robin placement of v chunks per rank
 # The one sound acceptance mode (NCCL_MODEL.md): every operation blocks its device's queue until it
 # completes, so lists that finish here finish whatever hardware queues alias or communicators merge.
 PROOF_MODE = "nccl-single-queue"
@@ -35,7 +38,8 @@ class RunPlan:
     stage's copy. ``microbatches`` per iteration of ``microbatch_scale`` times the user's micro-batch
     (0.5 under Chimera's halving). ``megatron_virtual_stages``: megatron-core's interleaved schedule's
     chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``).
-    ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``."""
+    ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``.
+    ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order."""
 
     schedule: Schedule | None
     placement: tuple[tuple[int, ...], ...]
@@ -44,6 +48,7 @@ class RunPlan:
     microbatch_scale: float
     split_backward: bool
     megatron_virtual_stages: int | None
+    layout: Layout
     lowered: Schedule | None = None
     proof_seconds: float | None = None
 
@@ -90,7 +95,9 @@ def resolved_schedule(args) -> str:
     """--pipeline-schedule, or Megatron-LM's choice when it is not given."""
     if args.pipeline_schedule is not None:
         return args.pipeline_schedule
-    return "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage else "megatron-1f1b"
+    text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    more_stages = text is not None and len(layouts.parse(text).stages) > pp
+    return "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage or more_stages else "megatron-1f1b"
 
 
 def given_options(args) -> dict:
@@ -99,7 +106,11 @@ def given_options(args) -> dict:
 
 
 def interleaved_chunks(args) -> int | None:
-    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage gives, if set."""
+    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage gives, if set; under the
+    interleaved schedules, a --pipeline-model-parallel-layout's stages over PP (Megatron-LM's rule)."""
+    text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    if text is not None and resolved_schedule(args) in INTERLEAVED:
+        return max(1, len(layouts.parse(text).stages) // pp)
     v = args.num_layers_per_virtual_pipeline_stage
     return args.num_layers // (args.pipeline_model_parallel_size * v) if v else None
 
@@ -126,19 +137,31 @@ def model_stages(args, request: ScheduleSpec | None) -> int:
     return pp * (interleaved_chunks(args) or 1) if resolved_schedule(args) == "megatron-interleaved" else pp
 
 
+def stage_layout(args, stages: int) -> Layout:
+    """The layers each of the ``stages`` model stages holds, as Megatron-LM's five layout flags ask
+    (checked: ConfigError naming the flag). Under the interleaved schedules the first and last layer
+    counts are a pipeline rank's, spread over its chunks, as in megatron-core."""
+    per_rank = stages // args.pipeline_model_parallel_size if resolved_schedule(args) in INTERLEAVED else 1
+    return layouts.from_flags(args.num_layers, stages, args.mtp_num_layers or 0, args.pipeline_model_parallel_layout,
+                              args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                              args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+                              per_rank)
+
+
 def make_run_plan(args) -> RunPlan:
     """The plan for flags ``parse_args`` accepted: generates the schedule (once per process)."""
     request = schedule_request(args)
     stages = model_stages(args, request)
+    held = stage_layout(args, stages)
     if request is None:
         pp = args.pipeline_model_parallel_size
         virtual = stages // pp if resolved_schedule(args) == "megatron-interleaved" else None
         return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
-                       virtual)
+                       virtual, held)
     schedule = build_spec(request)
     lowered, seconds = _proven(lower(schedule))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
-                   schedule.split_backward, None, lowered, seconds)
+                   schedule.split_backward, None, held, lowered, seconds)
 
 
 def _proven(lowered: Schedule) -> tuple[Schedule, float]:

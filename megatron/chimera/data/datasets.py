@@ -72,10 +72,10 @@ def _stacked(samples: list[dict], key: str, pinned: bool) -> torch.Tensor:
 def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):
     """One iterator per chunk over its micro-batches of this iteration, all built (and on a GPU their
     copies issued) before the schedule runs, so no forward waits for data or syncs the host; None for
-    chunks in the middle of the pipeline (they need no data)."""
+    chunks in the middle of the pipeline (they need no data, unless they hold MTP layers)."""
     out = []
     for order, chunk in zip(orders, chunks):
-        if chunk.pre_process or chunk.post_process:
+        if chunk.pre_process or chunk.post_process or chunk.mtp_process:
             out.append(iter([source.batch(iteration, m, device) for m in order]))
         else:
             out.append(None)

@@ -6,8 +6,8 @@ On top of it, derived from the schedule's placement for any schedule:
   to a lower one (chimera_schedules/ir/channels.py says why), ranks in worker order;
 - one replica group per model stage: every rank holding a copy of it, in any pipeline and any
   data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
-- the embedding group: every rank holding a copy of the tied word embedding (stage 0's input
-  embedding and the last stage's output layer, in every pipeline);
+- the embedding group: every rank holding a copy of the word embedding (stage 0's input embedding,
+  the tied output layer of the last stage, the embedding of a stage of MTP layers; in every pipeline);
 - with expert parallelism, one expert replica group per model stage: every rank holding a copy of the
   same experts of that stage (same expert-parallel and expert-tensor-parallel rank), in any pipeline
   and any expert-data-parallel replica. megatron-core's expert groups (the dispatcher's) lie within one
@@ -46,6 +46,8 @@ class Runtime:
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
+    embedding_stages: tuple[int, ...] = (0,)  # the stages holding a copy of the word embedding
+    embedding_copies: int = 1  # copies of the word embedding per pipeline (ir.layout.Layout.embedding_copies)
     expert_groups: dict = field(default_factory=dict)  # stage -> its expert replica group (expert parallelism)
     expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
@@ -148,6 +150,8 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
                  worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
     stages = rt.model_stages
+    tied = not args.untie_embeddings_and_output_weights
+    rt.embedding_stages, rt.embedding_copies = plan.layout.embedding_stages(tied), plan.layout.embedding_copies(tied)
     # Every rank creates every group, in the same order; each keeps the ones it belongs to. A group
     # does not inherit init_process_group's timeout (gloo's default is 30 min): pass it explicitly.
     new_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
@@ -162,8 +166,9 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
             group = new_group(ranks) if len(ranks) > 1 else None
             if t == tp_rank:
                 rt.stage_groups[s] = group
-        if stages > 1 and not args.untie_embeddings_and_output_weights:
-            ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in (0, stages - 1) for d in range(dp)})
+        if len(rt.embedding_stages) > 1:
+            ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in rt.embedding_stages
+                            for d in range(dp)})
             group = new_group(ranks)
             if t == tp_rank:
                 rt.embedding_group = group

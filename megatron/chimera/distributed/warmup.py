@@ -56,7 +56,6 @@ def _collective_groups(rt, tied: bool) -> list:
     stages = sorted({stage for _, stage in rt.held})
     groups += [rt.stage_groups[s] for s in stages if rt.stage_groups.get(s) is not None]
     groups += [rt.expert_groups[s] for s in stages if rt.expert_groups.get(s) is not None]
-    last = rt.model_stages - 1
-    if tied and last > 0 and (0 in stages or last in stages):
+    if tied and any(s in stages for s in rt.embedding_stages):
         groups.append(rt.embedding_group)
     return groups

@@ -1,8 +1,10 @@
 """Model chunks: one megatron-core GPTModel per (pipeline, stage) copy this worker holds.
 
-A chunk of model stage s of S holds layers [s L/S, (s+1) L/S) and is built as a GPTModel of L/S
-layers whose config says "no pipeline" (so megatron-core neither offsets its layers nor ties its
-embedding with collectives); pre_process and post_process mark the first and last stage.
+A chunk of model stage s holds what the run plan's layout gives it (``chimera_schedules.ir.layout``):
+its layers, contiguous in the model, and the embedding, MTP layers and output layer where the layout
+puts them. It is built as a GPTModel of just those layers whose config says "no pipeline" (so
+megatron-core neither offsets its layers nor ties its embedding with collectives); pre_process and
+post_process mark the stages holding E and L.
 
 Initialisation is a function of (seed, global parameter name) only: every tensor is drawn from a
 generator seeded with both, at its full (unsharded) shape, then sliced to this rank's tensor-parallel
@@ -13,6 +15,7 @@ output projections of attention and MLP, ones and zeros for norms, zeros for bia
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -59,6 +62,9 @@ def _layer_spec(args, config, device: torch.device):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if config.num_layers == 0:  # a stage of only E, m or L: the block's final norm and no layer
+        probe = dataclasses.replace(config, num_layers=1, **({"moe_layer_freq": 1} if config.num_moe_experts else {}))
+        return dataclasses.replace(_layer_spec(args, probe, device), layer_specs=[])
     te = uses_transformer_engine(args, device.type)
     if config.num_moe_experts is not None:
         specs = get_gpt_decoder_layer_specs(config, te, normalization=args.normalization)
@@ -194,8 +200,15 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_
     if args.multi_latent_attention:
         architecture.update(_latent_attention(args))
     architecture.update(_experts(args, num_layers, first_layer, transformer_engine))
+    from megatron.core.utils import init_method_normal
+
     return config_class(
         num_layers=num_layers,
+        # Megatron's scaled init counts the whole model's layers (and a stage may hold none); init_chunk
+        # redraws every tensor anyway
+        output_layer_init_method=init_method_normal(args.init_method_std / math.sqrt(2.0 * args.num_layers)),
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         **architecture,
@@ -226,29 +239,63 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_
 
 
 def build_chunk(args, plan, stage: int, device: torch.device):
-    """Model stage ``stage`` of the run plan's ``model_stages``, as megatron-core's GPTModel."""
+    """Model stage ``stage`` of the run plan's layout, as megatron-core's GPTModel: its layers, the
+    embedding where the layout puts E, the output layer and loss where it puts L, and megatron-core's
+    MTP block where it puts m."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    layers = args.num_layers // plan.model_stages
-    config = transformer_config(args, layers, stage * layers, uses_transformer_engine(args, device.type))
-    model = GPTModel(
-        config,
-        _layer_spec(args, config, device),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=stage == 0,
-        post_process=stage == plan.model_stages - 1,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    )
+    held, te = plan.layout.stages[stage], uses_transformer_engine(args, device.type)
+    first = plan.layout.first_layer(stage)
+    config = transformer_config(args, held.layers, first, te)
+    with _one_stage_view():
+        model = GPTModel(
+            config,
+            _layer_spec(args, config, device),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=held.embedding,
+            post_process=held.loss,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            mtp_block_spec=_mtp_block_spec(args, config, device) if held.mtp else None,
+        )
+    if args.mtp_num_layers and not plan.layout.holds_last_layer(stage):
+        model.decoder.final_layernorm = None  # with MTP, megatron-core puts it after the last layer only
     model.stage = stage
     mark_tensor_parallel_sums(model, model.config)
-    init_chunk(model, args, stage * layers)
+    init_chunk(model, args, first)
     if plan.split_backward:
         _splittable_linears(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
+
+
+@contextlib.contextmanager
+def _one_stage_view():
+    """megatron-core's GPTModel asks parallel_state's pipeline rank whether it is the last stage (to
+    place MTP), which is wrong for a copy whose stage is not its rank (Chimera's second pipeline,
+    DualPipe's V). The chunk is built as the one-stage model its config describes; what it holds is
+    the layout's, given explicitly."""
+    from megatron.core import parallel_state
+
+    parallel_state.set_pipeline_model_parallel_world_size(1)
+    parallel_state.set_pipeline_model_parallel_rank(0)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+
+
+def _mtp_block_spec(args, config, device: torch.device):
+    """megatron-core's MTP block, its layer shaped like the model's last layer (dense or MoE), as
+    Megatron-LM's GPT builder builds it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    te = uses_transformer_engine(args, device.type)
+    last = transformer_config(args, 1, args.num_layers - 1, te)
+    return get_gpt_mtp_block_spec(config, _layer_spec(args, last, device), use_transformer_engine=te)
 
 
 def mark_tensor_parallel_sums(model, config) -> None:

@@ -21,9 +21,10 @@ def forward_step(data_iterator, model):
     """One micro-batch through one model chunk. Middle stages get no data: their input is the
     previous stage's activation, set by the schedule through ``set_input_tensor``."""
     batch = next(data_iterator) if data_iterator is not None else None
-    tokens = batch["tokens"] if model.pre_process else None
-    position_ids = batch["position_ids"] if model.pre_process else None
+    embeds = model.pre_process or model.mtp_process  # MTP embeds the next tokens
+    tokens = batch["tokens"] if embeds else None
+    position_ids = batch["position_ids"] if embeds else None
     labels = batch["labels"] if model.post_process else None
-    output = model(tokens, position_ids, None, labels=labels)
     loss_mask = batch["loss_mask"] if model.post_process else None
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)  # MTP's loss reads the mask
     return output, partial(loss_func, loss_mask)

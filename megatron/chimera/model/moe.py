@@ -1,5 +1,6 @@
-"""What megatron-core's schedules and Megatron-LM's training loop do for mixture-of-experts models,
-which a schedule-as-data executor leaves to the trainer.
+"""What megatron-core's schedules and Megatron-LM's training loop do for mixture-of-experts models
+(and the auxiliary losses of multi-token prediction), which a schedule-as-data executor leaves to the
+trainer.
 
 A MoE layer's auxiliary losses (load balancing, z-loss) reach the gradients through
 ``MoEAuxLossAutoScaler``, whose backward multiplies them by one process-wide scale. megatron-core's
@@ -30,13 +31,17 @@ from .chunk import moe_layer_pattern
 
 
 def scale_auxiliary_losses(config, num_microbatches: int, device: torch.device) -> None:
-    """Before a flush: the scale megatron-core's forward step would give each micro-batch's losses."""
-    if config.num_moe_experts is None:
-        return
+    """Before a flush: the scale megatron-core's forward step would give each micro-batch's auxiliary
+    losses, the MoE layers' and multi-token prediction's (``MTPLossAutoScaler``, set the same way)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     one = torch.ones(1, device=device)
-    MoEAuxLossAutoScaler.set_loss_scale(one if config.calculate_per_token_loss else one / num_microbatches)
+    scale = one if config.calculate_per_token_loss else one / num_microbatches
+    if config.num_moe_experts is not None:
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
+    if config.mtp_num_layers:
+        MTPLossAutoScaler.set_loss_scale(scale)
 
 
 @torch.no_grad()
@@ -69,31 +74,61 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
                 router.local_tokens_per_expert.zero_()
 
 
-def fresh_metrics() -> None:
-    """A new trainer starts an empty tracker (its entries are sized by the first chunk that records)."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+def fresh_metrics(args, slots: int) -> None:
+    """A new trainer starts an empty tracker whose entries all have ``slots`` slots (the most layers,
+    MTP included, that one chunk numbers): the routers would size an entry by the first chunk that
+    records, and under an uneven layout the pipeline ranks' entries must still match to be summed."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()
+    for name in _tracked(args):
+        get_moe_metrics_tracker().ensure_initialized(name, slots)
 
 
-def auxiliary_loss_fields(args, layers_per_stage: int, num_microbatches: int, iteration: int) -> dict[str, float]:
+def _tracked(args) -> list[str]:
+    """The MoE log fields Megatron-LM tracks for this configuration."""
+    if args.num_experts is None:
+        return []
+    balancing = args.moe_router_load_balancing_type  # one type or a list of them
+    balancing = [balancing] if isinstance(balancing, str) else balancing
+    return [name for name, on in (("load_balancing_loss", "aux_loss" in balancing),
+                                  ("seq_load_balancing_loss", "seq_aux_loss" in balancing),
+                                  ("z_loss", args.moe_z_loss_coeff is not None)) if on]
+
+
+def auxiliary_loss_fields(args, slots: int, num_microbatches: int, iteration: int) -> dict[str, float]:
     """After a training flush (collective): Megatron-LM's MoE log fields, ``load_balancing_loss``,
     ``seq_load_balancing_loss`` and ``z_loss`` as its configuration tracks them, each the mean over
     the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and averaged over the
     data-parallel ones by megatron-core's tracker, which then clears."""
-    if args.num_experts is None:
+    names = _tracked(args)
+    if not names:
         return {}
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    balancing = args.moe_router_load_balancing_type  # one type or a list of them
-    balancing = [balancing] if isinstance(balancing, str) else balancing
-    names = [name for name, on in (("load_balancing_loss", "aux_loss" in balancing),
-                                   ("seq_load_balancing_loss", "seq_aux_loss" in balancing),
-                                   ("z_loss", args.moe_z_loss_coeff is not None)) if on]
-    if not names:
-        return {}
     totals = {}
     get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=iteration, force_initialize=True,
-                                     track_names=names, num_layers=layers_per_stage,
-                                     moe_layer_freq=moe_layer_pattern(args), total_loss_dict=totals)
+                                     track_names=names, num_layers=slots, moe_layer_freq=moe_layer_pattern(args),
+                                     mtp_num_layers=args.mtp_num_layers, total_loss_dict=totals)
     return {name: float(value) for name, value in totals.items()}
+
+
+def mtp_loss_fields(args, rt, num_microbatches: int) -> dict[str, float]:
+    """After a training flush (collective): Megatron-LM's ``mtp_<k> loss`` log fields. megatron-core's
+    MTP loss adds each micro-batch's per-token loss of depth k into its process-wide tracker on the
+    ranks running the loss stage (both ends under Chimera, each with its micro-batches); the sum over
+    all ranks, over TP (each tensor-parallel rank adds the same value) and DP (replicas average), is the
+    global batch's, averaged over its micro-batches as Megatron-LM's training log does."""
+    if not args.mtp_num_layers:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values")
+    total = torch.zeros(args.mtp_num_layers, dtype=torch.float64, device=rt.device)
+    if values is not None:
+        total += values.to(rt.device, torch.float64)
+    rt.all_reduce(total)
+    total /= rt.tp * rt.dp * num_microbatches
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return {f"mtp_{k + 1} loss": float(v) for k, v in enumerate(total)}

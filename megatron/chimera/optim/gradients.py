@@ -134,8 +134,9 @@ def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
     per_param = {}
     for c in chunks.values():
         for p in c:
-            two_ends = tied and p.global_name == TIED_NAME and runtime.model_stages > 1
-            per_param[id(p)] = pipelines * (2 if two_ends else 1) * (runtime.expert_share if is_expert(p) else 1)
+            shared = tied and p.global_name == TIED_NAME
+            per_param[id(p)] = (pipelines * (runtime.embedding_copies if shared else 1)
+                                * (runtime.expert_share if is_expert(p) else 1))
     return per_param
 
 

@@ -64,6 +64,9 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
                                "--kv-channels", "8", "--qk-layernorm", "--position-embedding-type", "rope",
                                "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
                                "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]}
+# DeepSeek-V3's multi-token prediction (Megatron-LM requires rope with it), on the dense GPT and on Mixtral
+MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+VARIANTS |= {"mtp": MTP, "mtp-untied": MTP + ["--untie-embeddings-and-output-weights"], "mixtral-mtp": MIXTRAL + MTP}
 
 
 # How close a layout must come to the one-process reference: (losses, whole model's weights, worst
@@ -103,6 +106,37 @@ DISTOPT = ["--use-distributed-optimizer"]
 EP2 = ["--expert-model-parallel-size", "2"]
 
 
+LAYOUT = "--pipeline-model-parallel-layout"
+
+
+def layout_cases(d: int) -> dict[str, tuple[str, list[str]]]:
+    """Uneven stages (Megatron-LM's layout flags, stages holding only E or only L) and multi-token
+    prediction, on the last stage or on a stage of its own, under Chimera, DualPipe(V), split backward
+    and megatron-core's 1F1B."""
+    c = schedule_cases(d)
+    if d == 2:
+        return {
+            "layout Ettttt|tttL chimera D=2": ("tied-learned", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttL"]),
+            "layout untied first=2 chimera split D=2": (
+                "untied", c["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "2"]),
+            "layout E|ttt|tttt|tL dualpipev D=2": ("tied-learned", c["dualpipev D=2"] + [LAYOUT, "E|ttt|tttt|tL"]),
+            "mtp chimera D=2": ("mtp", c["chimera direct D=2"]),
+            "mtp layout Ettt|tttttmL 1f1b split D=2": ("mtp", c["1f1b split D=2"] + [LAYOUT, "Ettt|tttttmL"]),
+            "mtp megatron-1f1b D=2": ("mtp", c["megatron-1f1b D=2"]),
+            "mixtral-mtp chimera D=2": ("mixtral-mtp", c["chimera direct D=2"]),
+        }
+    return {
+        "layout E|tttt|tttt|L chimera D=4": ("tied-learned", c["chimera direct D=4"] + [LAYOUT, "E|tttt|tttt|L"]),
+        "layout first=1 last=3 chimera D=4": (
+            "tied-learned", c["chimera direct D=4"] + ["--decoder-first-pipeline-num-layers", "1",
+                                                       "--decoder-last-pipeline-num-layers", "3"]),
+        "layout Ettt|t|tt|ttL dualpipe D=4": ("tied-learned", c["dualpipe D=4"] + [LAYOUT, "Ettt|t|tt|ttL"]),
+        "mtp layout Ett|ttt|tttm|L chimera D=4": ("mtp", c["chimera direct D=4"] + [LAYOUT, "Ett|ttt|tttm|L"]),
+        "mtp dualpipe D=4": ("mtp", c["dualpipe D=4"]),
+        "mtp untied distributed optimizer chimera D=4": ("mtp-untied", c["chimera direct D=4"] + DISTOPT),
+    }
+
+
 def schedule_cases(d: int) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(d), "--micro-batch-size", "1"]
     vpp = ["--num-layers-per-virtual-pipeline-stage", str(8 // (2 * d))]
@@ -136,6 +170,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
         out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
         out["deepseek-style chimera split D=2"] = ("deepseek-style", schedule_cases(2)["chimera split D=2"])
+        out.update(layout_cases(2))
         return out
     chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
     chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
@@ -181,6 +216,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
     })
+    out.update(layout_cases(4))
     return out
 
 
@@ -188,12 +224,37 @@ def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
     """Every parameter, and every router's expert bias (aux-loss-free balancing moves it), by global name."""
     trainer.main.flush()  # --overlap-param-gather leaves the last gather to the next forward
     out = {(p.global_name, trainer.rt.tp_rank): p.detach().clone() for m in trainer.models for p in m.parameters()}
-    per_stage = trainer.args.num_layers // trainer.plan.model_stages
     for m in trainer.models:
+        first = trainer.plan.layout.first_layer(m.stage)
         for name, bias in m.named_buffers():
             if name.endswith("expert_bias"):
-                out[(global_name(name, m.stage * per_stage, False), trainer.rt.tp_rank)] = bias.detach().clone()
+                out[(global_name(name, first, False), trainer.rt.tp_rank)] = bias.detach().clone()
     return out
+
+
+def holds_its_layout(trainer) -> bool:
+    """Every chunk on every rank holds what the plan's layout names, read from its parameters' names:
+    exactly its transformer layers (by their number in the model), the embedding where E is (or MTP,
+    which embeds the next tokens), the output layer where L is (tied at the first stage, it is the
+    embedding itself), its MTP layers, and the final norm after the model's last layer. A layout that
+    was silently ignored would still train like one process; this would fail."""
+    held, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
+    ok = True
+    for m in trainer.models:
+        st, first = held.stages[m.stage], held.first_layer(m.stage)
+        names = [p.global_name for p in m.parameters()]
+        local = [n for n, _ in m.named_parameters()]
+        layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")})
+        depths = {n.split(".")[2] for n in local if n.startswith("mtp.layers.")}
+        norm_after_last = held.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss
+        ok &= (layers == list(range(first, first + st.layers))
+               and any(n.startswith("embedding.") for n in local) == (st.embedding or st.mtp > 0)
+               and ("output_layer.weight" in local) == (st.loss and not (st.embedding and tied))
+               and len(depths) == st.mtp
+               and any(n.startswith("decoder.final_layernorm.") for n in local) == norm_after_last)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ok)
+    return all(every)
 
 
 def copies_identical(trainer) -> bool:
@@ -296,6 +357,7 @@ def run_case(flags: list[str], world: int, out: str):
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         consistent &= copies_identical(trainer)
     trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
+    trainer.holds_its_layout = holds_its_layout(trainer)
     untouched = evaluation_is_side_effect_free(trainer)
     eval_loss = trainer.evaluate(0)
     kappa = None if None in kappas else max(kappas)
@@ -330,8 +392,10 @@ def main() -> None:
             "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
-            "hooks_saw_everything": trainer.hooks_saw_everything,
+            "hooks_saw_everything": trainer.hooks_saw_everything, "holds_its_layout": trainer.holds_its_layout,
+            "layout": str(trainer.plan.layout),
             "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
+            "mtp_loss": trainer.moe_fields[-1].get("mtp_1 loss"),
             "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k])
                              for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r), default=0.0)
                         if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0),
