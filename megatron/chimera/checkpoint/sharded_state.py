@@ -3,12 +3,14 @@ chunks, placed in the whole model, plus the optimizer moments and RNG states sha
 
 A chunk is a GPTModel of its stage's layers (the run plan's layout) built as if unpipelined, so
 megatron-core numbers its layers from 0 and sizes the layer axis by their count. Shifting that axis to
-the chunk's place in the whole model gives the keys and offsets megatron-core's own GPTModel writes (``decoder.layers.*`` stacked over all L layers,
-Transformer Engine's names via the local spec's key map). Where megatron-core keys each layer on its
-own (``decoder.layers.<n>.*``: a model mixing dense and mixture-of-experts layers), the layer number
-is shifted instead. The copies of a stage that Chimera's second
-pipeline holds are replicas: their replica id gains the pipeline index, so only pipeline 0's copy is
-written, and every copy reads it back.
+the chunk's place in the whole model gives the keys and offsets megatron-core's own GPTModel writes
+(``decoder.layers.*`` stacked over all L layers, Transformer Engine's names via the local spec's key
+map), whatever the layout, so a checkpoint resumes under any other. Where megatron-core keys each
+layer on its own (``decoder.layers.<n>.*``: a model mixing dense and mixture-of-experts layers), the
+layer number is shifted instead. MTP layers keep megatron-core's ``mtp.layers.<k>.*`` keys, and the
+embedding copy of a stage of MTP layers is tied to the first stage's, as megatron-core ties it. The
+copies of a stage that Chimera's second pipeline holds are replicas: their replica id gains the
+pipeline index, so only pipeline 0's copy is written, and every copy reads it back.
 """
 from __future__ import annotations
 
