@@ -3,8 +3,8 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
 
     python -m benchmarks.depth                          # GPT-2 1.3B, D = 4, 8, 16 into benchmarks/results/depth.json
     python -m benchmarks.depth --stages 8 --out FILE    # one depth
-    python -m benchmarks.depth --stages 8 --model llama3-8b --runtimes ours megatron-core \\
-        --schedules 1f1b "chimera direct" "chimera doubling" --microbatches 8 16 --rounds 2 --out FILE
+    python -m benchmarks.depth --stages 8 --model llama3-8b --runtimes ours megatron-core --schedules 1f1b \\
+        "chimera direct" "chimera doubling" "chimera best" --microbatches 8 16 --rounds 3 --out FILE  # ~6 min
 
 One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
 and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
@@ -23,7 +23,10 @@ ask for, with the flags) and ``balanced`` (the balancer's). Both searches simula
 order at the costs its emulated stages wait: the stages wait the simulator's own costs, so this
 measures the balancer's search and the executor, not the cost model. megatron-core's 1F1B is priced
 with our 1f1b's order, its interleaved with our interleaved's (the first and last flags then count a
-rank's v stages). The layouts are decided on rank 0, with our schedules, and sent to every rank.
+rank's v stages). Our schedules are built at the even layout's costs and run unchanged at every
+layout. The emulated device holds no model, so layouts are chosen by time alone; each row keeps the
+planner's memory of the layout's largest worker and whether it fits the profile's device. The
+layouts are decided on rank 0, with our schedules, and sent to every rank.
 torch.distributed.pipelining's cases run at the even layout only: their orders, which a search would
 price, exist only once their stages are built on every rank.
 

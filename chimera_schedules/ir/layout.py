@@ -65,7 +65,7 @@ class Layout:
         rows, out = 1, []
         for s in self.stages:
             rows += s.mtp
-            out.append(rows)
+            out.append(1 if s.loss else rows)  # the loss stage sends nothing on
         return tuple(out)
 
     def embedding_stages(self, tied: bool) -> tuple[int, ...]:
@@ -78,9 +78,10 @@ class Layout:
 
     def embedding_copies(self, tied: bool) -> int:
         """How many word-embedding parameters one pipeline holds: the first stage's, one per later stage
-        of MTP layers, and the tied output layer of a last stage other than the first."""
+        of MTP layers, and the tied output layer of a last stage other than the first (unless MTP is
+        there, whose embedding's weight the output layer then uses)."""
         last = len(self.stages) - 1
-        return 1 + sum(1 for s in self.stages[1:] if s.mtp) + (tied and last > 0)
+        return 1 + sum(1 for s in self.stages[1:] if s.mtp) + (tied and last > 0 and not self.stages[last].mtp)
 
     def holds_last_layer(self, stage: int) -> bool:
         """Whether the stage holds the model's last transformer layer (the final norm follows it)."""

@@ -21,6 +21,7 @@ from ..ir.spec import OPTION, SHARED, ScheduleSpec
 from ..passes.lowering import lower
 from ..registry import SCHEDULES, VARIANTS, build_spec, variant
 from .options import add_arguments
+from .planner import MODELS
 from .render import ascii_timeline, write_picture
 
 
@@ -82,11 +83,14 @@ def _cost_options(c) -> None:
 def _planner_options(planner) -> None:
     planner.add_argument("--workers", type=int, required=True)
     planner.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
-    planner.add_argument("--layers", type=int, required=True)
-    planner.add_argument("--hidden", type=int, required=True)
-    planner.add_argument("--heads", type=int, required=True)
-    planner.add_argument("--seq", type=int, required=True)
-    planner.add_argument("--vocab", type=int, default=50257)
+    planner.add_argument("--model", choices=sorted(MODELS),
+                         help="a model's shape (the flags below override its fields); else give them all")
+    planner.add_argument("--layers", type=int)
+    planner.add_argument("--hidden", type=int)
+    planner.add_argument("--heads", type=int)
+    planner.add_argument("--seq", type=int)
+    planner.add_argument("--vocab", type=int, help="default 50257 without --model")
+    planner.add_argument("--mtp-layers", type=int, help="multi-token-prediction layers after the last layer")
     planner.add_argument("--profile", required=True, help="hardware profile JSON (see profiles/)")
     planner.add_argument("--memory-gb", type=float, help="override the profile's memory per device")
     planner.add_argument("--depths", type=int, nargs="+", help="only these pipeline depths")
@@ -148,31 +152,88 @@ def _compare(args) -> list[dict]:
     return rows
 
 
-def _plan(args) -> int:
-    from .planner import ModelShape, Precision, Profile, as_json, explain, plan
+def _shape(args):
+    """The model: a --model preset with the given fields replaced, or every field given."""
+    from .planner import ModelShape
 
-    for option in ("workers", "global_batch", "layers", "hidden", "heads", "seq", "vocab"):
-        value = getattr(args, option)
-        if value <= 0:
-            raise ConfigError("--" + option.replace("_", "-"), value, "must be positive")
+    given = {field: getattr(args, option) for field, option in _SHAPE_OPTIONS.items()
+             if getattr(args, option) is not None}
+    if args.model:
+        return dataclasses.replace(MODELS[args.model], **given)
+    for field in ("layers", "hidden", "heads", "seq"):
+        if field not in given:
+            raise ConfigError("--" + field, None, "is required without --model")
+    return ModelShape(**{"vocab": 50257, **given})
+
+
+_SHAPE_OPTIONS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "seq", "vocab": "vocab",
+                  "mtp": "mtp_layers"}
+
+
+def _plan(args) -> int:
+    from .planner import Precision, Profile, as_json, explain, plan
+
+    shape = _shape(args)
+    for option in ("workers", "global_batch"):
+        if getattr(args, option) <= 0:
+            raise ConfigError("--" + option.replace("_", "-"), getattr(args, option), "must be positive")
+    for field, option in _SHAPE_OPTIONS.items():
+        if getattr(shape, field) < (0 if field in ("vocab", "mtp") else 1):
+            raise ConfigError("--" + option.replace("_", "-"), getattr(shape, field), "must be positive")
     try:
         profile = Profile.load(args.profile)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError("--profile", args.profile, f"not a readable profile: {e}") from None
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 2**30)
-    shape = ModelShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
-    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths,
-                  precision=Precision(args.bf16, args.use_distributed_optimizer))
+    precision = Precision(args.bf16, args.use_distributed_optimizer)
+    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths, precision=precision)
+    layout = _balanced_pick(ranked, shape, profile, precision)
     if args.json:
-        print(json.dumps(as_json(ranked), indent=1))
+        print(json.dumps({"ranked": as_json(ranked), "layout": layout}, indent=1))
         return 0
     print(explain(ranked, profile))
+    if layout:
+        print(_layout_lines(layout))
     print(f"\n{'layout':<46}{'s/iter':>9}{'tokens/s':>12}{'bubbles':>9}{'GiB':>7}")
     for c in ranked[:args.top]:
         print(f"{c.label:<46}{c.seconds:9.3f}{c.tokens_per_s:12,.0f}{c.bubble_ratio:9.1%}"
               f"{c.memory / 2**30:7.1f}{'' if c.fits else '  (does not fit)'}")
     return 0
+
+
+def _balanced_pick(ranked, shape, profile, precision) -> dict | None:
+    """The balancer's stages for the pick, beside the even split and Megatron-LM's best hand option."""
+    from .balancer import Sizes, balance, best_megatron, score
+    from .planner import even_layout
+
+    pick = next((c for c in ranked if c.fits), None)
+    if pick is None:
+        return None
+    schedule = build_spec(variant(pick.schedule, pick.depth, pick.microbatches))
+    sizes = Sizes(pick.micro_batch, pick.width, pick.expert_parallel, precision)
+    per_rank = schedule.virtual_stages if schedule.name.startswith("interleaved") else 1
+    even = score(shape, profile, schedule, even_layout(shape, schedule.stages_per_pipeline), sizes)
+    balanced = balance(shape, profile, schedule, sizes, per_rank)
+    try:
+        hand = best_megatron(shape, profile, schedule, sizes, per_rank)
+        megatron = {"layout": str(hand.layout), "flags": hand.flags, "seconds": hand.seconds}
+    except ConfigError:
+        megatron = None
+    return {"for": pick.label, "layout": str(balanced.layout), "seconds": balanced.seconds,
+            "even": {"layout": str(even.layout), "seconds": even.seconds}, "megatron": megatron}
+
+
+def _layout_lines(layout: dict) -> str:
+    even, hand = layout["even"], layout["megatron"]
+    gain = even["seconds"] / layout["seconds"] - 1
+    lines = [f"  stages for {layout['for']}: {layout['layout']}, {layout['seconds']:.3f} s/iteration, "
+             f"{gain:.1%} faster than the even split ({even['layout']}, {even['seconds']:.3f} s)",
+             f"    train with: --pipeline-model-parallel-layout '{layout['layout']}'"]
+    if hand:
+        lines.append(f"    Megatron-LM's best hand option: {hand['flags'] or 'the even split'} "
+                     f"({hand['layout']}, {hand['seconds']:.3f} s)")
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict]) -> str:

@@ -319,7 +319,7 @@ def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, 
     are left to the schedule library, which ``plan`` asks. Expert parallelism divides the data-parallel
     width and the experts."""
     for d in depths or [d for d in range(2, workers + 1) if workers % d == 0]:
-        if shape.layers % d or workers % d:
+        if workers % d:  # uneven layer counts split as planner.even_layout does
             continue
         w = workers // d
         for ep in expert_parallel:

@@ -37,6 +37,7 @@ from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
 from .observability.startup import (
     print_building,
+    print_layout,
     print_model_state,
     print_parameter_counts,
     print_schedule_proof,
@@ -138,6 +139,7 @@ class Trainer:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
         args, rt = self.args, self.rt
         print_building(args, uses_transformer_engine(args, device.type))
+        print_layout(args, self.plan)
         self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]

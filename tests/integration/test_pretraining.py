@@ -99,6 +99,8 @@ PROFILED = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
              "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
              "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
              "--lr-decay-style", "constant", "--train-iters", "2", "--eval-iters", "1"]
+MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]  # DeepSeek-V3's MTP (Megatron-LM wants rope)
+LAYOUT = "--pipeline-model-parallel-layout"
 MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"
                          r" optimizer: (\d+) \| total: (\d+)")
 
@@ -124,7 +126,8 @@ def four_ranks(corpus, tmp_path_factory):
 def two_ranks(corpus, tmp_path_factory):
     """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
     profiled run last, so that no profiler is left on for another case."""
-    mcore, fp16, distopt, traces = (tmp_path_factory.mktemp(n) for n in ("mcore", "fp16", "distopt", "traces"))
+    mcore, fp16, distopt, traces, mtp = (tmp_path_factory.mktemp(n)
+                                         for n in ("mcore", "fp16", "distopt", "traces", "mtp"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -137,12 +140,18 @@ def two_ranks(corpus, tmp_path_factory):
         "sharded": bf16 + ["--use-distributed-optimizer", "--save", str(distopt / "sharded"), "--log-memory-per-rank"],
         "plain": bf16 + ["--load", str(distopt / "sharded" / "iter_0000002"), "--save", str(distopt / "plain")],
         "sharded again": bf16 + ["--use-distributed-optimizer", "--load", str(distopt / "plain" / "iter_0000004")],
+        "mtp Et|tttmL": train_args(corpus, *MTP, *CHIMERA2, LAYOUT, "Et|tttmL", "--save", str(mtp),
+                                   "--save-interval", "2"),
+        "mtp resumed Ettt|tmL": train_args(corpus, *MTP, *CHIMERA2, LAYOUT, "Ettt|tmL",
+                                           "--load", str(mtp / "iter_0000002")),
+        "mtp resumed even 1f1b": train_args(corpus, *MTP, "--pipeline-model-parallel-size", "2",
+                                            "--pipeline-schedule", "1f1b", "--load", str(mtp / "iter_0000002")),
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
         "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                                 "--profile-step-end", "2", "--profile-ranks", "0", "1",
                                 "--tensorboard-dir", str(traces)],
-    }), traces
+    }), traces, mtp
 
 
 def ok(runs: dict, name: str):
@@ -151,10 +160,29 @@ def ok(runs: dict, name: str):
     return proc
 
 
+def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process(two_ranks, corpus):
+    """An MTP model saved by Chimera with 1 and 3 layers per stage resumes with 3 and 1, with the even
+    split under 1F1B, and in one process, each repeating the uninterrupted losses (fp32 sums in
+    another order: 1e-6). The checkpoint keys MTP as megatron-core does, next to the stacked layers."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, runs, _, mtp = two_ranks
+    saved = ok(runs, "mtp Et|tttmL")
+    assert " mtp_1 loss: " in saved.stdout  # Megatron-LM's iteration-line field
+    single = run(1, *train_args(corpus, *MTP, "--load", str(mtp / "iter_0000002")))
+    for resumed in (ok(runs, "mtp resumed Ettt|tmL"), ok(runs, "mtp resumed even 1f1b"), single):
+        assert list(losses(resumed)) == [3, 4]
+        for i in (3, 4):
+            assert abs(float(losses(resumed)[i]) / float(losses(saved)[i]) - 1) < 1e-6
+    keys = FileSystemReader(str(mtp / "iter_0000002")).read_metadata().state_dict_metadata
+    assert any(k.startswith("mtp.layers.0.") for k in keys) and "decoder.layers.mlp.linear_fc1.weight" in keys
+    assert not any(k.startswith(("decoder.layers.1.", "mtp.layers.1.")) for k in keys)
+
+
 def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
     Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
-    expected, runs, _ = two_ranks
+    expected, runs, _, _ = two_ranks
     dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
 

@@ -9,6 +9,38 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
 
 
+CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+LAYOUT = "--pipeline-model-parallel-layout"
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+# Megatron-LM's layout flags and MTP: each rule names its flag
+LAYOUT_CASES = [
+    (CHIMERA2 + [LAYOUT, "Ettt|tttL"], 2, "--pipeline-model-parallel-layout=Ettt|tttL: holds 6 transformer layers t; "
+     "--num-layers is 8"),
+    (CHIMERA2 + [LAYOUT, "Ett|ttt|tttL"], 2, "has 3 stages; this schedule runs 2 model stages, so the layout needs 2"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev", LAYOUT, "Etttt|ttttL"], 2,
+     "has 2 stages; this schedule runs 4 model stages"),
+    (CHIMERA2 + MTP + [LAYOUT, "Ettm|ttttttL"], 2, "an MTP layer m comes before a t"),
+    (CHIMERA2 + [LAYOUT, "Etttt|ttttL", "--decoder-first-pipeline-num-layers", "4"], 2,
+     "cannot be combined with --decoder-first-pipeline-num-layers"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera", "--decoder-first-pipeline-num-layers",
+      "1"], 4, "--decoder-first-pipeline-num-layers=1: leaves 7 layers, which the 3 other stages cannot share evenly"),
+    (CHIMERA2 + ["--decoder-first-pipeline-num-layers", "2", "--account-for-loss-in-pipeline-split"], 2,
+     "cannot be combined with --account-for-embedding-in-pipeline-split or --account-for-loss-in-pipeline-split"),
+    (CHIMERA2 + ["--account-for-loss-in-pipeline-split"], 2, "--account-for-loss-in-pipeline-split=True: "
+     "--num-layers (8) plus the embedding and loss it counts (9) must divide into the 2 pipeline stages"),
+    (CHIMERA2 + [LAYOUT, "Etttt|ttttmL"], 2, "the layout holds 1 MTP layers m and --mtp-num-layers is not given"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "megatron-1f1b", *MTP, LAYOUT, "Ett|ttt|tttm|L"],
+     4, "puts MTP on a stage of its own, whose output (1 + --mtp-num-layers activations) megatron-core's "
+        "megatron-1f1b schedule cannot send"),
+    (CHIMERA2 + MTP + ["--fp16"], 2, "--fp16=True: with --mtp-num-layers is not supported yet"),
+    (CHIMERA2 + ["--mtp-num-layers", "1"], 2, "Multi-Token Prediction (MTP) is not supported with learned_absolute"),
+    (CHIMERA2 + ["--balance-pipeline-layout", "piz-daint-p100", LAYOUT, "Etttt|ttttL"], 2,
+     "--balance-pipeline-layout=piz-daint-p100: cannot be combined with --pipeline-model-parallel-layout"),
+    (CHIMERA2 + ["--balance-pipeline-layout", "no-such-machine"], 2, "--balance-pipeline-layout=no-such-machine: "
+     "no such profile"),
+]
+
+
 @pytest.mark.parametrize("flags,world,needle", [
     (["--pipeline-model-parallel-size", "3", "--pipeline-schedule", "chimera", "--num-layers", "6"], 3,
      "--pipeline-model-parallel-size=3: Chimera needs an even number of stages"),
@@ -41,6 +73,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
      "data-parallel size)); DualPipe needs an even number of at least 2 x --pipeline-model-parallel-size (8)"),
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipev", "--num-layers", "4"], 4,
      "--num-layers=4: must be divisible by the 8 pipeline stages"),
+    *LAYOUT_CASES,
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:
@@ -84,3 +117,36 @@ def test_split_backward_with_transformer_engine_layers_is_refused_on_a_gpu(monke
     assert err.startswith("pretrain_gpt.py: error: --transformer-impl=transformer_engine: Transformer Engine's fused")
     assert chunk.uses_transformer_engine(parse_args(MODEL, world_size=1), "cuda")
     assert not chunk.uses_transformer_engine(parse_args(MODEL + ["--transformer-impl", "local"], world_size=1), "cuda")
+
+
+def test_layout_flags_cut_the_stages_as_megatron_lm_does():
+    """Under Chimera the layout lists model stages; the schedule's placement puts stage s on workers s and
+    D-1-s. First and last counts are the first and last model stages'; under the interleaved schedules a
+    pipeline rank's, spread over its chunks, as in megatron-core."""
+    def layout(*flags, world=4):
+        return str(make_run_plan(parse_args(MODEL + list(flags), world_size=world)).layout)
+
+    chimera4 = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"]
+    assert layout(*chimera4) == "Ett|tt|tt|ttL"
+    assert layout(*chimera4, "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3") \
+        == "Et|tt|tt|tttL"
+    assert layout(*chimera4, "--num-layers", "6", "--account-for-embedding-in-pipeline-split",
+                  "--account-for-loss-in-pipeline-split") == "Et|tt|tt|tL"
+    assert layout("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
+                  "--num-layers-per-virtual-pipeline-stage", "2", "--decoder-first-pipeline-num-layers", "2",
+                  world=2) == "Et|ttt|t|tttL"
+    interleaved = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                                    "interleaved", LAYOUT, "Et|tt|ttt|ttL"], world_size=2))
+    assert interleaved.schedule.virtual_stages == 2 and interleaved.layout.layer_counts() == (1, 2, 3, 2)
+    mtp = make_run_plan(parse_args(MODEL + CHIMERA2 + MTP, world_size=2))
+    assert str(mtp.layout) == "Etttt|ttttmL" and mtp.layout.embedding_stages(True) == (0, 1)
+
+
+def test_the_balancer_option_applies_its_layout_as_megatron_lms_flag():
+    """--balance-pipeline-layout stores the balancer's pick in --pipeline-model-parallel-layout, so the
+    startup line, the checkpoint's arguments and a rerun all read one string."""
+    args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
+                               "--balance-pipeline-layout", "h100-datasheet", "--vocab-size", "100000"], world_size=4)
+    plan = make_run_plan(args)
+    assert str(plan.layout) == args.pipeline_model_parallel_layout and plan.layout.num_layers == 8
+    assert plan.layout.layer_counts() != (2, 2, 2, 2)  # a 100k vocabulary is worth moving layers for

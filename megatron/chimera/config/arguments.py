@@ -69,6 +69,10 @@ def _megatron_validate(args) -> None:
     hidden = {dest: getattr(args, dest) for dest in LAYOUT_DESTS}  # ours are the rules for these (run_plan)
     for dest, value in hidden.items():
         setattr(args, dest, False if isinstance(value, bool) else None)
+    if args.num_layers % args.pipeline_model_parallel_size and args.num_layers_per_virtual_pipeline_stage is None:
+        # validate_args asks an even split of --num-layers over PP unless an uneven flag is given; the
+        # layout, checked by our rules, is uneven, so it reads as such
+        args.decoder_first_pipeline_num_layers = hidden["decoder_first_pipeline_num_layers"] or 0
     megatron_validate(args)
     for dest, value in hidden.items():
         setattr(args, dest, value)

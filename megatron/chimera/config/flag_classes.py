@@ -149,7 +149,7 @@ REFUSED = {
         --create-all-gather-group --no-gradient-reduce-div-fusion --num-distributed-optimizer-instances
         --fake-process-group
     """),
-    "the pipeline schedule and stage split are --pipeline-schedule's: equal stages, one executor": _flags("""
+    "the pipeline schedule is --pipeline-schedule's, run by one executor": _flags("""
         --pipeline-model-parallel-comm-backend --delay-wgrad-compute --use-ring-exchange-p2p
         --defer-embedding-wgrad-compute --wgrad-deferral-limit --overlap-p2p-communication-warmup-flush
         --microbatch-group-size-per-virtual-pipeline-stage --encoder-num-layers --decoder-num-layers

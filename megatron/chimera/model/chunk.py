@@ -263,6 +263,10 @@ def build_chunk(args, plan, stage: int, device: torch.device):
         )
     if args.mtp_num_layers and not plan.layout.holds_last_layer(stage):
         model.decoder.final_layernorm = None  # with MTP, megatron-core puts it after the last layer only
+    if held.mtp and held.loss and not args.untie_embeddings_and_output_weights:
+        # tied, megatron-core's stage of MTP and loss computes its logits with its embedding's weight (the
+        # copy MTP needs) and keys no output layer in its checkpoint: the unused matrix is not kept
+        model.output_layer.weight = None
     model.stage = stage
     mark_tensor_parallel_sums(model, model.config)
     init_chunk(model, args, first)

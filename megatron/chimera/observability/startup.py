@@ -1,7 +1,7 @@
 """Megatron-LM's startup output, so a user's log parsers find it (its validate_args prints the arguments
 banner): "building GPT model ...", the parameter count of every model chunk (for Chimera, one line per stage
 copy), and the bytes of model state each rank holds; and ours: the line saying the schedule's communication
-was proven."""
+was proven, and the pipeline layout the stages were cut by."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +18,15 @@ def print_building(args, transformer_engine: bool) -> None:
     if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
+
+
+def print_layout(args, plan) -> None:
+    """Once, by rank 0, for a pipelined model: the layout in Megatron-LM's spelling (reusable with
+    --pipeline-model-parallel-layout) and what each model stage holds."""
+    if dist.get_rank() != 0 or plan.model_stages == 1:
+        return
+    given = "balanced for " + args.balance_pipeline_layout if args.balance_pipeline_layout else "as given"
+    print(f" > pipeline layout {plan.layout} ({given}): {plan.layout.describe()}", flush=True)
 
 
 def print_parameter_counts(chunks: dict, rt) -> None:

@@ -236,7 +236,8 @@ def holds_its_layout(trainer) -> bool:
     """Every chunk on every rank holds what the plan's layout names, read from its parameters' names:
     exactly its transformer layers (by their number in the model), the embedding where E is (or MTP,
     which embeds the next tokens), the output layer where L is (tied at the first stage, it is the
-    embedding itself), its MTP layers, and the final norm after the model's last layer. A layout that
+    embedding itself, and so is MTP's embedding beside it), its MTP layers, and the final norm after the
+    model's last layer. A layout that
     was silently ignored would still train like one process; this would fail."""
     held, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
     ok = True
@@ -249,7 +250,7 @@ def holds_its_layout(trainer) -> bool:
         norm_after_last = held.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss
         ok &= (layers == list(range(first, first + st.layers))
                and any(n.startswith("embedding.") for n in local) == (st.embedding or st.mtp > 0)
-               and ("output_layer.weight" in local) == (st.loss and not (st.embedding and tied))
+               and ("output_layer.weight" in local) == (st.loss and not ((st.embedding or st.mtp) and tied))
                and len(depths) == st.mtp
                and any(n.startswith("decoder.final_layernorm.") for n in local) == norm_after_last)
     every = [None] * dist.get_world_size()
