@@ -3,8 +3,8 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
 
     python -m benchmarks.depth                          # GPT-2 1.3B, D = 4, 8, 16 into benchmarks/results/depth.json
     python -m benchmarks.depth --stages 8 --out FILE    # one depth
-    python -m benchmarks.depth --stages 8 --model llama3-8b --runtimes ours megatron-core --schedules 1f1b \\
-        "chimera direct" "chimera doubling" "chimera best" --microbatches 8 16 --rounds 3 --out FILE  # ~6 min
+    python -m benchmarks.depth --stages 8 --model llama3-8b --out FILE  # the fair comparison (FAIRNESS)
+    python -m benchmarks.depth --stages 8 --model llama3-8b --full      # every runtime, schedule and N
 
 One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
 and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
@@ -274,7 +274,7 @@ def worker(args) -> None:
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
     profile = Profile.load(args.profile)
-    setup = runtimes.Setup(d, args.forward_ms, args.model, profile)
+    setup = runtimes.Setup(d, forward_ms(args, profile, d), args.model, profile)
     message = size_messages(setup)
     microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, args, microbatches)
@@ -282,7 +282,7 @@ def worker(args) -> None:
     if dist.get_rank() == 0:
         rows = [row(setup, c, s) for c, s in zip(cases, samples)]
         doc = {"D": d, "model": args.model, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
-               ROOT)}, "forward_ms": args.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
+               ROOT)}, "forward_ms": setup.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
                "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters, "skipped": skipped, "rows": rows}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -291,13 +291,29 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def forward_ms(args, profile, depth: int) -> float:
+    """The clock: --forward-ms, else 20 ms for GPT-2 (the scale of the results before models), else the
+    profile's own median forward at this depth. At the profile's own time a message's target is its
+    own time too (Llama 3 8B at D=8 on the H100 profile: a 51 ms stage, a 1.3 ms message), which gloo
+    here can meet; at 20 ms the target falls below gloo's fixed cost per message."""
+    from chimera_schedules.tools.planner import MODELS
+
+    from .costs import unscaled_forward
+
+    if args.forward_ms:
+        return args.forward_ms
+    return 20.0 if args.model == "gpt2-1.3b" else round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1)
+
+
 def launch(depth: int, args, out: str) -> dict:
     """One torchrun of ``depth`` processes; its JSON."""
     port = str(free_port())
-    extra = ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
+    microbatches = args.microbatches or ([depth, 2 * depth] if args.fairness else None)
+    extra = ["--microbatches", *map(str, microbatches)] if microbatches else []
     extra += ["--schedules", *args.schedules] if args.schedules else []
+    extra += ["--forward-ms", str(args.forward_ms)] if args.forward_ms else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
-           "-m", "benchmarks.depth", "--worker", "--out", out, "--forward-ms", str(args.forward_ms),
+           "-m", "benchmarks.depth", "--worker", "--out", out,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
            "--layouts", *args.layouts, "--runtimes", *args.runtimes, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -306,6 +322,21 @@ def launch(depth: int, args, out: str) -> dict:
         sys.exit(proc.returncode)
     with open(out) as f:
         return json.load(f)
+
+
+# What a model other than GPT-2 runs without --full: the fair comparison, our Chimera variants without
+# split backward against our and megatron-core's 1F1B, each at its three layouts, at N = D and 2D
+FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
+                                                                  "chimera best"], "rounds": 2}
+
+
+def _selection(args) -> None:
+    """Fill in what was not given: everything (--full, or GPT-2's historical run), or FAIRNESS."""
+    args.fairness = not (args.full or args.model == "gpt2-1.3b")
+    defaults = FAIRNESS if args.fairness else {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
+    for option, value in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
 
 
 def arguments() -> argparse.Namespace:
@@ -324,16 +355,22 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--profile", help="hardware profile JSON (default: Piz Daint's P100 for gpt2-1.3b, "
                    "profiles/h100-datasheet.json for the others)")
     p.add_argument("--layouts", nargs="+", choices=KINDS, default=list(KINDS), help="layout kinds to run at")
-    p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, help=f"default: {', '.join(RUNTIMES)}")
     names = list(dict.fromkeys([*OURS, *MEGATRON, *(name for name, _, _ in TORCH.values())]))
     p.add_argument("--schedules", nargs="+", choices=names, metavar="NAME",
                    help=f"schedules to run, in whichever runtimes have them (default: all of {', '.join(names)})")
-    p.add_argument("--forward-ms", type=float, default=20.0, help="the even split's median 1F1B stage forward")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forward-ms", type=float,
+                   help="the even split's median 1F1B stage forward (default: 20 for gpt2-1.3b, the paper's scale; "
+                        "the profile's own time for the others, so that compute and messages are the profile's)")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--full", action="store_true",
+                   help="every runtime and schedule at N = D, 2D and 4D, 3 rounds: the default for gpt2-1.3b; the "
+                        "other models default to the fairness comparison (see FAIRNESS), which fits 20 minutes")
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    _selection(args)
     args.profile = os.path.abspath(args.profile or default_profile(args.model))
     if not os.path.exists(args.profile):
         p.error(f"--profile {args.profile}: no such file")

@@ -31,7 +31,7 @@ def default_profile(model: str) -> str:
     return os.path.join(ROOT, "profiles", PROFILES[model])
 
 
-def _unscaled_forward(shape: ModelShape, profile: Profile, depth: int) -> float:
+def unscaled_forward(shape: ModelShape, profile: Profile, depth: int) -> float:
     """Seconds of the median forward of the even split's 1F1B stages on the profile: the clock's unit."""
     return statistics.median(costs(shape, profile, depth, 1, 1).forward)
 
@@ -40,7 +40,7 @@ def stage_times(shape: ModelShape, depth: int, virtual_stages: int, forward_ms: 
                 held: Layout | None = None) -> list[StageTimes]:
     """Per model stage (depth x virtual_stages of them, split as ``held`` says, evenly by default),
     seconds of F, I and W."""
-    scale = forward_ms / 1e3 / _unscaled_forward(shape, profile, depth)
+    scale = forward_ms / 1e3 / unscaled_forward(shape, profile, depth)
     forward = costs(shape, profile, depth, 1, 1, virtual_stages=virtual_stages, held=held).forward
     return [StageTimes(f * scale, f * scale, f * scale) for f in forward]
 
@@ -50,7 +50,7 @@ def message_target_ms(shape: ModelShape, profile: Profile, depth: int, forward_m
     of one (latency + s h x 2 bytes / bandwidth) as the same share of the median 1F1B stage forward
     that it is on the profile."""
     p2p = profile.p2p_latency + shape.seq * shape.hidden * 2 / profile.p2p_bandwidth
-    return forward_ms * p2p / _unscaled_forward(shape, profile, depth)
+    return forward_ms * p2p / unscaled_forward(shape, profile, depth)
 
 
 def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False) -> CostModel:

@@ -1,18 +1,21 @@
 """The depth benchmark's smallest case: every runtime completes on the emulated device and the JSON
-has its fields. No time is checked here (the benchmark itself measures)."""
+has its fields, at the even layout (the layout kinds and their targets are tests/unit/test_depth_layouts.py's).
+No time is checked here (the benchmark itself measures)."""
 import json
 import subprocess
 import sys
 
 from megatron.chimera.testing.launch import ROOT
 
-COLUMNS = {"runtime", "schedule", "D", "N", "ms", "ms_min", "ms_max", "predicted_ms", "bubble", "predicted_bubble"}
+COLUMNS = {"runtime", "schedule", "D", "N", "ms", "ms_min", "ms_max", "predicted_ms", "bubble", "predicted_bubble",
+           "model", "layout", "layout_kind"}
 
 
 def test_every_runtime_completes_on_the_emulated_device(tmp_path):
     out = tmp_path / "depth.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.depth", "--stages", "4", "--microbatches", "8",
-                           "--forward-ms", "2", "--rounds", "1", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           "--forward-ms", "2", "--rounds", "1", "--layouts", "even",
+                           "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
