@@ -4,7 +4,8 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
     python -m benchmarks.depth                          # GPT-2 1.3B, D = 4, 8, 16 into benchmarks/results/depth.json
     python -m benchmarks.depth --stages 8 --out FILE    # one depth
     python -m benchmarks.depth --stages 8 --model llama3-8b --out FILE  # the fair comparison (FAIRNESS)
-    python -m benchmarks.depth --stages 8 --model llama3-8b --full      # every runtime, schedule and N
+    python -m benchmarks.depth --stages 8 --model gpt2-1.3b --selection fair --out FILE
+    python -m benchmarks.depth --stages 8 --model llama3-8b --selection full  # every runtime, schedule and N
 
 One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
 and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
@@ -14,7 +15,10 @@ while the ranks no longer compete for this machine's two cores, as GPU ranks do 
 Models (``--model``): GPT-2 1.3B (the default; the Piz Daint profile, the paper's), Llama 3 8B and
 DeepSeek-V3 (an H100's datasheet profile; ``--profile`` picks another). A stage's time is the
 planner's for the layers its layout gives it, the logits (and MTP) on the last stage, on one clock per
-model and depth: the even split's median 1F1B forward is ``--forward-ms`` (benchmarks/depth/costs.py).
+model and depth: the even split's median 1F1B forward is ``--forward-ms`` (benchmarks/depth/costs.py),
+by default 20 ms for the full selection (GPT-2's default: the scale of the results before models) and
+the profile's own time for the fair one (Llama 3 8B at D=8 on the H100 profile: 51.4 ms; GPT-2 1.3B on
+Piz Daint: 28.7 ms), where messages come nearer the profile's too.
 
 Layouts (``--layouts``): every schedule of our executor and megatron-core's runs at three, each found
 for that schedule (benchmarks/depth/layouts.py): ``even`` (Megatron-LM's default, the first stages one
@@ -36,10 +40,10 @@ times ``--forward-ms``. Each launch measures a message of GPT-2 1.3B's shape (63
 scales its rows linearly to that target (at least 1 row, at most 4 x 632), and measures again at the
 rows chosen, which is what the predictions price; the JSON keeps the target, both measurements and
 the shape. Gloo's fixed cost per message on this machine meets small targets from above: Llama 3 8B
-at D=4 and ``--forward-ms 5`` targets 0.07 ms, and its 20 rows measured 0.71 ms (the full shape 2.1
-ms). GPT-2 1.3B at D=8 and 20 ms targets 0.11 ms (a Piz Daint message is 0.6% of a stage), about 23
-rows: cheaper than the full shape's 3.2 ms that results before layouts used, still dearer than the
-profile's share.
+at D=8 and its own 51.4 ms targets 1.35 ms (64 MiB over 50 GB/s), and 250 rows measured 1.88 ms;
+at ``--forward-ms 5`` (D=4) it would target 0.07 ms and 20 rows measure 0.71 ms. GPT-2 1.3B at D=8
+and 20 ms targets 0.11 ms (a Piz Daint message is 0.6% of a stage): cheaper than the full shape's
+3.2 ms that results before layouts used, still dearer than the profile's share.
 
 The runtimes: our executor (every registry schedule the sizes allow), megatron-core's 1F1B and
 interleaved schedules, and torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
@@ -292,17 +296,17 @@ def worker(args) -> None:
 
 
 def forward_ms(args, profile, depth: int) -> float:
-    """The clock: --forward-ms, else 20 ms for GPT-2 (the scale of the results before models), else the
-    profile's own median forward at this depth. At the profile's own time a message's target is its
-    own time too (Llama 3 8B at D=8 on the H100 profile: a 51 ms stage, a 1.3 ms message), which gloo
-    here can meet; at 20 ms the target falls below gloo's fixed cost per message."""
+    """The clock: --forward-ms, else 20 ms for the full selection (the scale of the results before
+    models), else the profile's own median forward at this depth. At the profile's own time a message's
+    target is its own time too (Llama 3 8B at D=8 on the H100 profile: a 51 ms stage, a 1.3 ms message),
+    which gloo here can meet; at 20 ms the target falls further below gloo's fixed cost per message."""
     from chimera_schedules.tools.planner import MODELS
 
     from .costs import unscaled_forward
 
     if args.forward_ms:
         return args.forward_ms
-    return 20.0 if args.model == "gpt2-1.3b" else round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1)
+    return round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1) if args.fairness else 20.0
 
 
 def launch(depth: int, args, out: str) -> dict:
@@ -315,7 +319,7 @@ def launch(depth: int, args, out: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
-           "--layouts", *args.layouts, "--runtimes", *args.runtimes, *extra]
+           "--layouts", *args.layouts, "--runtimes", *args.runtimes, "--selection", args.selection, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode:
@@ -324,15 +328,16 @@ def launch(depth: int, args, out: str) -> dict:
         return json.load(f)
 
 
-# What a model other than GPT-2 runs without --full: the fair comparison, our Chimera variants without
-# split backward against our and megatron-core's 1F1B, each at its three layouts, at N = D and 2D
+# --selection fair: our Chimera variants without split backward against our and megatron-core's 1F1B,
+# each at its three layouts, at N = D and 2D
 FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
                                                                   "chimera best"], "rounds": 2}
 
 
 def _selection(args) -> None:
-    """Fill in what was not given: everything (--full, or GPT-2's historical run), or FAIRNESS."""
-    args.fairness = not (args.full or args.model == "gpt2-1.3b")
+    """Fill in what was not given: FAIRNESS, or everything (GPT-2's historical run)."""
+    args.selection = args.selection or ("full" if args.model == "gpt2-1.3b" else "fair")
+    args.fairness = args.selection == "fair"
     defaults = FAIRNESS if args.fairness else {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
     for option, value in defaults.items():
         if getattr(args, option) is None:
@@ -363,9 +368,11 @@ def arguments() -> argparse.Namespace:
                    help="the even split's median 1F1B stage forward (default: 20 for gpt2-1.3b, the paper's scale; "
                         "the profile's own time for the others, so that compute and messages are the profile's)")
     p.add_argument("--rounds", type=int)
-    p.add_argument("--full", action="store_true",
-                   help="every runtime and schedule at N = D, 2D and 4D, 3 rounds: the default for gpt2-1.3b; the "
-                        "other models default to the fairness comparison (see FAIRNESS), which fits 20 minutes")
+    p.add_argument("--selection", choices=("fair", "full"),
+                   help="fair: our Chimera variants and 1F1B against megatron-core's 1F1B at N = D and 2D, 2 rounds, "
+                        "at the profile's own stage time (the default for llama3-8b and deepseek-v3: about 6 and 12 "
+                        "minutes at D=8); full: every runtime and schedule at N = D, 2D and 4D, 3 rounds, at 20 ms "
+                        "(the default for gpt2-1.3b, the results before models)")
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
