@@ -160,10 +160,23 @@ def ok(runs: dict, name: str):
     return proc
 
 
+PARAMETERS = re.compile(r" > number of parameters on \(tensor, pipeline\) model parallel rank \(\d+, \d+\): (\d+) "
+                        r"\(pipeline (\d+), stage (\d+)\)")
+
+
+def stage_counts(proc) -> dict[int, int]:
+    """Model stage -> its parameter count, from Megatron-LM's startup lines (every copy of a stage the same)."""
+    counts = {}
+    for count, _, stage in PARAMETERS.findall(proc.stdout):
+        assert counts.setdefault(int(stage), int(count)) == int(count)
+    return counts
+
+
 def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process(two_ranks, corpus):
     """An MTP model saved by Chimera with 1 and 3 layers per stage resumes with 3 and 1, with the even
     split under 1F1B, and in one process, each repeating the uninterrupted losses (fp32 sums in
-    another order: 1e-6). The checkpoint keys MTP as megatron-core does, next to the stacked layers."""
+    another order: 1e-6). The startup's per-stage parameter counts follow the layout, and the
+    checkpoint keys MTP as megatron-core does, next to the stacked layers."""
     from torch.distributed.checkpoint import FileSystemReader
 
     _, runs, _, mtp = two_ranks
@@ -174,6 +187,9 @@ def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process
         assert list(losses(resumed)) == [3, 4]
         for i in (3, 4):
             assert abs(float(losses(resumed)[i]) / float(losses(saved)[i]) - 1) < 1e-6
+    saved_counts, moved_counts = stage_counts(saved), stage_counts(ok(runs, "mtp resumed Ettt|tmL"))
+    layer = (moved_counts[0] - saved_counts[0]) // 2  # Et -> Ettt: two layers more on stage 0 ...
+    assert layer > 0 and saved_counts[1] - moved_counts[1] == 2 * layer  # ... and two fewer on stage 1
     keys = FileSystemReader(str(mtp / "iter_0000002")).read_metadata().state_dict_metadata
     assert any(k.startswith("mtp.layers.0.") for k in keys) and "decoder.layers.mlp.linear_fc1.weight" in keys
     assert not any(k.startswith(("decoder.layers.1.", "mtp.layers.1.")) for k in keys)

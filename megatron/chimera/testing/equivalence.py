@@ -116,24 +116,19 @@ def layout_cases(d: int) -> dict[str, tuple[str, list[str]]]:
     c = schedule_cases(d)
     if d == 2:
         return {
-            "layout Ettttt|tttL chimera D=2": ("tied-learned", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttL"]),
             "layout untied first=2 chimera split D=2": (
                 "untied", c["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "2"]),
             "layout E|ttt|tttt|tL dualpipev D=2": ("tied-learned", c["dualpipev D=2"] + [LAYOUT, "E|ttt|tttt|tL"]),
-            "mtp chimera D=2": ("mtp", c["chimera direct D=2"]),
+            "mtp layout Ettttt|tttmL chimera D=2": ("mtp", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttmL"]),
             "mtp layout Ettt|tttttmL 1f1b split D=2": ("mtp", c["1f1b split D=2"] + [LAYOUT, "Ettt|tttttmL"]),
             "mtp megatron-1f1b D=2": ("mtp", c["megatron-1f1b D=2"]),
+            "mtp untied distributed optimizer chimera D=2": ("mtp-untied", c["chimera direct D=2"] + DISTOPT),
             "mixtral-mtp chimera D=2": ("mixtral-mtp", c["chimera direct D=2"]),
         }
     return {
         "layout E|tttt|tttt|L chimera D=4": ("tied-learned", c["chimera direct D=4"] + [LAYOUT, "E|tttt|tttt|L"]),
-        "layout first=1 last=3 chimera D=4": (
-            "tied-learned", c["chimera direct D=4"] + ["--decoder-first-pipeline-num-layers", "1",
-                                                       "--decoder-last-pipeline-num-layers", "3"]),
-        "layout Ettt|t|tt|ttL dualpipe D=4": ("tied-learned", c["dualpipe D=4"] + [LAYOUT, "Ettt|t|tt|ttL"]),
         "mtp layout Ett|ttt|tttm|L chimera D=4": ("mtp", c["chimera direct D=4"] + [LAYOUT, "Ett|ttt|tttm|L"]),
-        "mtp dualpipe D=4": ("mtp", c["dualpipe D=4"]),
-        "mtp untied distributed optimizer chimera D=4": ("mtp-untied", c["chimera direct D=4"] + DISTOPT),
+        "mtp layout Ettt|t|tt|ttmL dualpipe D=4": ("mtp", c["dualpipe D=4"] + [LAYOUT, "Ettt|t|tt|ttmL"]),
     }
 
 
