@@ -116,13 +116,12 @@ def layout_cases(d: int) -> dict[str, tuple[str, list[str]]]:
     c = schedule_cases(d)
     if d == 2:
         return {
-            "layout untied first=2 chimera split D=2": (
-                "untied", c["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "2"]),
             "layout E|ttt|tttt|tL dualpipev D=2": ("tied-learned", c["dualpipev D=2"] + [LAYOUT, "E|ttt|tttt|tL"]),
-            "mtp layout Ettttt|tttmL chimera D=2": ("mtp", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttmL"]),
-            "mtp layout Ettt|tttttmL 1f1b split D=2": ("mtp", c["1f1b split D=2"] + [LAYOUT, "Ettt|tttttmL"]),
+            "mtp-untied first=3 chimera split D=2": (
+                "mtp-untied", c["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "3"]),
+            "mtp layout Ettttt|tttmL distributed optimizer chimera D=2": (
+                "mtp", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttmL"] + DISTOPT),
             "mtp megatron-1f1b D=2": ("mtp", c["megatron-1f1b D=2"]),
-            "mtp untied distributed optimizer chimera D=2": ("mtp-untied", c["chimera direct D=2"] + DISTOPT),
             "mixtral-mtp chimera D=2": ("mixtral-mtp", c["chimera direct D=2"]),
         }
     return {
