@@ -33,14 +33,6 @@ class Chosen:
     fits: bool | None = None  # whether that fits in the profile's device memory
 
 
-def per_rank(schedule: Schedule) -> int:
-    """What Megatron-LM's first and last stage flags count over: under its round-robin placement
-    (interleaved) a rank's v stages; under any other placement (Chimera's, a V) the model stage."""
-    d = schedule.depth
-    round_robin = all(w == s % d for row in schedule.placement for s, w in enumerate(row))
-    return schedule.virtual_stages if round_robin else 1
-
-
 def even(setup, virtual_stages: int) -> Chosen:
     """The even split over ``virtual_stages`` model stages per rank, unpriced: what
     torch.distributed.pipelining's cases run (their orders exist only once their stages are built)."""
@@ -53,13 +45,14 @@ def choose(setup, schedule: Schedule, kinds, skipped: list[str], label: str) -> 
     v, shape = schedule.virtual_stages, setup.shape
     free = dataclasses.replace(setup.profile, memory=math.inf)  # time alone: see the module
 
+    rank_stages = balancer.per_rank(schedule)
+
     def priced(held: Layout):
         return setup.costs(v, held)
     search = {"even": lambda: balancer.score(shape, free, schedule, even_layout(shape, schedule.stages_per_pipeline),
                                              priced=priced),
-              "megatron": lambda: balancer.best_megatron(shape, free, schedule, per_rank=per_rank(schedule),
-                                                         priced=priced),
-              "balanced": lambda: balancer.balance(shape, free, schedule, per_rank=per_rank(schedule), priced=priced)}
+              "megatron": lambda: balancer.best_megatron(shape, free, schedule, per_rank=rank_stages, priced=priced),
+              "balanced": lambda: balancer.balance(shape, free, schedule, per_rank=rank_stages, priced=priced)}
     out = []
     for kind in kinds:
         try:

@@ -22,6 +22,7 @@ LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 FIRST_FLAG, LAST_FLAG = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG, LOSS_FLAG = "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"
 MTP_FLAG = "--mtp-num-layers"
+MAX_REPEAT = 10_000  # more stages or layers than any model has: a typo, not a layout
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,13 @@ class Layout:
         return tuple(out)
 
     def embedding_stages(self, tied: bool) -> tuple[int, ...]:
-        """The stages holding a copy of the word embedding: the first, a stage of MTP layers (their
-        embedding of the next tokens), the last where the output layer shares it (``tied``). Their
-        gradients are summed, as megatron-core's embedding group sums them."""
+        """The stages holding a copy of the word embedding, one each: the first, a stage of MTP layers
+        (their embedding of the next tokens; the tied output layer beside it uses that copy), the last
+        where the output layer shares it (``tied``). Their gradients are summed, as megatron-core's
+        embedding group sums them."""
         last = len(self.stages) - 1
         held = {0} | {i for i, s in enumerate(self.stages) if s.mtp} | ({last} if tied else set())
         return tuple(sorted(held))
-
-    def embedding_copies(self, tied: bool) -> int:
-        """How many word-embedding parameters one pipeline holds: the first stage's, one per later stage
-        of MTP layers, and the tied output layer of a last stage other than the first (unless MTP is
-        there, whose embedding's weight the output layer then uses)."""
-        last = len(self.stages) - 1
-        return 1 + sum(1 for s in self.stages[1:] if s.mtp) + (tied and last > 0 and not self.stages[last].mtp)
 
     def holds_last_layer(self, stage: int) -> bool:
         """Whether the stage holds the model's last transformer layer (the final norm follows it)."""
@@ -185,12 +180,15 @@ def parse(text: str) -> Layout:
     """A --pipeline-model-parallel-layout string: ``|`` between stages, ``(X)*n`` and ``x*n`` repeats,
     commas ignored, as megatron-core reads it."""
     flat = text.replace(",", "").replace(" ", "")
+    require(all(int(n) <= MAX_REPEAT for n in re.findall(r"\*(\d+)", flat)), LAYOUT_FLAG, text,
+            f"a repeat count above {MAX_REPEAT}")
     for pattern in (r"\(([^()]+)\)\*(\d+)", r"(.)\*(\d+)"):
         flat = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), flat)
     stages = []
     for part in flat.split("|"):
         bad = sorted(set(part) - set("EtmL"))
-        require(not bad, LAYOUT_FLAG, text, f"unknown layer character {bad[:1]} (E, t, m, L and |)")
+        require(not bad, LAYOUT_FLAG, text, f"unknown layer character {' '.join(map(repr, bad))} (the layout "
+                "spells E, t, m and L, with | between stages and (...)*n or x*n for repeats)")
         require(re.fullmatch(r"E?t*m*L?", part) is not None, LAYOUT_FLAG, text,
                 f"stage {len(stages)} reads {part!r}: within a stage, E, t, m and L come in that order")
         stages.append(StageLayers("E" in part, part.count("t"), part.count("m"), "L" in part))
@@ -205,9 +203,10 @@ def check(layout: Layout, num_layers: int, stages: int, mtp: int, text: str = ""
     require(len(layout.stages) == stages, LAYOUT_FLAG, shown,
             f"has {len(layout.stages)} stages; this schedule runs {stages} model stages, so the layout needs "
             f"{stages} (one per model stage, in model order)")
-    require(flat.count("E") == 1 and flat.startswith("E"), LAYOUT_FLAG, shown,
-            "must start with the embedding E, once")
-    require(flat.count("L") == 1 and flat.endswith("L"), LAYOUT_FLAG, shown, "must end with the loss L, once")
+    require(flat.count("E") == 1 and layout.stages[0].embedding, LAYOUT_FLAG, shown,
+            "must start with the embedding E, once, on the first stage")
+    require(flat.count("L") == 1 and layout.stages[-1].loss, LAYOUT_FLAG, shown,
+            "must end with the loss L, once, on the last stage")
     require(layout.num_layers == num_layers, LAYOUT_FLAG, shown,
             f"holds {layout.num_layers} transformer layers t; --num-layers is {num_layers}")
     require(layout.mtp_layers == mtp, LAYOUT_FLAG if layout.mtp_layers else MTP_FLAG,

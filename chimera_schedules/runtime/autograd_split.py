@@ -1,8 +1,9 @@
 """One micro-batch's backward through a stage, split in two passes over its autograd graph.
 
 I (``backward_input``) computes the gradient of the stage's input, which the previous stage waits
-for, and nothing else: torch computes only the gradients a pass asks for, so a matrix multiply on
-the input's path skips its weight-gradient product. Before each node that also feeds a parameter runs,
+for, and nothing else (but a weight used at two nested places, ``_nested_shares``): torch computes
+only the gradients a pass asks for, so a matrix multiply on the input's path skips its
+weight-gradient product. Before each node that also feeds a parameter runs,
 a hook keeps the gradient it receives.
 
 W (``WeightPass.run``) restarts the backward from each such node with the kept gradient, restricted
@@ -145,13 +146,14 @@ def _nested_shares(restarts: list[_Restart], on_path: set[Node]) -> list:
     taken out of both restarts and computed in I. Parameters below two points neither of which lies
     below the other stay in both: each restart adds its own use's share. Restarts left without
     parameters are dropped (in place)."""
-    owner: dict[int, _Restart] = {}
+    owners: dict[int, list[_Restart]] = {}
     nested = {}
     for r in restarts:
         for p in r.params:
-            first = owner.setdefault(id(p), r)
-            if first is not r and (_below(first.node, r.node, on_path) or _below(r.node, first.node, on_path)):
+            earlier = owners.setdefault(id(p), [])
+            if any(_below(o.node, r.node, on_path) or _below(r.node, o.node, on_path) for o in earlier):
                 nested[id(p)] = p
+            earlier.append(r)
     for r in restarts:
         r.params = [p for p in r.params if id(p) not in nested]
     restarts[:] = [r for r in restarts if r.params]

@@ -61,6 +61,14 @@ def score(shape: ModelShape, profile: Profile, schedule: Schedule, held: Layout,
     return Scored(held, seconds, memory)
 
 
+def per_rank(schedule: Schedule) -> int:
+    """What Megatron-LM's first and last stage flags count over: under its round-robin placement
+    (interleaved) a rank's v stages; under any other placement (Chimera's, a V) the model stage."""
+    d = schedule.num_workers
+    round_robin = all(w == s % d for row in schedule.placement for s, w in enumerate(row))
+    return schedule.virtual_stages if round_robin else 1
+
+
 def megatron_options(shape: ModelShape, stages: int, per_rank: int = 1) -> list[tuple[Layout, str]]:
     """Every split Megatron-LM's hand flags give this model: the even split (where the layers divide),
     the account-for flags, and each pair of first and last stage layer counts whose remainder the middle

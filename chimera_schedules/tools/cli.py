@@ -205,6 +205,7 @@ def _plan(args) -> int:
 def _balanced_pick(ranked, shape, profile, precision) -> dict | None:
     """The balancer's stages for the pick, beside the even split and Megatron-LM's best hand option."""
     from .balancer import Sizes, balance, best_megatron, score
+    from .balancer import per_rank as balancer_per_rank
     from .planner import even_layout
 
     pick = next((c for c in ranked if c.fits), None)
@@ -212,7 +213,7 @@ def _balanced_pick(ranked, shape, profile, precision) -> dict | None:
         return None
     schedule = build_spec(variant(pick.schedule, pick.depth, pick.microbatches))
     sizes = Sizes(pick.micro_batch, pick.width, pick.expert_parallel, precision)
-    per_rank = schedule.virtual_stages if schedule.name.startswith("interleaved") else 1
+    per_rank = balancer_per_rank(schedule)
     even = score(shape, profile, schedule, even_layout(shape, schedule.stages_per_pipeline), sizes)
     balanced = balance(shape, profile, schedule, sizes, per_rank)
     try:

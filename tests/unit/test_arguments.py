@@ -38,6 +38,9 @@ LAYOUT_CASES = [
      "--balance-pipeline-layout=piz-daint-p100: cannot be combined with --pipeline-model-parallel-layout"),
     (CHIMERA2 + ["--balance-pipeline-layout", "no-such-machine"], 2, "--balance-pipeline-layout=no-such-machine: "
      "no such profile"),
+    (CHIMERA2 + [LAYOUT, "|EttttttttL"], 2, "must start with the embedding E, once, on the first stage"),
+    (CHIMERA2 + [LAYOUT, "Et*99999999|L"], 2, "a repeat count above 10000"),
+    (CHIMERA2 + [LAYOUT, "Et|(tt|L"], 2, "unknown layer character '('"),
 ]
 
 
@@ -135,6 +138,9 @@ def test_layout_flags_cut_the_stages_as_megatron_lm_does():
     assert layout("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
                   "--num-layers-per-virtual-pipeline-stage", "2", "--decoder-first-pipeline-num-layers", "2",
                   world=2) == "Et|ttt|t|tttL"
+    # Megatron-LM's uneven interleaving: 2 chunks per rank, the first rank's 2 layers over its 2 chunks
+    assert layout("--pipeline-model-parallel-size", "4", "--num-layers", "14", "--num-virtual-stages-per-pipeline-rank",
+                  "2", "--decoder-first-pipeline-num-layers", "2") == "Et|(tt|)*3t|tt|tt|ttL"
     interleaved = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                                     "interleaved", LAYOUT, "Et|tt|ttt|ttL"], world_size=2))
     assert interleaved.schedule.virtual_stages == 2 and interleaved.layout.layer_counts() == (1, 2, 3, 2)

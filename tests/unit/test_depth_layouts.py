@@ -8,6 +8,7 @@ import pytest
 from benchmarks.depth import layouts, report, runtimes
 from benchmarks.depth.costs import default_profile, message_target_ms, stage_times
 from chimera_schedules.ir import layout
+from chimera_schedules.tools import balancer
 from chimera_schedules.tools.planner import MODELS, Profile
 
 
@@ -39,8 +40,8 @@ def test_each_kind_is_found_for_the_schedule():
     assert set(found) == set(layouts.KINDS) and not skipped
     assert found["even"].layout == layout.even(32, 4)
     assert found["megatron"].flags  # the even split loses to the last stage's logits
-    assert layouts.per_rank(runtimes.megatron_order(4, 8, "interleaved v=2")) == 2
-    assert layouts.per_rank(runtimes.ours_schedule(setup, "chimera direct", 8)) == 1
+    assert balancer.per_rank(runtimes.megatron_order(4, 8, "interleaved v=2")) == 2
+    assert balancer.per_rank(runtimes.ours_schedule(setup, "chimera direct", 8)) == 1
 
 
 def _row(runtime, schedule, kind, n, ms, predicted=None):

@@ -213,9 +213,11 @@ def _validate_layout(args) -> None:
     check_options(name, given_options(args))
     v, text = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_layout
     if name in INTERLEAVED:
-        require(v is not None and v > 0 or text is not None, "--num-layers-per-virtual-pipeline-stage", v,
-                f"--pipeline-schedule {name} needs it (or --pipeline-model-parallel-layout)")
-        require(text is not None or args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
+        chunks = args.num_virtual_stages_per_pipeline_rank
+        require(v is not None and v > 0 or text is not None or chunks, "--num-layers-per-virtual-pipeline-stage", v,
+                f"--pipeline-schedule {name} needs it (or --num-virtual-stages-per-pipeline-rank, or "
+                "--pipeline-model-parallel-layout)")
+        require(v is None or args.num_layers % (pp * v) == 0, "--num-layers-per-virtual-pipeline-stage", v,
                 f"PP x it must divide --num-layers ({args.num_layers})")
         if name == "megatron-interleaved":
             require(pp > 2, "--pipeline-model-parallel-size", pp, "megatron-core's interleaved schedule needs more "
@@ -223,6 +225,9 @@ def _validate_layout(args) -> None:
                     "--pipeline-schedule interleaved runs at any depth")
     else:
         require(v is None, "--num-layers-per-virtual-pipeline-stage", v, "applies to the interleaved schedules only")
+        chunks = args.num_virtual_stages_per_pipeline_rank
+        require(not chunks or chunks == 1, "--num-virtual-stages-per-pipeline-rank", chunks,
+                "applies to the interleaved schedules only")
     require(v is None or text is None, "--pipeline-model-parallel-layout", text,
             "cannot be combined with --num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
     request = schedule_request(args)
@@ -262,13 +267,17 @@ def _megatron_spellings(args) -> None:
                 f"means --recompute-granularity selective, not {args.recompute_granularity}")
         args.recompute_granularity = "selective"
     v, pp = args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_size
-    if v is not None:
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if v is not None and not uneven:
         require(args.num_layers_per_virtual_pipeline_stage is None and v > 0 and args.num_layers % (pp * v) == 0,
                 "--num-virtual-stages-per-pipeline-rank", v, f"PP x it must divide --num-layers ({args.num_layers}), "
                 "without --num-layers-per-virtual-pipeline-stage")
         if v > 1:
             args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * v)
         args.num_virtual_stages_per_pipeline_rank = None  # one spelling for validate_args, as it demands
+    elif v is not None:  # Megatron-LM's uneven interleaving keeps this spelling; the layout checks the counts
+        require(args.num_layers_per_virtual_pipeline_stage is None and v > 0, "--num-virtual-stages-per-pipeline-rank",
+                v, "must be positive, without --num-layers-per-virtual-pipeline-stage")
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to split
     require(not args.sequence_parallel or args.seq_length % args.tensor_model_parallel_size == 0,

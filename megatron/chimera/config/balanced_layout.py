@@ -1,20 +1,21 @@
 """--balance-pipeline-layout: the balancer's layout (chimera_schedules.tools.balancer) for the model the
 flags describe, under the run's schedule, depth, micro-batches and hardware profile.
 
-The trainer applies it as Megatron-LM's --pipeline-model-parallel-layout would be applied (the string is
-stored there, so the startup, the checkpoint's arguments and a later run all read one layout).
+The trainer applies it as Megatron-LM's --pipeline-model-parallel-layout would be applied: the string is
+stored there, so the startup line and the checkpoint's arguments read one layout, and the ranks agree
+on it before iteration 1 (distributed/schedule_agreement.py).
 """
 from __future__ import annotations
 
 import os
 
-from chimera_schedules import build, build_spec, check
+from chimera_schedules import ConfigError, build, build_spec, check
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.layout import Layout
-from chimera_schedules.tools.balancer import Sizes, balance
+from chimera_schedules.tools.balancer import Sizes, balance, per_rank
 from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile
 
-from .run_plan import INTERLEAVED, resolved_schedule
+from .run_plan import resolved_schedule
 
 FLAG = "--balance-pipeline-layout"
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
@@ -50,9 +51,7 @@ def balanced_layout(args, stages: int, request) -> Layout:
     interleaved as our generators order them)."""
     for flag, dest in HAND_FLAGS:
         require(not getattr(args, dest), FLAG, args.balance_pipeline_layout, f"cannot be combined with {flag}")
-    path = profile_path(args.balance_pipeline_layout)
-    require(os.path.isfile(path), FLAG, args.balance_pipeline_layout,
-            f"no such profile (a JSON file, or one of {', '.join(sorted(os.listdir(PROFILES)))})")
+    profile = _profile(args.balance_pipeline_layout)
     pp, name = args.pipeline_model_parallel_size, resolved_schedule(args)
     if request is not None:
         schedule = build_spec(check(request))
@@ -62,5 +61,19 @@ def balanced_layout(args, stages: int, request) -> Layout:
         schedule = build("1f1b", pp, args.num_microbatches)
     sizes = Sizes(args.micro_batch_size, args.data_parallel_size, args.expert_model_parallel_size,
                   Precision(args.bf16 or args.fp16, args.use_distributed_optimizer))
-    per_rank = stages // pp if name in INTERLEAVED else 1
-    return balance(model_shape(args), Profile.load(path), schedule, sizes, per_rank).layout
+    picked = balance(model_shape(args), profile, schedule, sizes, per_rank(schedule))
+    require(picked.seconds != float("inf"), FLAG, args.balance_pipeline_layout,
+            f"no split of the layers fits {profile.name}'s {profile.memory / 2**30:.0f} GiB per device (the "
+            f"least needs {picked.memory / 2**30:.0f} GiB)")
+    return picked.layout
+
+
+def _profile(name: str) -> Profile:
+    """The profile by path or by name in profiles/; one line naming the flag if it cannot be read."""
+    path = profile_path(name)
+    known = sorted(os.listdir(PROFILES)) if os.path.isdir(PROFILES) else []
+    require(os.path.isfile(path), FLAG, name, f"no such profile (a JSON file, or one of {', '.join(known)})")
+    try:
+        return Profile.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(FLAG, name, f"not a readable profile: {e}") from None

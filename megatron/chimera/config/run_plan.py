@@ -97,7 +97,8 @@ def resolved_schedule(args) -> str:
         return args.pipeline_schedule
     text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
     more_stages = text is not None and len(layouts.parse(text).stages) > pp
-    return "megatron-interleaved" if args.num_layers_per_virtual_pipeline_stage or more_stages else "megatron-1f1b"
+    chunks = args.num_layers_per_virtual_pipeline_stage or (args.num_virtual_stages_per_pipeline_rank or 0) > 1
+    return "megatron-interleaved" if chunks or more_stages else "megatron-1f1b"
 
 
 def given_options(args) -> dict:
@@ -106,11 +107,14 @@ def given_options(args) -> dict:
 
 
 def interleaved_chunks(args) -> int | None:
-    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage gives, if set; under the
-    interleaved schedules, a --pipeline-model-parallel-layout's stages over PP (Megatron-LM's rule)."""
+    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage (or, with uneven first and last
+    stages, --num-virtual-stages-per-pipeline-rank) gives, if set; under the interleaved schedules, a
+    --pipeline-model-parallel-layout's stages over PP (Megatron-LM's rule)."""
     text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
     if text is not None and resolved_schedule(args) in INTERLEAVED:
         return max(1, len(layouts.parse(text).stages) // pp)
+    if args.num_virtual_stages_per_pipeline_rank:  # kept only with first/last counts (arguments.py)
+        return args.num_virtual_stages_per_pipeline_rank
     v = args.num_layers_per_virtual_pipeline_stage
     return args.num_layers // (args.pipeline_model_parallel_size * v) if v else None
 

@@ -47,7 +47,6 @@ class Runtime:
     stage_groups: dict = field(default_factory=dict)
     embedding_group: object = None
     embedding_stages: tuple[int, ...] = (0,)  # the stages holding a copy of the word embedding
-    embedding_copies: int = 1  # copies of the word embedding per pipeline (ir.layout.Layout.embedding_copies)
     expert_groups: dict = field(default_factory=dict)  # stage -> its expert replica group (expert parallelism)
     expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
@@ -151,7 +150,7 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
     stages = rt.model_stages
     tied = not args.untie_embeddings_and_output_weights
-    rt.embedding_stages, rt.embedding_copies = plan.layout.embedding_stages(tied), plan.layout.embedding_copies(tied)
+    rt.embedding_stages = plan.layout.embedding_stages(tied)
     # Every rank creates every group, in the same order; each keeps the ones it belongs to. A group
     # does not inherit init_process_group's timeout (gloo's default is 30 min): pass it explicitly.
     new_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731

@@ -16,8 +16,10 @@ class ScheduleMismatch(ConfigError):
 
 def schedule_digest(plan) -> str:
     """A short hash of everything the ranks must agree on: the lowered lists, or for megatron-core's
-    schedules the placement and micro-batches."""
+    schedules the placement and micro-batches; and the layout (--balance-pipeline-layout computes it
+    on every rank)."""
     text = plan.lowered.dumps() if plan.lowered is not None else repr((plan.placement, plan.microbatches))
+    text += str(plan.layout)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

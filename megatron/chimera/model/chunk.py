@@ -64,7 +64,8 @@ def _layer_spec(args, config, device: torch.device):
 
     if config.num_layers == 0:  # a stage of only E, m or L: the block's final norm and no layer
         probe = dataclasses.replace(config, num_layers=1, **({"moe_layer_freq": 1} if config.num_moe_experts else {}))
-        return dataclasses.replace(_layer_spec(args, probe, device), layer_specs=[])
+        spec = _layer_spec(args, probe, device)  # a block (local norms, MoE), or Transformer Engine's layer
+        return dataclasses.replace(spec, layer_specs=[]) if hasattr(spec, "layer_specs") else _block([])
     te = uses_transformer_engine(args, device.type)
     if config.num_moe_experts is not None:
         specs = get_gpt_decoder_layer_specs(config, te, normalization=args.normalization)

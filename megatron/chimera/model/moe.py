@@ -75,12 +75,14 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
 
 
 def fresh_metrics(args, slots: int) -> None:
-    """A new trainer starts an empty tracker whose entries all have ``slots`` slots (the most layers,
+    """A new trainer starts empty trackers: the MoE one's entries all have ``slots`` slots (the most layers,
     MTP included, that one chunk numbers): the routers would size an entry by the first chunk that
     records, and under an uneven layout the pipeline ranks' entries must still match to be summed."""
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first MTP loss: a new trainer may have other depths
     for name in _tracked(args):
         get_moe_metrics_tracker().ensure_initialized(name, slots)
 

@@ -6,9 +6,10 @@ Per rank, a stage's copy accumulates its gradient into one flat fp32 buffer; the
 (G the group's size) is its shard. A reduce-scatter, started as soon as the copy's last backward ends,
 leaves the group's sum in each shard; each rank steps only the parameter pieces inside its shard (their
 fp32 main weights and AdamW moments exist only there), and an all-gather gives every copy the updated
-weights. The tied word embedding, held by the first and last stages, is one more bucket over its group,
-and so are each stage's routed experts under expert parallelism, over the stage's expert replica group
-(their copies: the same experts in every pipeline and expert-data-parallel replica).
+weights. The word embedding's copies (the first stage's, the tied output layer, a stage of MTP layers)
+are one more bucket over their group, and so are each stage's routed experts under expert parallelism,
+over the stage's expert replica group (their copies: the same experts in every pipeline and
+expert-data-parallel replica).
 
 Why not megatron-core's DistributedOptimizer: it shards over the data-parallel group of one model
 replica, so it cannot see the second copy of a stage, which lives on another pipeline rank. torch's

@@ -135,7 +135,7 @@ def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
     for c in chunks.values():
         for p in c:
             shared = tied and p.global_name == TIED_NAME
-            per_param[id(p)] = (pipelines * (runtime.embedding_copies if shared else 1)
+            per_param[id(p)] = (pipelines * (len(runtime.embedding_stages) if shared else 1)
                                 * (runtime.expert_share if is_expert(p) else 1))
     return per_param
 
