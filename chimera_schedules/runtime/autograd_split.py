@@ -12,9 +12,14 @@ nothing else. Gradients land in ``param.grad`` through torch's own accumulation,
 (mixed precision, the distributed optimizer's buffers) see them exactly as after a whole backward.
 
 The graph, and so every activation of the micro-batch, is kept from I until W ends.
+
+Layers that split their own backward (Transformer Engine's with ``delay_wgrad_compute``: the backward
+queues their weight-gradient GEMMs, ``backward_dw()`` runs them) mark their parameters with that call
+(``param.delayed_wgrad``). Then I is the whole backward, which frees the graph, and W is the calls.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +79,11 @@ class _Restart:
 
 
 class WeightPass:
-    """The W half of one micro-batch's backward through one stage copy."""
+    """The W half of one micro-batch's backward through one stage copy: restarts of its graph, or the
+    delayed weight-gradient calls of its layers (each with its parameters), run last layer first."""
 
-    def __init__(self, restarts: list[_Restart]):
-        self.restarts = restarts
+    def __init__(self, restarts: list[_Restart], delayed: list[tuple[Callable[[], None], list]] = ()):
+        self.restarts, self.delayed = restarts, list(delayed)
 
     def run(self) -> None:
         for r in self.restarts:
@@ -85,7 +91,36 @@ class WeightPass:
             if edges:
                 torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], retain_graph=True,
                                         inputs=r.params)
-        self.restarts = []  # frees the graph and the kept gradients
+        for compute, params in reversed(self.delayed):
+            _accumulate_delayed(compute, params)
+        self.restarts, self.delayed = [], []  # frees the graph and the kept gradients
+
+
+def _delayed(params: list[torch.Tensor]) -> list[tuple[Callable[[], None], list]]:
+    """The parameters' delayed weight-gradient calls, each with the parameters it computes, in the order
+    of the parameters (the chunk's: its layers')."""
+    calls: dict = {}
+    for p in params:
+        compute = getattr(p, "delayed_wgrad", None)
+        if compute is not None:
+            calls.setdefault(compute, []).append(p)
+    return list(calls.items())
+
+
+def _accumulate_delayed(compute: Callable[[], None], params: list) -> None:
+    """Run one delayed weight-gradient call and hand what it leaves in ``.grad`` to torch's own accumulation
+    (a leaf's backward), so that it adds to the gradient and runs its hooks as a whole backward would.
+    Transformer Engine assigns ``.grad`` instead (2.3 to 2.7: only an empty one) and runs no hooks; what it
+    adds into ``main_grad`` itself (gradient-accumulation fusion) needs nothing more."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    compute()
+    fresh = [(p, p.grad) for p in params if p.grad is not None]
+    for p, grad in zip(params, held):
+        p.grad = grad
+    if fresh:
+        torch.autograd.backward([p for p, _ in fresh], [g for _, g in fresh])
 
 
 def graph_root(output: torch.Tensor):
@@ -98,9 +133,13 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: to
                    params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightPass]:
     """I: the gradient of ``boundary`` (the stage input, or the first stage's embedding output), and
     the W pass that completes the backward. ``grad`` is None for a loss. Without a boundary (a first
-    stage whose embedding was not found) nothing is sent upstream and W runs the whole backward."""
+    stage whose embedding was not found) nothing is sent upstream and W runs the whole backward. Where
+    parameters carry ``delayed_wgrad``, I is the whole backward and W their delayed calls."""
     if grad is None:
         grad = torch.ones_like(output)
+    delayed = _delayed(params)
+    if delayed:
+        return _whole_backward(output, grad, boundary, params), WeightPass([], delayed)
     if boundary is None:
         return None, WeightPass([_Restart(output.grad_fn, params, {output.output_nr: grad})])
     root, start = output.grad_fn, _node(boundary)
@@ -124,6 +163,19 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, boundary: to
         if r.node is start:  # the boundary's own node does not run in I: what it receives is dx
             r.grads[boundary.output_nr] = dx
     return dx, WeightPass(restarts)
+
+
+def _whole_backward(output: torch.Tensor, grad: torch.Tensor, boundary: torch.Tensor | None,
+                    params: list) -> torch.Tensor | None:
+    """I where the layers delay their own weight gradients: the whole backward, every other gradient
+    accumulated as usual; the boundary's gradient (None without a boundary)."""
+    if boundary is None:
+        torch.autograd.backward(graph_root(output), grad, inputs=params)
+        return None
+    held, boundary.grad = boundary.grad, None
+    torch.autograd.backward(graph_root(output), grad, inputs=[boundary, *params])
+    dx, boundary.grad = boundary.grad, held
+    return dx
 
 
 def _input_gradient(output: torch.Tensor, grad: torch.Tensor, boundary: torch.Tensor, eager: list) -> torch.Tensor:

@@ -15,11 +15,16 @@ import torch
 from chimera_schedules import ConfigError, ScheduleSpec, check
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
-from chimera_schedules.registry import check_options
+from chimera_schedules.registry import build_spec, check_options
 
 from ..data.tokenizer import build_tokenizer
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
-from ..model.chunk import uses_transformer_engine
+from ..model.chunk import (
+    delayed_wgrad_te,
+    delays_weight_gradients,
+    transformer_engine_version,
+    uses_transformer_engine,
+)
 from .balanced_layout import balanced_layout
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .run_plan import (
@@ -194,10 +199,6 @@ def _validate_run(args) -> None:
             True, "is for the CPU (gloo): on a GPU, run NCCL itself")
     require(not args.p2p_host_staging or torch.cuda.is_available(), "--p2p-host-staging", True,
             "needs a CUDA device (it stages GPU tensors through host memory)")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    require(not (args.split_backward and uses_transformer_engine(args, device_type)), "--transformer-impl",
-            args.transformer_impl, "Transformer Engine's fused linears compute the input and "
-            "weight gradients together, which --split-backward separates: give --transformer-impl local")
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None, "--recompute-method", None,
                 "--recompute-granularity full needs uniform or block")
@@ -237,12 +238,32 @@ def _validate_layout(args) -> None:
     _check_mtp(args, stage_layout(args, stages), request)
     if request is not None:
         _check_request(args, request)
+        _check_split_backward(args, request)
     if args.chimera_concat == "halving":
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
     args.fresh_start = None
     if args.load and _first_launch(args):
         args.fresh_start, args.load = args.load, None
+
+
+def _check_split_backward(args, request: ScheduleSpec) -> None:
+    """A schedule with a split backward (I and W passes: asked with --split-backward, or DualPipe's own)
+    runs Transformer Engine's layers with their weight gradients delayed to W (delay_wgrad_compute and
+    backward_dw(), from the release ``delayed_wgrad_te`` names); with an older one, it is refused. Whether
+    the schedule splits is read from its IR, as the run plan reads it (so only with an older Transformer
+    Engine on a GPU is a schedule generated here as well as by the run plan)."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not uses_transformer_engine(args, device_type) or delays_weight_gradients(args):
+        return
+    splits = request.split_backward or build_spec(request).split_backward
+    asked = " --split-backward" if request.split_backward else ""
+    require(not splits, "--transformer-impl", args.transformer_impl,
+            f"Transformer Engine's fused linears compute the input and weight gradients together, which "
+            f"--pipeline-schedule {request.schedule}{asked} separates: that needs Transformer Engine "
+            f"{delayed_wgrad_te(args)} or later (delay_wgrad_compute under these flags; installed: "
+            f"{transformer_engine_version()}); "
+            "upgrade it, or give --transformer-impl local")
 
 
 def _check_mtp(args, held, request) -> None:

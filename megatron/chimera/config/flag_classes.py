@@ -42,7 +42,8 @@ HONOURED = _flags("""
     --save-interval --persistent-save-interval --load --finetune --exit-on-missing-checkpoint --ckpt-format
     --no-load-optim --no-load-rng --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
-    --num-virtual-stages-per-pipeline-rank --overlap-param-gather --use-distributed-optimizer --eval-iters
+    --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
+    --eval-iters
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
     --tokenizer-model --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
@@ -55,6 +56,8 @@ HONOURED = _flags("""
     --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-layer-recompute
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
     --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm
+    --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
+    --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm
 """)
 
 NO_EFFECT = {
@@ -79,9 +82,7 @@ NO_EFFECT = {
         --moe-permute-fusion --moe-router-fusion
     """),
     "a fused GPU kernel; the CPU path and megatron-core's local layer spec run without it": _flags("""
-        --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
-        --no-rope-fusion --use-flash-attn --no-persist-layer-norm --no-gradient-accumulation-fusion
-        --disable-jit-fuser
+        --use-flash-attn --disable-jit-fuser
     """),
     "models are always megatron-core's": _flags("""
         --use-mcore-models
@@ -100,9 +101,6 @@ NO_EFFECT = {
     """),
     "torchrun's LOCAL_RANK picks the device": _flags("""
         --local-rank
-    """),
-    "each stage's gradients are reduced as soon as all its copies are done": _flags("""
-        --overlap-grad-reduce
     """),
     'samples are read in the training process, without DataLoader workers': _flags("""
         --num-workers

@@ -53,6 +53,103 @@ def _transformer_engine_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def transformer_engine_version() -> str:
+    """The installed Transformer Engine's version as megatron-core reads it ("0.0.0" without one)."""
+    from megatron.core.utils import get_te_version
+
+    return str(get_te_version())
+
+
+def te_at_least(version: str) -> bool:
+    """Whether the installed Transformer Engine is ``version`` or later, as megatron-core's own checks ask."""
+    from packaging.version import Version
+
+    return Version(transformer_engine_version()) >= Version(version)
+
+
+def delayed_wgrad_te(args) -> str:
+    """The Transformer Engine release whose layers can run a split backward (B with their weight gradients
+    delayed, W as their ``backward_dw()``) under these flags, by Megatron-LM's own rule for
+    delay_wgrad_compute: 2.3 brought it; 2.7 without gradient-accumulation fusion (before it, TE hands
+    autograd uninitialised weight-gradient buffers in B, which a hook would add); 2.8 with
+    --overlap-grad-reduce."""
+    if args.overlap_grad_reduce:
+        return "2.8.0"
+    return "2.3.0" if args.gradient_accumulation_fusion else "2.7.0"
+
+
+def delays_weight_gradients(args) -> bool:
+    return te_at_least(delayed_wgrad_te(args))
+
+
+# the two kernels megatron-core's FusedScaleMaskSoftmax imports: causal, and with an explicit mask
+SOFTMAX_KERNELS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda")
+
+
+def _kernel_installed(module: str) -> bool:
+    """Whether a compiled extension megatron-core imports for a fused kernel (apex's) is installed."""
+    return importlib.util.find_spec(module) is not None
+
+
+def megatron_fusions(args) -> dict[str, bool]:
+    """The fusion fields of TransformerConfig as Megatron-LM's core_transformer_config_from_args sets them
+    from the flags (after its validate_args, which turns bias-GELU fusion off without biases and RoPE
+    fusion off without RoPE): Megatron-LM's values on a GPU."""
+    return {"gradient_accumulation_fusion": args.gradient_accumulation_fusion,  # --no-gradient-accumulation-fusion
+            # --no-bias-swiglu-fusion, --no-bias-gelu-fusion
+            "bias_activation_fusion": args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
+            "bias_dropout_fusion": args.bias_dropout_fusion,  # --no-bias-dropout-fusion
+            "apply_rope_fusion": args.apply_rope_fusion,  # --no-rope-fusion
+            "masked_softmax_fusion": args.masked_softmax_fusion,  # --no-masked-softmax-fusion
+            "persist_layer_norm": not args.no_persist_layer_norm}  # --no-persist-layer-norm
+
+
+def fusions_off(args, device_type: str, split_backward: bool = False) -> dict[str, str]:
+    """Each fusion the flags ask for that stays off here, and why: on the CPU all of them (their kernels
+    are CUDA's); on a GPU those megatron-core cannot run here (its kernel is not installed, or its own
+    rules exclude the case: Megatron-LM fails on these instead), and the gradient-accumulation fusion of
+    megatron-core's local linears under a split backward, which multiply with torch's own ops there
+    (``_splittable_linears``) so that I and W each compute only their part."""
+    asked = [field for field, on in megatron_fusions(args).items() if on]
+    if device_type != "cuda":
+        return dict.fromkeys(asked, "on the CPU: their kernels are CUDA's")
+    te = uses_transformer_engine(args, device_type)
+    missing = {"gradient_accumulation_fusion": _gradient_accumulation_fusion_missing(te, split_backward),
+               "apply_rope_fusion": _rope_fusion_missing(args),
+               "masked_softmax_fusion": None if te or all(map(_kernel_installed, SOFTMAX_KERNELS))
+               else "megatron-core's local attention needs apex's fused softmax",
+               "persist_layer_norm": None if te or _kernel_installed("apex")
+               else "megatron-core's local norms without apex are torch's, which have no persistent kernel"}
+    return {field: missing[field] for field in asked if missing.get(field)}
+
+
+def _gradient_accumulation_fusion_missing(te: bool, split_backward: bool) -> str | None:
+    if split_backward and not te:
+        return "a split backward's local linears multiply with torch's own ops"
+    if not _kernel_installed("fused_weight_gradient_mlp_cuda"):  # the output layer is always megatron-core's
+        return "megatron-core's linears need apex's fused_weight_gradient_mlp_cuda"
+    return None
+
+
+def _rope_fusion_missing(args) -> str | None:
+    """megatron-core's own rules for apply_rope_fusion (TransformerConfig, MLATransformerConfig)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        return "needs Transformer Engine's fused RoPE"
+    if args.multi_latent_attention and args.rope_type == "rope":
+        return "megatron-core fuses multi-latent attention's RoPE for YaRN only"
+    if args.rotary_interleaved and not args.multi_latent_attention and not te_at_least("2.3.0"):
+        return "interleaved RoPE needs Transformer Engine 2.3 or later"
+    return None
+
+
+def fusion_fields(args, device_type: str, split_backward: bool = False) -> dict[str, bool]:
+    """The fusion fields of a chunk's TransformerConfig: Megatron-LM's, but those ``fusions_off`` keeps off."""
+    off = fusions_off(args, device_type, split_backward)
+    return {field: on and field not in off for field, on in megatron_fusions(args).items()}
+
+
 def _layer_spec(args, config, device: torch.device):
     """Transformer Engine's spec where ``uses_transformer_engine``, megatron-core's local spec otherwise;
     with --num-experts, each layer dense or mixture-of-experts as ``config.moe_layer_freq`` says."""
@@ -63,7 +160,9 @@ def _layer_spec(args, config, device: torch.device):
     )
 
     if config.num_layers == 0:  # a stage of only E, m or L: the block's final norm and no layer
-        probe = dataclasses.replace(config, num_layers=1, **({"moe_layer_freq": 1} if config.num_moe_experts else {}))
+        # (delay_wgrad_compute, set after construction, would fail the probe's __post_init__)
+        probe = dataclasses.replace(config, num_layers=1, delay_wgrad_compute=False,
+                                    **({"moe_layer_freq": 1} if config.num_moe_experts else {}))
         spec = _layer_spec(args, probe, device)  # a block (local norms, MoE), or Transformer Engine's layer
         return dataclasses.replace(spec, layer_specs=[]) if hasattr(spec, "layer_specs") else _block([])
     te = uses_transformer_engine(args, device.type)
@@ -191,19 +290,23 @@ def _experts(args, num_layers: int, first_layer: int, transformer_engine: bool) 
             "moe_layer_recompute": args.moe_layer_recompute}
 
 
-def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_engine: bool = False):
+def transformer_config(args, num_layers: int, first_layer: int = 0, device_type: str = "cpu",
+                       split_backward: bool = False):
     """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model
-    (megatron-core's MLA config with --multi-latent-attention)."""
+    (megatron-core's MLA config with --multi-latent-attention), for a chunk on ``device_type`` in a run
+    whose plan splits its backward or not."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    transformer_engine = uses_transformer_engine(args, device_type)
     architecture = {name: getattr(args, name) for name in ARCHITECTURE}
     config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
     if args.multi_latent_attention:
         architecture.update(_latent_attention(args))
     architecture.update(_experts(args, num_layers, first_layer, transformer_engine))
+    architecture.update(fusion_fields(args, device_type, split_backward))
     from megatron.core.utils import init_method_normal
 
-    return config_class(
+    config = config_class(
         num_layers=num_layers,
         # Megatron's scaled init counts the whole model's layers (and a stage may hold none); init_chunk
         # redraws every tensor anyway
@@ -227,7 +330,6 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_
         # megatron-core's own init also sets the tensor-parallel attributes (partition_dim, ...) that
         # init_chunk and the gradient norm rely on; init_chunk then redraws every tensor.
         perform_initialization=True,
-        gradient_accumulation_fusion=False,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
@@ -237,6 +339,11 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, transformer_
         # the layers' own backend, which multi-latent attention reads to pick its projections
         transformer_impl="transformer_engine" if transformer_engine else "local",
     )
+    # A split backward with Transformer Engine's layers: B queues their weight-gradient GEMMs and W runs them
+    # (_delayed_weight_gradients). Set after construction: megatron-core's __post_init__ allows the field
+    # only with its own combined-1F1B overlap (--overlap-moe-expert-parallel-comm); our executor runs W itself.
+    config.delay_wgrad_compute = split_backward and transformer_engine
+    return config
 
 
 def build_chunk(args, plan, stage: int, device: torch.device):
@@ -247,7 +354,7 @@ def build_chunk(args, plan, stage: int, device: torch.device):
 
     held, te = plan.layout.stages[stage], uses_transformer_engine(args, device.type)
     first = plan.layout.first_layer(stage)
-    config = transformer_config(args, held.layers, first, te)
+    config = transformer_config(args, held.layers, first, device.type, plan.split_backward)
     with _one_stage_view():
         model = GPTModel(
             config,
@@ -260,7 +367,7 @@ def build_chunk(args, plan, stage: int, device: torch.device):
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
-            mtp_block_spec=_mtp_block_spec(args, config, device) if held.mtp else None,
+            mtp_block_spec=_mtp_block_spec(args, config, device, plan.split_backward) if held.mtp else None,
         )
     if args.mtp_num_layers and not plan.layout.holds_last_layer(stage):
         model.decoder.final_layernorm = None  # with MTP, megatron-core puts it after the last layer only
@@ -272,7 +379,7 @@ def build_chunk(args, plan, stage: int, device: torch.device):
     mark_tensor_parallel_sums(model, model.config)
     init_chunk(model, args, first)
     if plan.split_backward:
-        _splittable_linears(model)
+        (_delayed_weight_gradients if te else _splittable_linears)(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
 
 
@@ -293,13 +400,13 @@ def _one_stage_view():
         parallel_state.set_pipeline_model_parallel_rank(None)
 
 
-def _mtp_block_spec(args, config, device: torch.device):
+def _mtp_block_spec(args, config, device: torch.device, split_backward: bool):
     """megatron-core's MTP block, its layer shaped like the model's last layer (dense or MoE), as
     Megatron-LM's GPT builder builds it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     te = uses_transformer_engine(args, device.type)
-    last = transformer_config(args, 1, args.num_layers - 1, te)
+    last = transformer_config(args, 1, args.num_layers - 1, device.type, split_backward)
     return get_gpt_mtp_block_spec(config, _layer_spec(args, last, device), use_transformer_engine=te)
 
 
@@ -318,13 +425,28 @@ def mark_tensor_parallel_sums(model, config) -> None:
 def _splittable_linears(model) -> None:
     """Under a split backward, megatron-core's local linear layers multiply with torch's own ops.
     megatron-core's fused linear function computes the input and the weight gradient together, so I
-    and W would each compute both; torch's matmul computes only what each pass asks for.
-    Transformer Engine's layers are not these classes and keep their own path."""
+    and W would each compute both; torch's matmul computes only what each pass asks for (and so no
+    gradient-accumulation fusion, which ``fusions_off`` keeps off for these chunks). Transformer Engine's
+    layers are not these classes: ``_delayed_weight_gradients`` splits theirs."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module._forward_impl = _linear
+
+
+def _delayed_weight_gradients(model) -> None:
+    """Under a split backward, Transformer Engine's layers (config.delay_wgrad_compute) queue their
+    weight-gradient GEMMs during the backward and run them in ``backward_dw()``; each of their parameters
+    carries that call as ``delayed_wgrad``, which makes the executor's I the whole backward and its W the
+    calls, last layer first (chimera_schedules/runtime/autograd_split.py). Untested with Transformer Engine
+    itself (none is installed where the tests run): tests/unit/test_fusions.py stands in for its layers."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    for module in model.modules():
+        if isinstance(module, TransformerEngineBaseModule):
+            for param in module.parameters(recurse=False):
+                param.delayed_wgrad = module.backward_dw
 
 
 def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, **_):

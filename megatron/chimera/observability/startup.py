@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.run_plan import PROOF_MODE
+from ..model.chunk import fusions_off
 
 
 def print_building(args, transformer_engine: bool) -> None:
@@ -18,6 +19,23 @@ def print_building(args, transformer_engine: bool) -> None:
     if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
+    _print_fusions_off(args)
+
+
+def _print_fusions_off(args) -> None:
+    """One line for every fusion Megatron-LM would run with these flags that stays off here, by reason
+    (model/chunk.py's ``fusions_off``): all of them on the CPU."""
+    reasons: dict[str, list[str]] = {}
+    for field, reason in fusions_off(args, _training_device(args)).items():
+        reasons.setdefault(reason, []).append(field)
+    if reasons:
+        print(" > fusions kept off: " + "; ".join(f"{', '.join(fields)} ({reason})"
+                                                  for reason, fields in reasons.items()), flush=True)
+
+
+def _training_device(args) -> str:
+    """The device init_distributed trains on: the CPU where it runs gloo without --p2p-host-staging."""
+    return "cpu" if dist.get_backend() == "gloo" and not args.p2p_host_staging else "cuda"
 
 
 def print_layout(args, plan) -> None:
@@ -52,13 +70,15 @@ def print_schedule_proof(plan, digest: str) -> None:
 
 
 def print_warm_up(warmed, seconds: float, rt) -> None:
-    """Once, by rank 0: the communicators created before iteration 1, the most on any rank
-    (collective: every rank calls it)."""
-    counts = torch.tensor([warmed.collectives, warmed.pairs], device=rt.comm_device or rt.device)
+    """Once, by rank 0: the communicators created before iteration 1, the most on any rank, and how
+    many collective ones there would be if groups with one rank set did not share one (collective:
+    every rank calls it)."""
+    counts = torch.tensor([warmed.collectives, warmed.unshared, len(warmed.pairs)], device=rt.comm_device or rt.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f" > communicators created before iteration 1: up to {int(counts[0])} collective groups and "
-              f"{int(counts[1])} p2p pairs per rank, in {seconds:.2f} s", flush=True)
+        print(f" > communicators created before iteration 1: up to {int(counts[0])} collective groups "
+              f"({int(counts[1])} without sharing) and {int(counts[2])} p2p pairs per rank, in {seconds:.2f} s",
+              flush=True)
 
 
 FIELDS = ("parameters", "main parameters", "gradients", "optimizer")

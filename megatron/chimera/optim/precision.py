@@ -6,6 +6,9 @@ Every backward adds its half-precision gradient into the fp32 main parameter's g
 gradients accumulate over micro-batches and reduce over stage copies in fp32: Megatron-LM's
 --accumulate-allreduce-grads-in-fp32. That keeps layouts apart only by fp32 rounding; fp16 sums in
 each layout's own order would differ by far more. In fp32 the main parameters are the model's own.
+
+With Megatron-LM's gradient-accumulation fusion (on a GPU) the fused weight-gradient kernels add into
+``param.main_grad`` themselves: here the main parameter's fp32 gradient (``MainParams._point_main_grads``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class MainParams:
     def __init__(self, chunks: dict):
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self.by_chunk = {key: [self._main(p) for p in chunk.parameters()] for key, chunk in chunks.items()}
+        self.fused = {key: chunk for key, chunk in chunks.items() if chunk.config.gradient_accumulation_fusion}
 
     def _main(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if param.dtype == torch.float32:
@@ -29,9 +33,22 @@ class MainParams:
         main = torch.nn.Parameter(param.detach().float())
         main.__dict__.update(param.__dict__)  # global_name, tensor-parallel and sequence-parallel marks
         param.main_param = main
+        param.grad_added_to_main_grad = False
         param.register_post_accumulate_grad_hook(_accumulate_into_main)
         self.pairs.append((param, main))
         return main
+
+    def _point_main_grads(self) -> None:
+        """Under gradient-accumulation fusion, each parameter's ``main_grad`` is its main parameter's fp32
+        gradient, a view of the replica sync's persistent buffer (in fp32 the model's own ``.grad``), which
+        exists only once the replica sync is built, after this; the tied embedding, which it keeps no
+        buffer for, gets its persistent gradient here. fp32 parameters have no hook that could skip a
+        placeholder gradient, so they get no ``grad_added_to_main_grad`` and the kernels hand autograd none."""
+        for key, chunk in self.fused.items():
+            for param, main in zip(chunk.parameters(), self.by_chunk[key]):
+                if main.grad is None:
+                    main.grad = torch.zeros_like(main)
+                param.main_grad = main.grad
 
     def all(self) -> list[torch.nn.Parameter]:
         return [p for params in self.by_chunk.values() for p in params]
@@ -62,8 +79,10 @@ class MainParams:
         """Nothing is ever pending: the optimizer steps the weights in place or copies them at once."""
 
     def zero_grad(self, optimizer) -> None:
-        """In place: the gradients are views into the replica sync's persistent buffers."""
+        """In place: the gradients are views into the replica sync's persistent buffers. Each iteration
+        starts here, so the fused kernels' targets are pointed here too."""
         optimizer.zero_grad(set_to_none=False)
+        self._point_main_grads()
 
     def grad_norm(self, runtime, tied: bool) -> float:
         return global_grad_norm(self.by_chunk, runtime, tied)
@@ -98,13 +117,25 @@ class MainParams:
         return sum(m.numel() * 4 for _, m in self.pairs), sum(p.numel() * 4 for p in self.all())
 
 
+def unfused_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """What a post-accumulate-grad hook must still add of ``param.grad`` into the fp32 main gradient, by
+    megatron-core's DDP rule. Nothing where a fused weight-gradient kernel (apex's under megatron-core's
+    linears, Transformer Engine's) added into ``param.main_grad`` itself and handed autograd a placeholder
+    (``grad_added_to_main_grad``), unless megatron-core zeroed the placeholder (``zero_out_wgrad``: a tied
+    weight, whose other use's gradient autograd sums into it). Nothing where autograd got no gradient at
+    all (a fused kernel without the flag, or a weight gradient delayed to W): the hook fires all the same."""
+    if param.grad is None or (param.grad_added_to_main_grad and not getattr(param, "zero_out_wgrad", False)):
+        return None
+    return param.grad
+
+
 def _accumulate_into_main(param: torch.nn.Parameter) -> None:
-    main = param.main_param
-    if main.grad is None:
-        main.grad = param.grad.float()
-    else:
-        main.grad.add_(param.grad)
-    param.grad = None
+    grad, main = unfused_gradient(param), param.main_param
+    if grad is not None and main.grad is None:
+        main.grad = grad.float()
+    elif grad is not None:
+        main.grad.add_(grad)
+    param.grad, param.grad_added_to_main_grad = None, False
 
 
 class LossScaler:

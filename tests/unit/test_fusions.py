@@ -1,0 +1,296 @@
+"""Megatron-LM's fusion flags set a chunk's TransformerConfig as Megatron-LM sets it on a GPU; the fused
+weight-gradient kernels' contract (add into ``main_grad``, flag ``grad_added_to_main_grad``) loses and
+doubles no gradient under two copies and the distributed optimizer; and Transformer Engine's split of
+the backward (delay_wgrad_compute, backward_dw) runs as the executor's I and W. Neither Transformer
+Engine nor apex is installed here: stand-ins play their kernels and their availability."""
+import sys
+import types
+
+import pytest
+import torch
+from packaging.version import Version
+
+from chimera_schedules.runtime.autograd_split import backward_input
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.distributed.process_groups import Runtime
+from megatron.chimera.model import chunk
+from megatron.chimera.optim.distributed_optimizer import ShardedMainParams, _accumulate
+from megatron.chimera.optim.gradients import ReplicaGradSync
+from megatron.chimera.optim.precision import MainParams
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", "128"]
+FUSIONS = tuple(chunk.megatron_fusions(parse_args(BASE)))
+
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """A GPU with apex and Transformer Engine (at ``version``) as far as the config builder asks."""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(chunk, "_kernel_installed", lambda module: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
+
+    def version(v: str):
+        monkeypatch.setattr(utils, "get_te_version", lambda: Version(v))
+
+    version("2.3.0")
+    return version
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--no-gradient-accumulation-fusion"], ["--no-bias-gelu-fusion"], ["--no-bias-dropout-fusion"],
+    ["--no-rope-fusion"], ["--no-masked-softmax-fusion"], ["--no-persist-layer-norm"], ["--disable-bias-linear"],
+    ["--swiglu"], ["--swiglu", "--no-bias-swiglu-fusion"], ["--swiglu", "--no-bias-gelu-fusion"],
+])
+def test_fusion_fields_on_a_gpu_are_megatron_lms(gpu_kernels, extra):
+    """Each chunk's config, Transformer Engine's and local layers', against Megatron-LM 0.19's own
+    core_transformer_config_from_args for the same flags (RoPE, so that its fusion applies)."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = parse_args(BASE + ["--position-embedding-type", "rope"] + extra, world_size=1)
+    megatron = core_transformer_config_from_args(args)
+    for impl in ("transformer_engine", "local"):
+        args.transformer_impl = impl
+        ours = chunk.transformer_config(args, 2, 0, "cuda")
+        assert {f: getattr(ours, f) for f in FUSIONS} == {f: getattr(megatron, f) for f in FUSIONS}, impl
+        assert not ours.delay_wgrad_compute
+    assert megatron.gradient_accumulation_fusion == ("--no-gradient-accumulation-fusion" not in extra)
+
+
+def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process_group, capsys):
+    from megatron.chimera.observability.startup import print_building
+
+    args = parse_args(BASE + ["--no-rope-fusion"], world_size=1)
+    config = chunk.transformer_config(args, 2, 0, "cpu")
+    assert not any(getattr(config, f) for f in FUSIONS)
+    capsys.readouterr()
+    print_building(args, False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["building GPT model ...",
+                     " > fusions kept off: gradient_accumulation_fusion, bias_activation_fusion, bias_dropout_fusion, "
+                     "masked_softmax_fusion, persist_layer_norm (on the CPU: their kernels are CUDA's)"]
+
+
+def test_missing_gpu_kernels_and_a_split_backward_keep_their_fusions_off(gpu_kernels, monkeypatch):
+    """Where Megatron-LM would fail (apex or Transformer Engine's fused RoPE not installed), the fusion
+    stays off; local linears under a split backward multiply with torch's ops, without the fusion."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    args = parse_args(BASE + ["--position-embedding-type", "rope", "--transformer-impl", "local"], world_size=1)
+    assert chunk.transformer_config(args, 2, 0, "cuda").gradient_accumulation_fusion
+    assert "gradient_accumulation_fusion" in chunk.fusions_off(args, "cuda", split_backward=True)
+    assert not chunk.transformer_config(args, 2, 0, "cuda", split_backward=True).gradient_accumulation_fusion
+    monkeypatch.setattr(chunk, "_kernel_installed", lambda module: False)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    assert set(chunk.fusions_off(args, "cuda")) == {"gradient_accumulation_fusion", "apply_rope_fusion",
+                                                    "masked_softmax_fusion", "persist_layer_norm"}
+
+
+DUALPIPE = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipe", "--global-batch-size", "8"]
+
+
+def test_split_backward_with_transformer_engine_before_2_3_is_refused_in_one_line(gpu_kernels, capsys):
+    """Megatron-LM's rule for delay_wgrad_compute: 2.3, or 2.7 without gradient-accumulation fusion, or 2.8
+    with --overlap-grad-reduce."""
+    gpu_kernels("2.2.0")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + DUALPIPE, world_size=2)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("pretrain_gpt.py: error: --transformer-impl=transformer_engine: Transformer Engine's fused")
+    assert "--pipeline-schedule dualpipe separates" in err and "Transformer Engine 2.3.0 or later" in err
+    assert "installed: 2.2.0" in err
+    unsplit = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+    parse_args(BASE + unsplit, world_size=2)  # no split backward: accepted
+    parse_args(BASE + DUALPIPE + ["--transformer-impl", "local"], world_size=2)  # local layers split with torch
+    gpu_kernels("2.6.0")
+    parse_args(BASE + DUALPIPE, world_size=2)
+    for flag, needed in (("--no-gradient-accumulation-fusion", "2.7.0"), ("--overlap-grad-reduce", "2.8.0")):
+        with pytest.raises(SystemExit):
+            parse_args(BASE + DUALPIPE + [flag], world_size=2)
+        assert f"Transformer Engine {needed} or later" in capsys.readouterr().err
+
+
+def test_split_backward_with_transformer_engine_2_3_delays_its_weight_gradients(gpu_kernels):
+    args = parse_args(BASE + DUALPIPE, world_size=2)
+    plan = make_run_plan(args)
+    assert plan.split_backward  # read from the schedule's IR: DualPipe splits its own backward
+    config = chunk.transformer_config(args, 1, 0, "cuda", plan.split_backward)
+    assert config.delay_wgrad_compute and config.gradient_accumulation_fusion
+    assert not chunk.transformer_config(args, 1, 0, "cpu", plan.split_backward).delay_wgrad_compute
+
+
+# --- gradient-accumulation fusion: megatron-core's own linear with a stand-in for apex's kernel --------
+
+FUSED = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", "2",
+                # the other fusions' kernels are CUDA's
+                "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+                "--no-persist-layer-norm"]
+
+
+@pytest.fixture
+def apex_kernel(monkeypatch):
+    """apex's fused_weight_gradient_mlp_cuda as megatron-core's local linear calls it: the weight
+    gradient added into ``main_grad``, autograd handed a placeholder (NaN, as an uninitialised one may
+    be; zeros where megatron-core asks for them). Returns the calls made."""
+    from megatron.core.tensor_parallel import layers
+
+    calls = []
+
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        calls.append(main_grad.shape)
+        main_grad.add_(grad_output.t().matmul(total_input))
+
+    def dummy(shape, dtype, zero=False):
+        return torch.zeros(shape, dtype=dtype) if zero else torch.full(shape, float("nan"), dtype=dtype)
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda",
+                        types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32), raising=False)
+    monkeypatch.setattr(layers, "HAVE_TE", True)
+    monkeypatch.setattr(layers, "get_dummy_wgrad", dummy, raising=False)
+    return calls
+
+
+def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[torch.Tensor]:
+    """Stages 0 and 1 in this process, the tied word embedding a copy in each (the distributed
+    optimizer's tied bucket sums the two into one buffer), two micro-batches: the fp32 gradients the
+    optimizer steps."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
+    plan = make_run_plan(args)
+    with monkeypatch.context() as m:
+        if fused:
+            m.setattr(chunk, "fusions_off", lambda *a, **k: {})
+        chunks = {(0, s): chunk.build_chunk(args, plan, s, torch.device("cpu")) for s in (0, 1)}
+    assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values())
+    rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
+                 placement=plan.placement, held=list(chunks), embedding_stages=(0, 1))
+    if distributed:
+        main = sync = ShardedMainParams(chunks, rt, True)
+    else:
+        main = MainParams(chunks)
+        sync = ReplicaGradSync(main.by_chunk, rt)
+    main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
+    first, last = chunks[(0, 0)], chunks[(0, 1)]
+    for mb in range(2):
+        tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
+        last.set_input_tensor(first(tokens, torch.arange(16).expand(2, 16), None))
+        last(None, None, None, labels=tokens).float().sum().backward()
+    sync.finish()
+    return [p.grad.clone() for p in main.all()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
+                                                             precision):
+    args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
+    for distributed in (False, True):
+        reference = _main_gradients(args, False, distributed, monkeypatch)
+        assert not apex_kernel
+        fused = _main_gradients(args, True, distributed, monkeypatch)
+        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
+        apex_kernel.clear()
+        assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
+
+
+# --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------
+
+class _FakeTEModule(torch.nn.Module):
+    """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, for the marking."""
+
+
+class _Queued(torch.autograd.Function):
+    """Transformer Engine's linear under delay_wgrad_compute, in miniature: the backward computes the
+    input gradient and queues the weight gradient's GEMM; no weight gradient reaches autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        ctx.save_for_backward(x, weight)
+        ctx.layer = layer
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.layer.queue.append((x, grad))
+        return grad @ weight, None, None
+
+
+class DelayedLinear(_FakeTEModule):
+    """``backward_dw`` as Transformer Engine 2.3-2.7's: into ``main_grad`` when fused, else assigned to an
+    empty ``.grad`` only."""
+
+    def __init__(self, weight: torch.Tensor, fused: bool):
+        super().__init__()
+        self.weight, self.fused, self.queue = torch.nn.Parameter(weight.clone()), fused, []
+
+    def forward(self, x):
+        return _Queued.apply(x, self.weight, self)
+
+    def backward_dw(self):
+        x, grad = self.queue.pop(0)
+        wgrad = grad.t() @ x
+        if self.fused:
+            self.weight.main_grad.add_(wgrad)
+        elif self.weight.grad is None:
+            self.weight.grad = wgrad
+
+
+def _stack(weights, fused: bool | None):
+    """Delayed, plain, delayed layers (None: all plain, the reference)."""
+    layers = [torch.nn.Linear(4, 4, bias=False) if fused is None or i == 1 else DelayedLinear(w, fused)
+              for i, w in enumerate(weights)]
+    for layer, w in zip(layers, weights):
+        layer.weight.data.copy_(w)
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("gradients", ["persistent", "hook", "fused"])
+def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
+    """I is the whole backward with the stand-in layers' weight GEMMs queued, W their backward_dw, last
+    layer first; what they leave reaches the gradient as a whole backward's would: in a persistent
+    ``.grad`` (fp32 buffers), through the distributed optimizer's hook (``.grad`` None in I), or, fused,
+    straight into ``main_grad``."""
+    te = types.ModuleType("transformer_engine.pytorch.module.base")
+    te.TransformerEngineBaseModule = _FakeTEModule
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.module"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, te.__name__, te)
+    torch.manual_seed(0)
+    weights, inputs = [torch.randn(4, 4) for _ in range(3)], [torch.randn(5, 4) for _ in range(2)]
+    model, reference = _stack(weights, gradients == "fused"), _stack(weights, None)
+    chunk._delayed_weight_gradients(model)
+    params = list(model.parameters())
+    assert [hasattr(p, "delayed_wgrad") for p in params] == [True, False, True]
+    buffers = [torch.zeros(4, 4) for _ in params]
+    for p, buffer in zip(params, buffers):
+        if gradients == "persistent":
+            p.grad = buffer
+        else:
+            p.main_grad, p.grad_added_to_main_grad = buffer, False
+            p.register_post_accumulate_grad_hook(_accumulate)
+    passes, sent = [], []
+    for x in inputs:
+        x = x.clone().requires_grad_()
+        dx, weight_pass = backward_input(model(x).square().sum(), None, x, params)
+        sent.append(dx)
+        passes.append(weight_pass)
+    for weight_pass in passes:
+        weight_pass.run()
+    expected = []
+    for x in inputs:
+        x = x.clone().requires_grad_()
+        reference(x).square().sum().backward()
+        expected.append(x.grad)
+    assert all(torch.allclose(a, b) for a, b in zip(sent, expected))
+    assert all(torch.allclose(b, r.weight.grad) for b, r in zip(buffers, reference))
+    if gradients == "persistent":
+        assert all(p.grad is b for p, b in zip(params, buffers))
