@@ -43,7 +43,10 @@ QUICK = {"microbatches": [2, 4, 8], "stages": 2, "rounds": 3, "warmup": 2, "iter
 
 BENCHMARKED = ("gpipe", "1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best",
                "1f1b split", "chimera split", "dualpipe", "dualpipev")
-DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+DISTOPT = " +distopt"  # the same schedule with --use-distributed-optimizer --overlap-param-gather
+# Every case overlaps its gradient reductions with the backward, as Megatron-LM's recipes ask
+# (megatron-core's 1F1B and data parallelism through its no_sync/grad_sync hooks, ours at R actions)
+OVERLAP = ["--overlap-grad-reduce"]
 
 
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
@@ -65,7 +68,7 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
             out.append((name, n, batch + schedule_flags(spec, layers)))
             if (name.startswith("chimera") or name == "1f1b") and "split" not in name:
                 out.append((name + DISTOPT, n, batch + schedule_flags(spec, layers)
-                            + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]))
+                            + ["--use-distributed-optimizer", "--overlap-param-gather"]))
         out.append(("megatron-1f1b", n, batch + ["--pipeline-model-parallel-size", str(d),
                                                  "--pipeline-schedule", "megatron-1f1b"]))
         if n >= d:  # data parallelism over the same 2 ranks: the whole model on each
@@ -109,7 +112,8 @@ def _comm_costs(device):
 def _case_args(flags, cfg):
     from megatron.chimera import parse_args
 
-    return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + flags, world_size=2)
+    return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + OVERLAP + flags,
+                      world_size=2)
 
 
 def _timing(forward_step):

@@ -106,7 +106,9 @@ def sample(shape: tuple) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- ours
 class _ReplicaSum:
     """The GradSync protocol for the emulated stages: the copies of a stage sum their gradients with an
-    asynchronous all-reduce, finished at the flush (what the trainer's ReplicaGradSync does)."""
+    asynchronous all-reduce, finished at the flush (what the trainer's ReplicaGradSync does with
+    --overlap-grad-reduce, as Megatron-LM's recipes run; megatron-core's cases here hold one copy of each
+    stage, so they have nothing to reduce)."""
 
     def __init__(self, chunks: dict):
         self.chunks, self.pending = chunks, []

@@ -98,6 +98,17 @@ def test_the_hooks_see_every_iteration_and_every_action(results):
     assert [case for case in CASES if not results[case]["hooks_saw_everything"]] == []
 
 
+def test_gradient_reductions_start_as_overlap_grad_reduce_says(results):
+    """Megatron-LM's --overlap-grad-reduce under every schedule, ours and megatron-core's: with it every
+    stage copy's reduction has started before the flush (at its R action, or through megatron-core's
+    no_sync/grad_sync hooks); without it, Megatron-LM's default, none has."""
+    wrong = {case: results[case]["reductions_before_flush"] for case in CASES
+             if results[case]["reductions_before_flush"] != ("all" if results[case]["overlap_grad_reduce"] else "none")}
+    assert wrong == {}
+    assert {"megatron-1f1b D=2 DP=2 overlapped reduce", "chimera D=2 DP=2 overlapped reduce"} <= {
+        case for case in CASES if results[case]["overlap_grad_reduce"]}
+
+
 def readme_main_command() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         first_block = re.search(r"```bash\n(.*?)\n```", f.read(), re.S).group(1)
@@ -124,7 +135,9 @@ def test_readme_main_command_trains_chimera_with_decreasing_loss(tmp_path):
     proof = r" > schedule chimera-direct \(D=4, N=8, \w+ on every rank\): its training and forward-only lists " \
             r"complete under NCCL's rules \(nccl-single-queue\), proven in \d+\.\d\d s"
     assert len(re.findall(proof, proc.stdout)) == 1
-    # Chimera D=4, tied embedding: the world, two replica groups, the embedding group; end workers
-    # talk to one neighbour on two channels, interior ones to two
-    warm = r" > communicators created before iteration 1: up to 4 collective groups and 4 p2p pairs per rank, in"
+    # Chimera D=4, tied embedding: the world, the TP group (the cross entropy's, even at TP=1), and on the end
+    # workers stages 0 and 3 with the embedding as one group (one rank set); end workers talk to one
+    # neighbour on two channels, interior ones to two
+    warm = (r" > communicators created before iteration 1: up to 3 collective groups \(5 without sharing\) and 4 p2p "
+            r"pairs per rank, in")
     assert len(re.findall(warm, proc.stdout)) == 1

@@ -3,19 +3,19 @@
 Every copy of a stage ends an iteration with the same gradient, so its copies (pipelines x data-parallel
 replicas, the ranks of the stage's replica group) need one optimizer state between them, not one each.
 Per rank, a stage's copy accumulates its gradient into one flat fp32 buffer; the rank's 1/G slice of it
-(G the group's size) is its shard. A reduce-scatter, started as soon as the copy's last backward ends,
-leaves the group's sum in each shard; each rank steps only the parameter pieces inside its shard (their
-fp32 main weights and AdamW moments exist only there), and an all-gather gives every copy the updated
-weights. The word embedding's copies (the first stage's, the tied output layer, a stage of MTP layers)
-are one more bucket over their group, and so are each stage's routed experts under expert parallelism,
-over the stage's expert replica group (their copies: the same experts in every pipeline and
-expert-data-parallel replica).
+(G the group's size) is its shard. A reduce-scatter (started as soon as the copy's last backward ends
+with --overlap-grad-reduce, after the schedule without it) leaves the group's sum in each shard; each
+rank steps only the parameter pieces inside its shard (their fp32 main weights and AdamW moments exist
+only there), and an all-gather gives every copy the updated weights. The word embedding's copies (the
+first stage's, the tied output layer, a stage of MTP layers) are one more bucket over their group, and so
+are each stage's routed experts under expert parallelism, over the stage's expert replica group (their
+copies: the same experts in every pipeline and expert-data-parallel replica).
 
 Why not megatron-core's DistributedOptimizer: it shards over the data-parallel group of one model
 replica, so it cannot see the second copy of a stage, which lives on another pipeline rank. torch's
 ZeroRedundancyOptimizer assigns whole parameters to ranks (uneven shards) and expects all-reduced
-gradients. The two collectives here (reduce_scatter_single in place, all_gather_single) are torch's own
-and run on gloo and NCCL.
+gradients. The two collectives here (an in-place reduce-scatter and an all-gather, under the names
+process_groups.py picks for the installed torch) are torch's own and run on gloo and NCCL.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..model.chunk import TIED_NAME
-from .gradients import is_expert
+from .gradients import ChunkGradSync, chunk_syncs, is_expert, weighted_square_sum
+from .precision import unfused_gradient
 
 
 class _Bucket:
@@ -61,9 +62,13 @@ class _Bucket:
             offset += p.numel()
 
     def _accumulate_into_buffer(self, params) -> None:
+        """Each parameter's ``main_grad`` is its view of the bucket's buffer: where the hook adds its
+        gradient, and where the fused weight-gradient kernels add it themselves (gradient-accumulation
+        fusion, which then flag ``grad_added_to_main_grad`` for the hook)."""
         offset = 0
         for p in params:
             p.main_grad = self.grad[offset:offset + p.numel()].view_as(p)
+            p.grad_added_to_main_grad = False
             p.register_post_accumulate_grad_hook(_accumulate)
             offset += p.numel()
 
@@ -153,16 +158,22 @@ def _finish(buckets) -> None:
 
 
 def _accumulate(param: torch.nn.Parameter) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
+    grad = unfused_gradient(param)
+    if grad is not None:
+        param.main_grad.add_(grad)
+    param.grad, param.grad_added_to_main_grad = None, False
 
 
 class ShardedMainParams:
     """What the trainer steps under --use-distributed-optimizer: the pieces of every bucket in this
-    rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a stage copy's buffer."""
+    rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a stage copy's buffer, at its R
+    action with --overlap-grad-reduce, after the schedule without it (gradients.py says when, for every
+    schedule)."""
 
-    def __init__(self, chunks: dict, rt, tied: bool, overlap_gather: bool = False):
-        self.rt, self.overlap_gather = rt, overlap_gather
+    def __init__(self, chunks: dict, rt, tied: bool, overlap_reduce: bool = False, overlap_gather: bool = False):
+        self.rt, self.overlap_reduce, self.overlap_gather = rt, overlap_reduce, overlap_gather
+        self.started: set[int] = set()
+        self.watched: list[ChunkGradSync] = []
         shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in shared}
         self.stages: dict[int, _Bucket] = {}
@@ -191,14 +202,34 @@ class ShardedMainParams:
 
     # --- GradSync ---------------------------------------------------------------------------------
     def start(self, pipeline: int, stage: int, group) -> None:
-        self.stages[stage].reduce()
+        if self.overlap_reduce:
+            self._reduce(stage)
+
+    def chunk_syncs(self, models) -> list[ChunkGradSync] | None:
+        """megatron-core's schedules' hooks under --overlap-grad-reduce (None without it)."""
+        if not self.overlap_reduce:
+            return None
+        bucketed = {(0, stage): bucket.copies[0] for stage, bucket in self.stages.items()}
+        self.watched = chunk_syncs(models, bucketed, lambda key: self._reduce(key[1]))
+        return self.watched
+
+    def _reduce(self, stage: int) -> None:
+        if stage not in self.started:
+            self.started.add(stage)
+            self.stages[stage].reduce()
 
     def finish(self) -> None:
-        """After the lowered lists' reduce-scatters, the buckets outside them (experts, then the tied
+        """The stage copies' reduce-scatters not started yet (all of them without --overlap-grad-reduce),
+        in the global order; after them, the buckets outside the lowered lists (experts, then the tied
         embedding), one at a time in the global order, so the checker's collectives stay the only ones
         in flight while the lists run."""
+        for stage in self.stages:
+            self._reduce(stage)
         for bucket in self.stages.values():
             bucket.wait()
+        self.started.clear()
+        for chunk in self.watched:
+            chunk.reset()
         for bucket in self.experts.values():
             bucket.reduce()
             bucket.wait()
@@ -206,11 +237,6 @@ class ShardedMainParams:
             self.tied.reduce()
             self.tied.wait()
         self._sum_over_tensor_parallel()
-
-    def reduce_all(self) -> None:
-        for stage in self.stages:
-            self.start(0, stage, None)
-        self.finish()
 
     def _sum_over_tensor_parallel(self) -> None:
         """As ReplicaGradSync: parameters that saw only this rank's sequence part or heads. Every TP rank
@@ -236,10 +262,8 @@ class ShardedMainParams:
         over all ranks (tensor-parallel duplicates counted on TP rank 0 only)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        for piece in self.all():
-            if param_is_not_tensor_parallel_duplicate(piece.source):
-                total += piece.grad.double().pow(2).sum()
+        grads = [piece.grad for piece in self.all() if param_is_not_tensor_parallel_duplicate(piece.source)]
+        total = weighted_square_sum(grads, [1.0] * len(grads), self.rt.device)
         self.rt.all_reduce(total)
         return math.sqrt(total.item())
 

@@ -6,10 +6,17 @@ Each function takes the main parameters per held chunk, ``{(pipeline, stage): [p
 After an iteration every copy of a parameter must hold the same gradient: the sum over its copies in
 all pipelines (each saw different micro-batches), averaged over data-parallel replicas. Losses are
 already divided by the micro-batches per replica, so sum-then-divide-by-DP gives the global-batch mean.
+
+When the reductions start is Megatron-LM's --overlap-grad-reduce, for every schedule. Off (its default),
+every stage copy's reduction starts after the schedule's last backward. On, a copy's reduction starts
+as soon as its last backward is done: under our executor at the copy's R action (the lowered list places
+it there); under megatron-core's schedules through the hooks Megatron-LM gives them (``ChunkGradSync``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -42,50 +49,142 @@ def _gradient_buffer(params) -> torch.Tensor | None:
     return buffer
 
 
+class ChunkGradSync:
+    """One model chunk as megatron-core's schedules see a DistributedDataParallel chunk under
+    --overlap-grad-reduce; Megatron-LM's train() puts ``no_sync`` into ``config.no_sync_func`` and
+    ``start_grad_sync`` into ``config.grad_sync_func``. The schedule runs all but the last backward of the
+    chunk inside ``no_sync``; in a backward outside it, each parameter's post-accumulate-grad hook marks
+    it ready, and once all are, the chunk's bucket starts reducing (DDP's register_grad_ready). The
+    interleaved schedule (and 1F1B on stages after the first) keep ``no_sync`` on and call
+    ``start_grad_sync`` instead, when the chunk's last backward is done. Anything not started is started
+    by the GradSync's ``finish``, as finalize_model_grads does.
+
+    Our own, not megatron-core's DDP, on the GPU as on the CPU: DDP moves gradients into its own
+    ``param.main_grad`` buffers and frees ``param.grad``, while our optimizer, fp16/bf16 main parameters,
+    clipping, norm and checkpoints read the main parameters' ``.grad`` in our per-chunk buffers (or, under
+    --use-distributed-optimizer, our stage-replica shards, which megatron-core's DistributedOptimizer,
+    sharding one replica's DP group, cannot hold); DDP's buffers and streams also need CUDA, so the
+    equivalence tests could not run that path. One bucket per chunk: Megatron-LM's own on every chunk but
+    the first pipeline rank's first (it disables bucketing on the others), and on that one too while it
+    holds fewer parameters than a 40M-parameter bucket."""
+
+    def __init__(self, params: list[torch.nn.Parameter], start: Callable[[], None]):
+        self.start, self.params, self.ready, self.syncing = start, {id(p) for p in params}, set(), True
+        for p in params:  # after the fp16/bf16 hook that adds the gradient into its fp32 main gradient
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def start_grad_sync(self, *unused) -> None:
+        self.start()
+
+    def reset(self) -> None:
+        self.ready.clear()
+
+    def _ready(self, param: torch.nn.Parameter) -> None:
+        if self.syncing:
+            self.ready.add(id(param))
+            if self.ready == self.params:
+                self.start()
+
+
+def chunk_syncs(models, bucketed: dict, start: Callable) -> list[ChunkGradSync]:
+    """A ChunkGradSync per megatron-core chunk (one pipeline: the chunk is copy (0, its stage)), over the
+    model parameters whose gradient lands in ``bucketed[(0, stage)]`` (main parameters: the model's own in
+    fp32, their fp32 copies under --fp16 and --bf16); ``start(key)`` begins that bucket's reduction."""
+    out = []
+    for m in models:
+        key = (0, m.stage)
+        mine = {id(p) for p in bucketed[key]}
+        params = [p for p in m.parameters() if id(getattr(p, "main_param", p)) in mine]
+        out.append(ChunkGradSync(params, lambda key=key: start(key)))
+    return out
+
+
 class ReplicaGradSync:
     """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over the
-    group the lowered schedule names, its stage's replica group (eager sync, while the worker computes
-    on); ``finish`` waits for them, then sums the tied word embedding over all of its copies (input
-    embeddings and output layers), and, with expert parallelism, each stage's routed experts over its
-    expert replica group (``Runtime.expert_groups``), stage by stage in one global order. Those two
-    run after the lowered lists, so the collectives the checker proved stay the only ones in flight.
+    group the lowered schedule names, its stage's replica group, with --overlap-grad-reduce (eager sync,
+    while the worker computes on); without it ``finish`` starts them all, after the schedule, in one
+    global order (by stage, then pipeline). ``finish`` waits for them, then sums the tied word embedding
+    over all of its copies (input embeddings and output layers), and, with expert parallelism, each
+    stage's routed experts over its expert replica group (``Runtime.expert_groups``), stage by stage in one
+    global order. Those two run after the lowered lists, so the collectives the checker proved stay the
+    only ones in flight.
 
     Each stage copy's gradients live in one persistent fp32 buffer: the main parameters' ``.grad`` are
     views into it (autograd and the fp16/bf16 hook accumulate in place, and the optimizer zeroes in
     place), so the reduction runs on the buffer itself, with no second copy."""
 
-    def __init__(self, chunks: dict, runtime):
-        self.chunks, self.rt = chunks, runtime
+    def __init__(self, chunks: dict, runtime, overlap: bool = False):
+        self.chunks, self.rt, self.overlap = chunks, runtime, overlap
         tied = runtime.embedding_group is not None
         self.shared = [p for c in chunks.values() for p in c if tied and p.global_name == TIED_NAME]
         apart = {id(p) for p in self.shared} | {id(p) for c in chunks.values() for p in c if is_expert(p)}
-        self.buffers = {key: _gradient_buffer([p for p in c if id(p) not in apart]) for key, c in chunks.items()}
+        self.bucketed = {key: [p for p in c if id(p) not in apart] for key, c in chunks.items()}
+        self.buffers = {key: _gradient_buffer(params) for key, params in self.bucketed.items()}
         self.experts = {key: _gradient_buffer([p for p in c if is_expert(p)]) for key, c in chunks.items()}
         self.pending: list = []
+        self.started: set = set()
+        self.watched: list[ChunkGradSync] = []
 
     def start(self, pipeline: int, stage: int, group) -> None:
-        buffer = self.buffers[(pipeline, stage)]
-        if buffer is None:
+        """An R action: with --overlap-grad-reduce the copy's reduction starts now; without it, in finish."""
+        if self.overlap:
+            self._reduce((pipeline, stage), group)
+
+    def chunk_syncs(self, models) -> list[ChunkGradSync] | None:
+        """megatron-core's schedules' hooks under --overlap-grad-reduce (None without it)."""
+        if not self.overlap:
+            return None
+        self.watched = chunk_syncs(models, self.bucketed,
+                                   lambda key: self._reduce(key, self.rt.stage_groups.get(key[1])))
+        return self.watched
+
+    def _reduce(self, key: tuple[int, int], group) -> None:
+        """Start one stage copy's all-reduce, once per iteration."""
+        if key in self.started:
             return
-        work = self.rt.all_reduce(buffer, group=group, async_op=True) if group is not None else None
-        self.pending.append((work, buffer))
+        self.started.add(key)
+        buffer = self.buffers[key]
+        if buffer is not None:
+            work = self.rt.all_reduce(buffer, group=group, async_op=True) if group is not None else None
+            self.pending.append((work, buffer))
 
     def finish(self) -> None:
+        for pipeline, stage in sorted(self.buffers, key=lambda key: (key[1], key[0])):
+            self._reduce((pipeline, stage), self.rt.stage_groups.get(stage))
         for work, buffer in self.pending:
             if work is not None:
                 work.wait()
             if self.rt.dp > 1:
                 buffer /= self.rt.dp
         self.pending.clear()
+        self.started.clear()
+        for chunk in self.watched:
+            chunk.reset()
         self._sum_experts()
         self._sum_sequence_parallel()
         if self.shared:
-            total = torch.stack(_grads(self.shared)).sum(0)
-            self.rt.all_reduce(total, group=self.rt.embedding_group)
-            if self.rt.dp > 1:
-                total /= self.rt.dp
-            for p in self.shared:
-                p.grad.copy_(total)
+            self._sum_tied()
+
+    def _sum_tied(self) -> None:
+        """The word embedding's copies summed in place into the first copy's gradient, reduced over the
+        embedding group, copied back into the others: no temporary the size of the embedding (a 128K
+        vocabulary's is 512 MiB per copy at hidden 1024)."""
+        first, *others = _grads(self.shared)
+        for g in others:
+            first += g
+        self.rt.all_reduce(first, group=self.rt.embedding_group)
+        if self.rt.dp > 1:
+            first /= self.rt.dp
+        for g in others:
+            g.copy_(first)
 
     def _sum_experts(self) -> None:
         """Each stage's expert gradients: this rank's copies of the stage summed, then over the stage's
@@ -119,12 +218,6 @@ class ReplicaGradSync:
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
 
-    def reduce_all(self) -> None:
-        """For schedules that do not post R actions themselves (megatron-core's): reduce everything."""
-        for pipeline, stage in self.chunks:
-            self.start(pipeline, stage, self.rt.stage_groups.get(stage))
-        self.finish()
-
 
 def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
     """How many copies of each local parameter exist along the pipeline dimension, relative to the
@@ -147,13 +240,45 @@ def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     weight = copies(chunks, runtime, tied)
-    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    for c in chunks.values():
-        for p in c:
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                total += p.grad.detach().double().pow(2).sum() / weight[id(p)]
+    counted = [p for c in chunks.values() for p in c
+               if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    total = weighted_square_sum([p.grad.detach() for p in counted], [1.0 / weight[id(p)] for p in counted],
+                                runtime.device)
     runtime.all_reduce(total)
     return math.sqrt(total.item() / runtime.dp)
+
+
+# torch's CPU norm kernel accumulates each vector lane sequentially in fp32: measured 1.9e-3 relative
+# error at 30M elements (GPU kernels reduce in trees). Normed in pieces of this many elements (views, no
+# copy), a CPU gradient's norm stays within fp32 rounding (about 1e-7) of the fp64 sum of squares.
+CPU_NORM_PIECE = 4096
+
+
+def weighted_square_sum(grads: list[torch.Tensor], weights: list[float], device) -> torch.Tensor:
+    """sum_i weights[i] * |grads[i]|^2 as an fp64 scalar on ``device``, with no temporary the size of a
+    gradient: fp32 norms (torch._foreach_norm, per device and dtype), squared, weighted and summed in fp64.
+    Megatron-LM's fp32 norm is one multi-tensor kernel too; the fp64 sum keeps the copies' weights exact."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict = {}
+    for g, w in zip(grads, weights):
+        members = groups.setdefault((g.device, g.dtype), ([], []))
+        members[0].append(g)
+        members[1].append(w)
+    for (where, _), (tensors, scales) in groups.items():
+        pieces, counts = _norm_pieces(tensors)
+        squares = torch.stack(torch._foreach_norm(pieces)).double().pow(2)
+        per_piece = torch.tensor(scales, dtype=torch.float64, device=where).repeat_interleave(
+            torch.tensor(counts, device=where))
+        total += (squares * per_piece).sum().to(device)
+    return total
+
+
+def _norm_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors to norm, and how many of them each gradient gave: CPU ones in CPU_NORM_PIECE pieces."""
+    if tensors[0].device.type != "cpu":
+        return tensors, [1] * len(tensors)
+    split = [t.reshape(-1).split(CPU_NORM_PIECE) for t in tensors]
+    return [piece for pieces in split for piece in pieces], [len(pieces) for pieces in split]
 
 
 def clip_(chunks: dict, max_norm: float, norm: float) -> None:

@@ -101,6 +101,7 @@ TOLERANCE = {"fp32": (1e-6, 1e-6, 1e-4, 1e-6),
 
 
 DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = ["--overlap-grad-reduce"]  # Megatron-LM's: off by default, every reduction after the schedule
 
 
 EP2 = ["--expert-model-parallel-size", "2"]
@@ -170,10 +171,11 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
     chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
     out = {k: ("tied-learned", v) for k, v in schedule_cases(4).items()}
     out.update({
-        "chimera direct D=4 emulated NCCL": ("tied-learned", chimera4 + ["--emulate-nccl"]),
+        "chimera direct D=4 emulated NCCL overlapped reduce": (
+            "tied-learned", chimera4 + ["--emulate-nccl"] + OVERLAP),
         "chimera best D=4 emulated NCCL": ("tied-learned", chimera4 + ["--chimera-order", "best", "--emulate-nccl"]),
         "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
-        "chimera D=2 DP=2": ("tied-learned", chimera2),
+        "chimera D=2 DP=2 overlapped reduce": ("tied-learned", chimera2 + OVERLAP),
         "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
         "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
         "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward",
@@ -189,7 +191,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
         "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
-                                                                 + ["--overlap-grad-reduce", "--overlap-param-gather"]),
+                                                                 + OVERLAP + ["--overlap-param-gather"]),
         "chimera distributed optimizer D=2 TP=2": (
             "tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
         "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
@@ -199,10 +201,16 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "1f1b distributed optimizer D=2 DP=2": (
             "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
                              "--pipeline-schedule", "1f1b"] + DISTOPT),
-        "megatron-interleaved v=2 D=4": (
+        # megatron-core's schedules with Megatron-LM's overlap hooks (its interleaved one needs PP > 2: at
+        # 4 processes no replicas to reduce over, but the hooks' calls are counted; 1F1B has a DP=2 replica)
+        "megatron-interleaved v=2 D=4 distributed optimizer overlapped reduce and gather": (
             "tied-learned", ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
                              "--pipeline-schedule", "megatron-interleaved",
-                             "--num-layers-per-virtual-pipeline-stage", "1"]),
+                             "--num-layers-per-virtual-pipeline-stage", "1"] + DISTOPT + OVERLAP
+            + ["--overlap-param-gather"]),
+        "megatron-1f1b D=2 DP=2 overlapped reduce": (
+            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                             "--pipeline-schedule", "megatron-1f1b"] + OVERLAP),
         "mixtral chimera D=4": ("mixtral", chimera4),
         "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
         "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
@@ -309,6 +317,30 @@ def condition_number(trainer, loss: float) -> float | None:
     return sum((p.double() * p.grad.double()).abs().sum().item() for p in params) / abs(loss)
 
 
+def count_early_reductions(trainer) -> list[tuple[int, int]]:
+    """Per iteration on this rank, (stage copies whose gradient reduction had started when the GradSync's
+    ``finish`` began, stage copies): all of them with --overlap-grad-reduce (at R actions, or through
+    megatron-core's no_sync/grad_sync hooks), none without it (Megatron-LM's default: after the schedule)."""
+    sync, seen = trainer.sync, []
+    copies = len(sync.stages) if hasattr(sync, "stages") else len(sync.buffers)  # distributed optimizer or not
+    finish = sync.finish
+
+    def counted():
+        seen.append((len(sync.started), copies))
+        finish()
+
+    sync.finish = counted
+    return seen
+
+
+def reductions_before_flush(seen: list[tuple[int, int]]) -> str:
+    """'all', 'none' or 'some', over every rank and iteration (count_early_reductions)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, seen)
+    shares = {started / copies for per_rank in every for started, copies in per_rank}
+    return "all" if shares == {1.0} else "none" if shares == {0.0} else "some"
+
+
 class HookRecorder(Hooks):
     """What the hooks protocol shows the benchmark and the fault tests: each iteration begun and its
     backward finished, in order, every compute action our executor runs (timed after the flush), and
@@ -344,6 +376,7 @@ def run_case(flags: list[str], world: int, out: str):
     args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
     hooks = HookRecorder()
     trainer = Trainer(args, make_run_plan(args), forward_step, hooks)
+    early = count_early_reductions(trainer)
     losses, kappas, consistent, trainer.moe_fields = [], [], True, []
     for i in range(ITERS):
         stats = trainer.train_step(i)
@@ -353,6 +386,7 @@ def run_case(flags: list[str], world: int, out: str):
         consistent &= copies_identical(trainer)
     trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
     trainer.holds_its_layout = holds_its_layout(trainer)
+    trainer.reductions_before_flush = reductions_before_flush(early)
     untouched = evaluation_is_side_effect_free(trainer)
     eval_loss = trainer.evaluate(0)
     kappa = None if None in kappas else max(kappas)
@@ -388,7 +422,8 @@ def main() -> None:
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
             "hooks_saw_everything": trainer.hooks_saw_everything, "holds_its_layout": trainer.holds_its_layout,
-            "layout": str(trainer.plan.layout),
+            "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
+            "reductions_before_flush": trainer.reductions_before_flush,
             "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
             "mtp_loss": trainer.moe_fields[-1].get("mtp_1 loss"),
             "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k])

@@ -1,0 +1,131 @@
+"""When gradient reductions start (Megatron-LM's --overlap-grad-reduce) and the end of an iteration's
+memory: one process, the collectives recorded by a stand-in runtime."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.chimera.model.chunk import TIED_NAME
+from megatron.chimera.optim.distributed_optimizer import ShardedMainParams
+from megatron.chimera.optim.gradients import ReplicaGradSync, weighted_square_sum
+from megatron.chimera.optim.precision import MainParams
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class _Runtime:
+    """What the GradSyncs ask of the runtime; every collective is recorded, with what it was given."""
+
+    def __init__(self, stages=(0,), embedding_group=None):
+        self.device, self.dp, self.tp = torch.device("cpu"), 1, 1
+        self.stage_groups = {s: f"stage {s}" for s in stages}
+        self.expert_groups, self.embedding_group, self.calls = {}, embedding_group, []
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        self.calls.append((group, tensor, tensor.clone()))
+        return _Done()
+
+    def reduce_scatter(self, shard, flat, group):
+        self.calls.append((group, flat, flat.clone()))
+        return _Done()
+
+
+def _chunk(stage: int, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(stage)
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).to(dtype)
+    chunk.stage, chunk.config = stage, SimpleNamespace(gradient_accumulation_fusion=False)
+    for p in chunk.parameters():
+        p.global_name, p.tensor_model_parallel = f"stage{stage}.{id(p)}", True
+    return chunk
+
+
+def _backward(chunk, seed: int) -> None:
+    torch.manual_seed(seed)
+    x = torch.randn(3, 4, dtype=next(chunk.parameters()).dtype)
+    chunk(x).float().sum().backward()
+
+
+@pytest.fixture(autouse=True)
+def _one_member_groups(monkeypatch):
+    """The stand-in groups are names: the distributed optimizer sizes its shards as this rank's alone."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+
+
+def _sync(kind: str, chunks: dict, rt):
+    if kind == "replica":
+        return ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=True)
+    return ShardedMainParams(chunks, rt, tied=False, overlap_reduce=True)
+
+
+@pytest.mark.parametrize("kind, dtype", [("replica", torch.float32), ("replica", torch.bfloat16),
+                                         ("sharded", torch.float32), ("sharded", torch.bfloat16)])
+def test_megatron_core_hooks_start_a_chunk_when_its_last_backward_is_done(kind, dtype):
+    """megatron-core's contract: backwards inside no_sync start nothing; in the last one, outside it, the
+    chunk's bucket starts once every parameter's gradient is in it (after the fp16/bf16 hook has added
+    it), and finish does not start it again."""
+    rt, chunk = _Runtime(), _chunk(0, dtype)
+    sync = _sync(kind, {(0, 0): chunk}, rt)
+    hooks, = sync.chunk_syncs([chunk])
+    with hooks.no_sync():
+        _backward(chunk, 1)
+    assert rt.calls == []
+    _backward(chunk, 2)
+    (group, buffer, at_start), = rt.calls
+    assert group == "stage 0" and torch.equal(at_start, buffer)  # nothing was added after it started
+    assert at_start.abs().sum() > 0
+    sync.finish()
+    assert len(rt.calls) == 1
+    hooks.start_grad_sync()  # a new iteration: the interleaved schedule's call starts it again
+    assert len(rt.calls) == 2
+
+
+@pytest.mark.parametrize("kind", ["replica", "sharded"])
+def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_order(kind):
+    """Megatron-LM's default: an R action records nothing; finish starts every copy, stage by stage."""
+    rt = _Runtime(stages=(0, 1))
+    chunks = {(0, 1): _chunk(1), (1, 0): _chunk(0)}  # Chimera's placement order on a worker
+    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt) if kind == "replica" else ShardedMainParams(
+        chunks, rt, tied=False)
+    assert sync.chunk_syncs(list(chunks.values())) is None
+    sync.start(0, 1, "stage 1")
+    sync.start(1, 0, "stage 0")
+    assert rt.calls == []
+    sync.finish()
+    assert [group for group, _, _ in rt.calls] == ["stage 0", "stage 1"]
+
+
+def test_with_overlap_an_r_action_starts_its_reduction_at_once():
+    rt = _Runtime()
+    sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}).by_chunk, rt, overlap=True)
+    sync.start(0, 0, "stage 0")
+    assert len(rt.calls) == 1
+    sync.finish()
+    assert len(rt.calls) == 1
+
+
+def test_the_tied_embedding_is_summed_in_place():
+    """The copies' sum lands in the first copy's gradient, which is all-reduced itself (no temporary the
+    size of the embedding), then copied into the others."""
+    copies = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
+    for i, p in enumerate(copies):
+        p.global_name, p.grad = TIED_NAME, torch.full((5, 3), float(i + 1))
+    rt = _Runtime(embedding_group="embedding")
+    ReplicaGradSync({(0, 0): copies[:1], (1, 1): copies[1:]}, rt).finish()
+    group, reduced, _ = next(call for call in rt.calls if call[0] == "embedding")
+    assert reduced.data_ptr() == copies[0].grad.data_ptr()
+    assert all(torch.equal(p.grad, torch.full((5, 3), 6.0)) for p in copies)
+
+
+def test_the_norm_of_large_cpu_gradients_stays_within_fp32_rounding_of_fp64():
+    """torch's fp32 CPU norm of one 8M-element tensor is off by about 1e-4; in pieces it is not."""
+    torch.manual_seed(0)
+    grads = [torch.randn(8 * 2**20) * torch.rand(8 * 2**20) ** 4, torch.randn(3, 7), torch.randn(0)]
+    weights = [0.5, 1.0, 0.25]
+    expected = sum(w * g.double().pow(2).sum() for g, w in zip(grads, weights))
+    got = weighted_square_sum(grads, weights, torch.device("cpu"))
+    assert got.dtype == torch.float64
+    assert abs(got - expected) / expected < 1e-6
