@@ -5,7 +5,10 @@ Each worker's host walks its list in order. Compute runs on one compute stream; 
 previous compute is done and the RECV of its input has completed. Communication is posted without
 blocking the host onto a FIFO queue (rules 1, 4, 6):
 - p2p: one queue per (worker, group, peer), shared by sends and receives of that pair;
-- collectives: one queue per (worker, group);
+- collectives: one queue per (worker, communicator): the trainer gives groups with one rank set one
+  process group (setup_parallel), so the replica groups of stages held by the same workers (Chimera's
+  stage s and stage D-1-s) are one queue (``shared_groups``), and their reductions must come in one
+  order on every member;
 - a batch (consecutive operations with one ``batch`` id) sits on every queue it touches and completes
   when all its operations have met their partners (rule 3).
 
@@ -27,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..ir.actions import Action, Op
+from ..ir.channels import stage_group
 from ..ir.costs import CostModel, Event
 from ..ir.dataflow import consumed_message, produced_message, source_worker
 from ..ir.errors import InvalidSchedule
@@ -42,6 +46,7 @@ class _Item:
 
     worker: int
     ops: list[Action]
+    op_queues: list[tuple]  # each op's queue
     queues: list[tuple]
     posted: float
     matched: dict[int, float] = field(default_factory=dict)  # op index -> end time
@@ -49,13 +54,19 @@ class _Item:
 
     def pending(self, queue: tuple, op: Op) -> int | None:
         for i, a in enumerate(self.ops):
-            if i not in self.matched and a.op is op and _queue(a) == queue:
+            if i not in self.matched and a.op is op and self.op_queues[i] == queue:
                 return i
         return None
 
 
-def _queue(a: Action) -> tuple:
-    return ("coll", a.group) if a.op is Op.ALLREDUCE else ("p2p", a.group, a.peer)
+def shared_groups(s: Schedule) -> dict[str, str]:
+    """Each stage's replica group -> the communicator it runs on, named by all the groups sharing it
+    ("stage0/stage3"): one per set of workers holding a stage (data and tensor parallelism multiply
+    every stage's ranks alike)."""
+    by_workers = {}
+    for stage in range(s.stages_per_pipeline):
+        by_workers.setdefault(frozenset(row[stage] for row in s.placement), []).append(stage_group(stage))
+    return {name: "/".join(names) for names in by_workers.values() for name in names}
 
 
 @dataclass
@@ -159,11 +170,12 @@ class _NcclRun:
         self.arrived: dict[tuple, float] = {}  # (worker, message) -> when its RECV completed
         self.posted_recv: dict[tuple, _Item] = {}
         self.sent: dict[tuple, deque] = {}  # gloo: (group, src, dst) -> sent messages and times
+        self.communicator = shared_groups(s)
         self.members = {}
         for w, actions in enumerate(s.workers):
             for a in actions:
                 if a.op is Op.ALLREDUCE:
-                    self.members.setdefault(a.group, set()).add(w)
+                    self.members.setdefault(self._queue(a)[1], set()).add(w)
         self.events, self.transfers, self.reductions = [], [], []
 
     def run(self) -> None:
@@ -175,6 +187,11 @@ class _NcclRun:
         if any(self.pc[w] < len(self.s.workers[w]) or self.blocked[w] for w in range(self.s.num_workers)) \
                 or any(self.queues.values()):
             raise self._deadlock()
+
+    def _queue(self, a: Action) -> tuple:
+        if a.op is Op.ALLREDUCE:
+            return "coll", self.communicator.get(a.group, a.group)
+        return "p2p", a.group, a.peer
 
     def finish(self) -> list[float]:
         out = list(self.time)
@@ -214,9 +231,9 @@ class _NcclRun:
         return True
 
     def _post(self, w: int, ops: list[Action]) -> None:
-        queues = list(dict.fromkeys(_queue(a) for a in ops))
-        item = _Item(w, ops, queues, self.time[w])
-        for q in queues:
+        op_queues = [self._queue(a) for a in ops]
+        item = _Item(w, ops, op_queues, list(dict.fromkeys(op_queues)), self.time[w])
+        for q in item.queues:
             self.queues.setdefault((w, q), deque()).append(item)
         for i, a in enumerate(ops):
             if a.op is Op.RECV:
@@ -308,9 +325,10 @@ class _NcclRun:
                 continue
             first = heads[0].ops[0]
             for h in heads[1:]:
-                if h.ops[0].stage != first.stage:
+                if (h.ops[0].group, h.ops[0].stage) != (first.group, first.stage):
                     raise InvalidSchedule(f"collectives out of order on group {group}: worker {heads[0].worker} "
-                                          f"posts {first} where worker {h.worker} posts {h.ops[0]}", h.worker, h.ops[0])
+                                          f"posts {first} where worker {h.worker} posts {h.ops[0]} (matched by "
+                                          f"order: wrong data)", h.worker, h.ops[0])
             start = max([h.posted for h in heads] + [self.free.get((h.worker, ("coll", group)), 0.0) for h in heads])
             end = start + self.costs.allreduce_time(self.s, len(members))
             for h in heads:
@@ -347,8 +365,9 @@ class _NcclRun:
                 return (f"worker {w}'s {_ops(item)} waits behind {_ops(head)} on {_qname(q)}", ("item", w, head))
         a = next(a for i, a in enumerate(item.ops) if i not in item.matched)
         if a.op is Op.ALLREDUCE:
-            m = next(m for m in sorted(self.members[a.group]) if self._head(m, ("coll", a.group)) is None)
-            return f"worker {w}'s {a} on group {a.group} waits for worker {m} to post it", ("host", m, None)
+            q = self._queue(a)
+            m = next(m for m in sorted(self.members[q[1]]) if self._head(m, q) is None)
+            return f"worker {w}'s {a} on {_qname(q)} waits for worker {m} to post it", ("host", m, None)
         partner = self._head(a.peer, ("p2p", a.group, w))
         if partner is None or (self.mode == "gloo" and a.op is Op.RECV):
             return (f"worker {w}'s {a} on group {a.group} waits for worker {a.peer} to post its partner",
@@ -365,7 +384,7 @@ class _NcclRun:
             a = self.s.workers[w][self.pc[w]]
             needed = consumed_message(self.s, a)
             item = self.posted_recv[(w, needed)]
-            q = _queue(next(r for r in item.ops if r.op is Op.RECV and r.message == needed))
+            q = self._queue(next(r for r in item.ops if r.op is Op.RECV and r.message == needed))
             head = self._head(w, q)
             return f"worker {w} at {a} waits for its input ({_ops(item)})", ("item", w, head)
         for (v, q), queue in self.queues.items():

@@ -22,12 +22,13 @@ from megatron.training.utils import print_rank_last
 
 from chimera_schedules import ConfigError
 from chimera_schedules.ir.channels import stage_group
-from chimera_schedules.runtime.executor import PipelineFault, Transport
+from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Transport, unattributed_fault
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
-from .config.run_plan import make_run_plan
+from .config.run_plan import make_run_plan, resolved_schedule
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
+from .distributed.group_guard import guard_communicators
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
@@ -122,7 +123,7 @@ class Trainer:
         self.forward_backward = plan.runner(self.models, self.transport, self.sync,
                                               hooks if hooks.observes_actions() else None, args.nvtx_ranges)
         started = time.perf_counter()
-        warmed = warm_up_communicators(self.rt, self.transport, plan.lowered, self.tied)
+        warmed = warm_up_communicators(self.rt, args, plan, self.transport)
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
         self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
         self.orders = plan.forward_orders(self.rt.worker)
@@ -134,6 +135,9 @@ class Trainer:
         self.valid_data = MicrobatchSource(valid, args, plan, self.rt.dp_rank)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
+        # NCCL, or its emulation: from here a group or pair the warm-up missed fails at once, naming it. Last,
+        # so that a constructor that raises leaves no guard installed in the process.
+        self.guard = guard_communicators(warmed) if backend == "nccl" or args.emulate_nccl else None
 
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
@@ -145,10 +149,11 @@ class Trainer:
         self.models = [self.chunks[key] for key in rt.held]
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
         if args.use_distributed_optimizer:
-            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, args.overlap_param_gather)
+            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, args.overlap_grad_reduce,
+                                                      args.overlap_param_gather)
         else:
             self.main = MainParams(self.chunks)
-            self.sync = ReplicaGradSync(self.main.by_chunk, rt)
+            self.sync = ReplicaGradSync(self.main.by_chunk, rt, args.overlap_grad_reduce)
         self.scaler = LossScaler(args) if args.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
         self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), args), lr=args.lr,
@@ -164,6 +169,8 @@ class Trainer:
             self.transport.p2p.close()
             self.transport = None
         self.forward_backward = None
+        if self.guard is not None:
+            self.guard.uninstall()
         release_groups(self.rt)
 
     def _pipeline(self, source, iteration: int, forward_only: bool) -> list:
@@ -196,13 +203,17 @@ class Trainer:
             m.train()
         try:
             loss, norm = self._gradients(iteration)
-        except PipelineFault as e:  # the iteration joins the headline, the first line
-            raise PipelineFault(f"{e.headline} (iteration {iteration + 1})", e.context, e.action) from None
         except NotImplementedError:  # a configuration the executor refuses: not a failed peer
             raise
-        except RuntimeError as e:  # a collective failed: a peer died or timed out
-            raise PipelineFault(f"rank {self.rt.rank}: a collective failed at iteration {iteration + 1}: "
-                                f"{str(e).splitlines()[0][:200]}") from None
+        except Exception as e:  # our executor names its actions; the rest is told by where it was raised
+            where = (f"a forward or backward of megatron-core's {resolved_schedule(self.args)} schedule"
+                     if self.plan.schedule is None else "the loss or gradient norm after the pipeline")
+            fault = e if isinstance(e, PipelineFault) else unattributed_fault(e, f"rank {self.rt.rank}", where,
+                                                                              (self.rt, self.sync))
+            if isinstance(fault, ComputeFault):  # a bug or out of memory here: its traceback, before the one line
+                print(fault.trace(), end="", file=sys.stderr, flush=True)
+            raise type(fault)(f"{fault.headline} (iteration {iteration + 1})", fault.context,  # joins the first line
+                              fault.action) from fault.__cause__
         moe = auxiliary_loss_fields(self.args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
         moe.update(mtp_loss_fields(self.args, self.rt, self.plan.microbatches))
         if self.args.moe_router_enable_expert_bias:

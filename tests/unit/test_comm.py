@@ -4,13 +4,14 @@ The checker must be able to fail: the classic deadlock of NCCL_MODEL.md, hand-wr
 executor's former design (one group per pipeline, receives at need) are rejected under nccl and
 accepted under gloo. Every generated schedule of the grid, lowered, passes under all three modes.
 """
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from chimera_schedules import InvalidSchedule, build, simulate
-from chimera_schedules.analysis.nccl_model import MODES, check
+from chimera_schedules.analysis.nccl_model import MODES, check, shared_groups
 from chimera_schedules.ir.actions import Op
 from chimera_schedules.ir.costs import CostModel
 from chimera_schedules.ir.dataflow import forward_only
@@ -167,18 +168,35 @@ def test_posting_ahead_overlaps_transfers_the_former_design_serialises():
     assert len(ahead.transfers) == 2 * 2 * 3 * 8  # every message, at both ends
 
 
-def test_collectives_posted_in_different_orders_deadlock_only_on_a_single_queue():
-    """Chimera D=2: both stage groups have the same two members; one worker posts them reversed."""
-    lowered = lower(build("chimera", 2, 2))
-    w1 = list(lowered.workers[1])
-    reductions = [a for a in w1 if a.op is Op.ALLREDUCE]
+def reversed_reductions(lowered: Schedule, rename: dict | None = None) -> Schedule:
+    """Chimera D=2's lowered lists with worker 1's reductions posted in reverse order, their groups
+    renamed by ``rename``."""
+    renamed = lambda a: dataclasses.replace(a, group=rename.get(a.group, a.group)) if rename else a  # noqa: E731
+    workers = [[renamed(a) for a in actions] for actions in lowered.workers]
+    reductions = [a for a in workers[1] if a.op is Op.ALLREDUCE]
     assert len(reductions) == 2 and len({a.group for a in reductions}) == 2
-    reordered = [a for a in w1 if a.op is not Op.ALLREDUCE] + reductions[::-1]
-    swapped = Schedule(name="swapped", depth=2, microbatches=2, placement=lowered.placement,
-                       workers=(lowered.workers[0], tuple(reordered)))
+    workers[1] = [a for a in workers[1] if a.op is not Op.ALLREDUCE] + reductions[::-1]
+    return Schedule(name="swapped", depth=2, microbatches=2, placement=lowered.placement,
+                    workers=tuple(map(tuple, workers)))
+
+
+def test_collectives_posted_in_different_orders_deadlock_only_on_a_single_queue():
+    """Two groups of their own with the same two members; one worker posts them reversed."""
+    swapped = reversed_reductions(lower(build("chimera", 2, 2)), {"stage0": "g0", "stage1": "g1"})
     check(swapped, "nccl")  # independent streams: any order completes
     with pytest.raises(InvalidSchedule, match="single hardware queue"):
         check(swapped, "nccl-single-queue")
+
+
+def test_stage_groups_of_one_rank_set_are_one_communicator_whose_order_every_member_keeps():
+    """Chimera: stage s and stage D-1-s have the same holders, so the trainer gives them one process
+    group: reversed on one worker, each reduction would meet the other stage's, in every mode."""
+    assert shared_groups(lower(build("chimera", 4, 4))) == {
+        "stage0": "stage0/stage3", "stage3": "stage0/stage3", "stage1": "stage1/stage2", "stage2": "stage1/stage2"}
+    assert set(shared_groups(lower(build("1f1b", 4, 4))).values()) == {"stage0", "stage1", "stage2", "stage3"}
+    for mode in MODES:
+        with pytest.raises(InvalidSchedule, match=r"collectives out of order on group stage0/stage1: .* wrong data"):
+            check(reversed_reductions(lower(build("chimera", 2, 2))), mode)
 
 
 def test_export_lowered_round_trips_through_validate(capsys, tmp_path):
@@ -218,3 +236,30 @@ def test_the_executor_refuses_megatron_core_options_it_does_not_implement():
                           ("first_val_step", True), ("adjust_tensor_shapes_fn", print)):
         with pytest.raises(NotImplementedError, match=option):
             forward_backward(**common, **{option: value})
+
+
+def test_a_group_the_warm_up_did_not_walk_fails_at_once_with_one_line_naming_it(one_process_group):
+    """The guard the trainer installs under NCCL and --emulate-nccl, over a warm-up that walked only the
+    world: megatron-core's expert-parallel group, used on purpose, is refused before it communicates;
+    so is a send to a pair never walked. Uninstalled, the group works again."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.chimera.distributed.group_guard import UnwarmedGroup, guard_communicators
+    from megatron.chimera.distributed.warmup import WarmedUp, megatron_group_names
+
+    world, experts = dist.group.WORLD, parallel_state.get_expert_model_parallel_group()
+    names = {**megatron_group_names(), world: "world group [0]"}
+    guard = guard_communicators(WarmedUp({world: names[world]}, frozenset(), 1, names))
+    try:
+        dist.all_reduce(torch.zeros(1))
+        with pytest.raises(UnwarmedGroup) as refused:
+            dist.all_reduce(torch.zeros(1), group=experts)
+        with pytest.raises(UnwarmedGroup, match=r"^send with rank 0 on world group \[0\]: a pair not warmed up"):
+            guard.check(world, "send", 0)
+    finally:
+        guard.uninstall()
+    assert str(refused.value) == ("allreduce on megatron-core's expert-model-parallel group [0]: not warmed up before "
+                                  "iteration 1, so NCCL would create its communicator now, while other kernels run "
+                                  "(NCCL_MODEL.md rule 10)")
+    dist.all_reduce(torch.zeros(1), group=experts)

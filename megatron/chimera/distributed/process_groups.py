@@ -13,7 +13,8 @@ On top of it, derived from the schedule's placement for any schedule:
   and any expert-data-parallel replica. megatron-core's expert groups (the dispatcher's) lie within one
   pipeline worker, whose ranks all run the same action list, so the dispatcher's collectives reach them
   in the same order under any schedule.
-Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
+The replica and embedding groups with one rank set are one process group, so one NCCL communicator
+(``_shared_groups``). Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
 rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ import torch
 import torch.distributed as dist
 
 from chimera_schedules.ir.channels import P2P_GROUPS
+
+# torch 2.13 renamed the flat collectives (*_single) and deprecated the old names, which torch 2.11 and
+# earlier (a cluster's own CUDA torch) still only have: the first of the two that this torch defines.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -66,17 +72,17 @@ class Runtime:
         """In place and asynchronous: ``shard`` is this member's slice of ``flat`` (NCCL's rule for an
         in-place reduce-scatter); returns a handle with wait()."""
         if self.comm_device is None:
-            return dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
+            return _reduce_scatter(shard, flat, group=group, async_op=True)
         host = flat.to(self.comm_device, copy=True)
         start = shard.data_ptr() - flat.data_ptr()
         host_shard = host[start // flat.element_size():][:shard.numel()]
-        return _Staged(dist.reduce_scatter_single(host_shard, host, group=group, async_op=True), host_shard, shard)
+        return _Staged(_reduce_scatter(host_shard, host, group=group, async_op=True), host_shard, shard)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
         if self.comm_device is None:
-            return dist.all_gather_single(full, shard, group=group, async_op=async_op)
+            return _all_gather(full, shard, group=group, async_op=async_op)
         host = full.to(self.comm_device, copy=True)
-        staged = _Staged(dist.all_gather_single(host, shard.to(self.comm_device), group=group, async_op=async_op),
+        staged = _Staged(_all_gather(host, shard.to(self.comm_device), group=group, async_op=async_op),
                          host, full)
         if not async_op:
             staged.wait()
@@ -153,11 +159,14 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
     rt.embedding_stages = plan.layout.embedding_stages(tied)
     # Every rank creates every group, in the same order; each keeps the ones it belongs to. A group
     # does not inherit init_process_group's timeout (gloo's default is 30 min): pass it explicitly.
-    new_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
+    # The p2p groups are each their own (one direction each, channels.py); the collective ones are one
+    # process group per rank set (``_shared_groups``).
+    p2p_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
+    new_group = _shared_groups(timeout)
     for t in range(tp):
         for d in range(dp):
             for name in P2P_GROUPS:
-                group = new_group([rank_of(t, d, w) for w in range(pp)])
+                group = p2p_group([rank_of(t, d, w) for w in range(pp)])
                 if (t, d) == (tp_rank, dp_rank):
                     rt.p2p_groups[name] = group
         for s in range(stages):
@@ -174,6 +183,40 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
     if uses_expert_groups(args):
         _expert_groups(rt, args, new_group)
     return rt
+
+
+def _shared_groups(timeout: float):
+    """``new_group(ranks)`` for our collective groups: one process group, so one NCCL communicator, per
+    rank set. Under Chimera stage s, stage D-1-s and the embedding group have the same ranks: three
+    communicators over the same ranks otherwise; the lowered lists post the stages' reductions in one
+    order on every member (the NCCL checker replays them on one queue). A rank set megatron-core has a
+    group for reuses it: its pipeline-parallel group (a stage every pipeline rank holds; the embedding
+    group at PP=2), its data-parallel group (a stage one worker holds), its expert-data-parallel group.
+    megatron-core posts on those only its MoE metrics after the flush and, the pipeline group under its
+    own schedules, the flush's batched p2p, which precede ours there (the embedding's reduction, after
+    the flush) on both members. Every rank makes the same calls in the same order (dist.new_group is
+    collective over the world), so every rank must know every megatron-core rank set: one
+    all_gather_object first. Our rank lists are sorted, as megatron-core's are."""
+    from megatron.core import parallel_state
+
+    mine = {}
+    for name in ("get_pipeline_model_parallel_group", "get_data_parallel_group", "get_expert_data_parallel_group"):
+        group = getattr(parallel_state, name)()
+        mine[tuple(dist.get_process_group_ranks(group))] = group
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(mine))
+    theirs = {ranks for listed in everyone for ranks in listed}
+    made = {}
+
+    def new_group(ranks: list[int]):
+        key = tuple(ranks)
+        if key in theirs:
+            return mine.get(key, dist.GroupMember.NON_GROUP_MEMBER)
+        if key not in made:
+            made[key] = dist.new_group(ranks, timeout=timedelta(minutes=timeout))
+        return made[key]
+
+    return new_group
 
 
 def uses_expert_groups(args) -> bool:
