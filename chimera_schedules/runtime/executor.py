@@ -15,12 +15,16 @@ schedule made it or which channel a message takes:
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
 Each action runs inside a profiler range named ``PP:`` and its IR token (``PP:F3p1s2``, ``PP:sA3p0s1>1@down``),
 so a trace reads as the lowered list; with ``nvtx_ranges`` on a GPU, an NVTX range of the same name too.
-A PipelineFault names the action the worker was at, in the lowered list around it.
+A PipelineFault names the action the worker was at, in the lowered list around it. What failed is told by
+where it was raised, not by its text: a communication call (a wait, a post, a reduction, a collective
+inside a forward) is a collective failure; anything else a forward or backward raises is a ComputeFault,
+this worker's own error, naming the action and keeping the original exception as its cause.
 No action synchronises the host with the device: an observer's action times are device times
 (clock.py), read once after the flush.
 """
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..ir.actions import Action, Op
+from ..ir.actions import COMPUTE_OPS, Action, Op
 from ..ir.dataflow import consumed_message, forward_only, produced_message
 from ..ir.schedule import Schedule
 from .autograd_split import backward_input, graph_root
@@ -39,14 +43,60 @@ from .clock import Clock
 
 
 class PipelineFault(RuntimeError):
-    """A peer died or stopped answering. ``headline``, the first line, names the rank, the message it
-    waited for and the peer; ``context``, on the following lines once the executor has placed it, shows
-    the worker's lowered list around the action it was at, so the failure can be read against the
-    schedule without rerunning it. ``action`` is the send or receive that failed."""
+    """An iteration's pipeline failed: a peer died or stopped answering, a collective failed, or (a
+    ComputeFault) an action raised on this worker. ``headline``, the first line, names the rank and what
+    failed (the message it waited for and the peer); ``context``, on the following lines once the
+    executor has placed it, shows the worker's lowered list around the action it was at, so the failure
+    can be read against the schedule without rerunning it. ``action`` is the action that failed (None
+    for the flush's reductions)."""
 
     def __init__(self, headline: str, context: str = "", action: Action | None = None):
         super().__init__(f"{headline}\n{context}" if context else headline)
         self.headline, self.context, self.action = headline, context, action
+
+
+class ComputeFault(PipelineFault):
+    """An action raised on this worker outside any communication call, as a forward or backward does on
+    a bug or out of memory: the fault is here, not a peer's (a peer then sees a collective failure). The
+    headline names the action and the original exception's type and first line; the original, with its
+    traceback, is the ``__cause__``, which ``trace`` gives."""
+
+    def trace(self) -> str:
+        cause = self.__cause__
+        return "".join(traceback.format_exception(cause)) if cause is not None else ""
+
+
+# Where a communication call raises from, besides torch.distributed's own errors (DistError: NCCL, the
+# store, the network): inside torch.distributed (a synchronous collective; gloo raises plain
+# RuntimeError), and the code that waits on asynchronous handles: our p2p transports (p2p.py) and
+# megatron-core's pipeline p2p (its interleaved schedule waits in schedules.py itself).
+COMMUNICATION_MODULES = ("torch.distributed", "chimera_schedules.runtime.p2p", "megatron.core.pipeline_parallel")
+
+
+def raised_by_communication(e: BaseException, helpers: tuple = ()) -> bool:
+    """Whether ``e`` came out of a communication call, told by where it was raised, not by its text: a
+    DistError, an exception whose innermost frame is in ``COMMUNICATION_MODULES``, or one raised inside
+    a method of one of ``helpers``, objects that only communicate (a GradSync, the trainer's collectives)
+    and wait on handles from their own frames."""
+    if isinstance(e, dist.DistError):
+        return True
+    frames = [frame for frame, _ in traceback.walk_tb(e.__traceback__)]
+    if frames and frames[-1].f_globals.get("__name__", "").startswith(COMMUNICATION_MODULES):
+        return True
+    return any(frame.f_locals.get("self") is h for frame in frames for h in helpers)
+
+
+def unattributed_fault(e: Exception, who: str, where: str, helpers: tuple = ()) -> PipelineFault:
+    """A failure no action of ours can be named for (megatron-core's own schedules run their own; the
+    loss and gradient-norm reductions follow the pipeline): a collective failure when a communication
+    call raised it (``raised_by_communication``), else a ComputeFault in ``where``; either has ``e`` as
+    its cause, as if raised from it."""
+    if raised_by_communication(e, helpers):
+        fault = PipelineFault(f"{who}: a collective failed: {_first_line(e)}")
+    else:
+        fault = ComputeFault(f"{who}: {where} failed: {_raised(e)}")
+    fault.__cause__ = e
+    return fault
 
 
 class GradSync(Protocol):
@@ -180,6 +230,33 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
+def _raised(e: Exception) -> str:
+    """The exception's type and first line: the type tells an out-of-memory error or a shape mismatch apart."""
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+_WHAT = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input-gradient backward",
+         Op.BACKWARD_WEIGHT: "weight-gradient backward"}
+
+
+def _action_fault(a: Action, e: Exception, t: Transport, grad_sync: GradSync) -> PipelineFault:
+    """The fault for ``e``, raised by ``a`` itself, not by one of its waits (those raise their own): a
+    collective failure when a communication call raised it (posting a send or a receive, starting a
+    reduction, a tensor-parallel collective inside a forward), else a ComputeFault naming the action."""
+    who, what = f"rank {dist.get_rank()} (worker {t.worker})", _action_name(a, t)
+    if raised_by_communication(e, (grad_sync,)):
+        return PipelineFault(f"{who}: a collective failed in {what}: {_first_line(e)}", action=a)
+    return ComputeFault(f"{who}: {what} raised {_raised(e)}", action=a)
+
+
+def _action_name(a: Action, t: Transport) -> str:
+    if a.op in COMPUTE_OPS:
+        return f"the {_WHAT[a.op]} of micro-batch {a.mb}, pipeline {a.pipeline}, stage {a.stage} ({a})"
+    if a.op is Op.ALLREDUCE:
+        return f"the gradient all-reduce of pipeline {a.pipeline}, stage {a.stage} on group {a.group} ({a})"
+    return f"posting the {'send' if a.op is Op.SEND else 'receive'} of the {_describe(a, t)}"
+
+
 def _ranges(a: Action, nvtx: bool) -> AbstractContextManager:
     """The profiler ranges around one action, named as torch.distributed.pipelining names its own
     (``PP:`` and the action), so a trace holds exactly one range per action run. record_function costs
@@ -208,8 +285,8 @@ def _located(fault: PipelineFault, actions: Sequence[Action], at: int | None) ->
     if flush:
         at = actions.index(fault.action)
     where = f"at the flush, waiting for action {at}" if flush else f"at action {at}"
-    return PipelineFault(fault.headline, "\n".join([f"the worker's lowered list ({len(actions)} actions), {where}:",
-                                                    *_around(actions, at)]), fault.action)
+    return type(fault)(fault.headline, "\n".join([f"the worker's lowered list ({len(actions)} actions), {where}:",
+                                                  *_around(actions, at)]), fault.action)
 
 
 def _around(actions: Sequence[Action], at: int, width: int = 3) -> list[str]:
@@ -334,14 +411,22 @@ class _Run:
             at = None  # the flush
             self.messages.drain()
         except PipelineFault as fault:
-            raise _located(fault, actions, at) from None
+            raise _located(fault, actions, at) from fault.__cause__
         finally:
             self.close()
         if not self.forward_only:
-            grad_sync.finish()
+            self._finish(grad_sync)
         if observer is not None:
             self._report(timeline, observer)
         return self.reports
+
+    def _finish(self, grad_sync: GradSync) -> None:
+        """The flush's reductions (GradSync.finish): a failure there is a collective's."""
+        try:
+            grad_sync.finish()
+        except RuntimeError as e:
+            raise PipelineFault(f"rank {dist.get_rank()} (worker {self.t.worker}): a collective failed at the "
+                                f"flush, completing the gradient reductions: {_first_line(e)}") from e
 
     def _report(self, timeline: list, observer: Observer) -> None:
         seconds = self.clock.seconds([stamp for _, start, end in timeline for stamp in (start, end)])
@@ -359,19 +444,27 @@ class _Run:
                                if g is not None]}
 
     def step(self, a: Action, grad_sync: GradSync):
-        """Post or run one action; a compute action returns the stamp of its start."""
-        started = None
-        if a.op is Op.RECV:
-            self.messages.receive(a)
-        elif a.op is Op.SEND:
-            self.messages.send(a)
-        elif a.op is Op.ALLREDUCE:
-            grad_sync.start(a.pipeline, a.stage, self.t.groups[a.group])
-        else:
-            started = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
-                       Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
+        """Post or run one action; a compute action returns the stamp of its start. What the action
+        raises itself becomes a fault naming it (``_action_fault``); its waits raise their own."""
+        try:
+            started = self._act(a, grad_sync)
+        except PipelineFault:
+            raise
+        except Exception as e:  # a RuntimeError (CUDA, out of memory) or any bug in a forward or backward
+            raise _action_fault(a, e, self.t, grad_sync) from e
         self.messages.reap()
         return started
+
+    def _act(self, a: Action, grad_sync: GradSync) -> float | None:
+        """A compute action's start stamp; None for a post."""
+        if a.op is Op.RECV:
+            return self.messages.receive(a)
+        if a.op is Op.SEND:
+            return self.messages.send(a)
+        if a.op is Op.ALLREDUCE:
+            return grad_sync.start(a.pipeline, a.stage, self.t.groups[a.group])
+        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
+                Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
 
     def forward(self, a: Action) -> float:
         key, x = (a.pipeline, a.stage), None

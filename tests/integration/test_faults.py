@@ -155,6 +155,36 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
                      line)
 
 
+def error_line(err: str) -> str:
+    """The one line a rank ends with; the end of its stderr when there is none."""
+    lines = [x for x in err.splitlines() if x.startswith("pretrain_gpt.py: error:")]
+    assert lines, err[-3000:]
+    return lines[0]
+
+
+def test_a_forward_that_raises_is_named_on_its_rank_and_ends_the_peer():
+    """Rank 1's first forward of iteration 2 raises (fault_hooks.py) under Chimera, whose executor names
+    the action, and megatron-core's 1F1B, which cannot: rank 1 prints the traceback, then one line with
+    the original first line, not called a collective failure; rank 0 ends with a failed wait."""
+    runs = {schedule: ranks(*CHIMERA2, "--pipeline-schedule", schedule, "--train-iters", "3",
+                            env={"CHIMERA_TEST_FAULT": "raise 1@2"}) for schedule in ("chimera", "megatron-1f1b")}
+    errs = {schedule: [p.communicate(timeout=120)[1] for p in procs] for schedule, procs in runs.items()}
+    assert [p.returncode for procs in runs.values() for p in procs] == [1] * 4
+    line = {(schedule, rank): error_line(err) for schedule, both in errs.items() for rank, err in enumerate(both)}
+    raised = "raised RuntimeError: chimera test fault: this forward raised (iteration 2)"
+    assert re.fullmatch(r"pretrain_gpt.py: error: rank 1 \(worker 1\): the forward of micro-batch (\d+), pipeline "
+                        r"(\d), stage (\d) \(F\1p\2s\3\) " + re.escape(raised), line["chimera", 1])
+    assert line["megatron-1f1b", 1] == ("pretrain_gpt.py: error: rank 1: a forward or backward of megatron-core's "
+                                        "megatron-1f1b schedule failed: RuntimeError: chimera test fault: this forward "
+                                        "raised (iteration 2)")
+    for schedule in runs:
+        assert "in _raise_in_forward" in errs[schedule][1].split("pretrain_gpt.py: error:")[0]  # the traceback
+        assert "(iteration 2)" in line[schedule, 0] and line[schedule, 0].startswith("pretrain_gpt.py: error: rank 0")
+    assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1",
+                     line["chimera", 0]) or "a collective failed" in line["chimera", 0], line["chimera", 0]
+    assert "rank 0: a collective failed: " in line["megatron-1f1b", 0]
+
+
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
     from megatron.core import parallel_state

@@ -1,8 +1,9 @@
 """Faults the tests inject, through the training loop's hooks protocol, read once from the environment
 by ``python -m megatron.chimera.testing.pretrain_with_faults`` (pretrain_gpt.py with these hooks):
 
-- ``CHIMERA_TEST_FAULT="kill|hang RANK@ITERATION"``: that rank dies (SIGKILL), or stays alive but
-  silent, at the start of that (1-based) iteration;
+- ``CHIMERA_TEST_FAULT="kill|hang|raise RANK@ITERATION"``: that rank dies (SIGKILL), stays alive but
+  silent, or has the first forward of its first model chunk raise a RuntimeError (as a bug or an
+  out-of-memory error would), at the start of that (1-based) iteration;
 - ``CHIMERA_TEST_NAN_ITERATIONS="2,5"``: rank 0 puts a NaN into one gradient at those iterations;
 - ``CHIMERA_TEST_KILL_DURING_SAVE=N``: every rank dies in the middle of writing checkpoint N.
 """
@@ -32,6 +33,8 @@ class FaultInjection(Hooks):
         if self.fault == f"hang {rank}@{iteration}":
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             time.sleep(1e6)  # alive but silent, like a rank stuck in a driver call
+        if self.fault == f"raise {rank}@{iteration}":
+            trainer.models[0].register_forward_pre_hook(_raise_in_forward)
 
     def after_backward(self, trainer, iteration: int) -> None:
         if iteration in self.nan_iterations and trainer.rt.rank == 0:
@@ -40,3 +43,8 @@ class FaultInjection(Hooks):
     def during_save(self, trainer, iteration: int) -> None:
         if iteration == self.kill_during_save:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raise_in_forward(module, args):
+    """A forward that fails on this rank itself, not in a communication call."""
+    raise RuntimeError("chimera test fault: this forward raised\n(a second line the error line leaves out)")
