@@ -1,0 +1,191 @@
+"""The checks that need two or more GPUs: our executor on NCCL, each case against one fp32 process.
+
+NCCL launches run with NCCL_DEBUG=INFO (each rank counts the communicators NCCL reports created, before
+iteration 1 and at the end), a 1 MiB NCCL_BUFFSIZE under 4 MiB activations (BIG), so a send completes
+only once its receive is posted and a rendezvous-order deadlock would show, CUDA_DEVICE_MAX_CONNECTIONS=1
+(one case without it), --distributed-timeout-minutes 2 and a launch timeout, so a hang fails its check
+rather than the script. --cpu-smoke runs each case's CPU half: the tiny model over gloo under
+--emulate-nccl, where a collective or p2p on a group the warm-up did not reach fails at once.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from .launching import (
+    BIG,
+    DISTOPT,
+    FP32_RTOL,
+    ITERS,
+    LOCAL,
+    MIB,
+    TINY,
+    Machine,
+    chimera,
+    compare,
+    compare_losses,
+    result,
+    train,
+)
+
+NCCL_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": str(MIB)}
+# Mixtral-style experts (equivalence.py's MIXTRAL), dispatched by all-to-all over 2 expert-parallel ranks
+MOE = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-token-dispatcher-type", "alltoall"]
+TE = ["--transformer-impl", "transformer_engine"]
+# The timed model: 1 MiB of bf16 activation per micro-batch and enough micro-batches to fill the pipeline
+TIMED = ["--mock-data", "--vocab-size", "32000", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
+         "16", "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+         "--global-batch-size", "32", "--train-iters", "12", "--lr", "1e-4", "--bf16", "--eval-iters", "0",
+         "--log-interval", "1", "--distributed-timeout-minutes", "2"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    ranks: int
+    flags: list[str]
+    reference: list[str]  # one process, the same layers
+    bound: float = FP32_RTOL
+    env: dict = field(default_factory=dict)
+    not_on_cpu: str | None = None  # why --cpu-smoke does not run its CPU half (None: it does)
+
+
+def with_flag(flags: list[str], name: str, value: str) -> list[str]:
+    i = flags.index(name)
+    return [*flags[:i + 1], value, *flags[i + 2:]]
+
+
+def cases(m: Machine) -> list[Case]:
+    """Chimera D=2 and D=4, with a second data-parallel replica where the GPUs allow, each variant."""
+    model = TINY if m.smoke else BIG
+    found = []
+    for d in (2, 4):
+        dp = 2 if not m.smoke and m.gpus >= 2 * d else 1
+        run, tag = model + chimera(d), f"nccl chimera D={d}" + (" DP=2" if dp > 1 else "")
+        only_plain = "cpu-smoke: at D=4 only the plain case runs (2 cores)" if d == 4 else None
+        found += [Case(tag, d * dp, run, model),
+                  Case(f"{tag} split-backward", d * dp, run + LOCAL + ["--split-backward"], model + LOCAL,
+                       not_on_cpu=only_plain),
+                  Case(f"{tag} distributed-optimizer", d * dp, run + DISTOPT, model, not_on_cpu=only_plain),
+                  Case(f"nccl chimera D={d} TP=2 sequence-parallel", 2 * d,
+                       run + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], model,
+                       not_on_cpu=only_plain)]
+    from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
+
+    bf16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"] + DISTOPT
+    found += [Case("nccl chimera D=2 bf16 distributed-optimizer", 2, bf16 + chimera(2), bf16, TOLERANCE["bf16"][0]),
+              Case("nccl chimera D=2 transformer-engine", 2, model + chimera(2) + TE, model + TE,
+                   not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
+              Case("nccl chimera D=2 MoE EP=2 alltoall", 4,
+                   TINY + MOE + chimera(2) + ["--expert-model-parallel-size", "2"], TINY + MOE),
+              Case("nccl chimera D=2 CUDA_DEVICE_MAX_CONNECTIONS unset", 2, model + chimera(2), model,
+                   env={"CUDA_DEVICE_MAX_CONNECTIONS": None}, not_on_cpu="cpu-smoke: a CUDA setting")]
+    return found
+
+
+def _launch(m: Machine, case: Case, flags: list[str] | None = None, iters: int | None = None):
+    """The case's run: on NCCL in sync-debug mode "error" (the no-sync check reads it); its CPU half under
+    --emulate-nccl."""
+    flags = flags or case.flags
+    if m.smoke:
+        return train(m, flags + ["--emulate-nccl"], case.ranks, iters=iters)
+    return train(m, flags, case.ranks, sync="error", env={**NCCL_ENV, **case.env}, iters=iters)
+
+
+def _unavailable(m: Machine, case: Case) -> str | None:
+    return case.not_on_cpu if m.smoke else m.need(case.ranks)
+
+
+def check_case(m: Machine, case: Case) -> dict:
+    why = _unavailable(m, case)
+    if not why and case.flags[-1] == "transformer_engine" and not m.te:
+        return result("incomplete", "Transformer Engine not installed: TE layers on NCCL unchecked")
+    if why:
+        return result("skipped", why)
+    return compare(_launch(m, case), train(m, case.reference, 1), case.bound)
+
+
+def nccl_runs(m: Machine) -> dict:
+    """The NCCL runs this machine allows (launched once; the no-sync check reads them)."""
+    if m.smoke:
+        return {}
+    return {c.name: _launch(m, c) for c in cases(m) if not m.need(c.ranks)
+            and not (c.flags[-1] == "transformer_engine" and not m.te)}
+
+
+def check_eval_save_resume(m: Machine) -> dict:
+    """Chimera D=2 trains 3 iterations with an evaluation, saves and exits (--exit-interval); a second
+    launch loads it and trains 3 more, evaluating again: the 6 training and 2 validation losses equal one
+    process's uninterrupted run."""
+    model = TINY if m.smoke else BIG
+    case = Case("eval save resume", 2, model + chimera(2), model)
+    if _unavailable(m, case):
+        return result("skipped", _unavailable(m, case))
+    folder = os.path.join(m.workdir, "resume")
+    evaluated = with_flag(case.flags, "--eval-iters", "2") + ["--eval-interval", "3"]
+    first = _launch(m, case, evaluated + ["--save", folder, "--save-interval", "3", "--exit-interval", "3"], iters=3)
+    second = _launch(m, case, evaluated + ["--save", folder, "--save-interval", "3", "--load", folder], iters=ITERS - 3)
+    reference = train(m, with_flag(case.reference, "--eval-iters", "2") + ["--eval-interval", "3"], 1)
+    for label, run in (("first launch", first), ("resumed launch", second), ("reference", reference)):
+        if run.failure():
+            return result("fail", f"{label} failed: {run.failure()}", command=run.command, output_tail=run.tail)
+    losses = compare_losses(first.losses + second.losses, reference.losses, FP32_RTOL,
+                            commands=[first.command, second.command, reference.command])
+    validation = compare_losses(first.validation + second.validation, reference.validation, FP32_RTOL)
+    if losses["status"] != "pass" or validation["status"] != "pass" or len(reference.validation) != 2:
+        bad = losses if losses["status"] != "pass" else validation
+        return result("fail", f"training or validation losses: {bad['reason']}", training=losses,
+                      validation=validation)
+    return result("pass", f"6 training and 2 validation losses across a save and resume: {losses['reason']}",
+                  training=losses, validation=validation)
+
+
+def check_no_late_communicators(m: Machine) -> dict:
+    """No communicator created after the warm-up: on NCCL, the "Init COMPLETE" lines of NCCL_DEBUG=INFO
+    counted per rank before iteration 1 and at the end; under --cpu-smoke, the emulated runs, where the
+    warm-up's guard fails any collective or p2p on a group it did not reach."""
+    runs = nccl_runs(m) if not m.smoke else {c.name: _launch(m, c) for c in cases(m) if not c.not_on_cpu}
+    if not runs:
+        return result("skipped", m.need(2))
+    late, counted = [], {}
+    for name, run in runs.items():
+        if run.failure():
+            late.append(f"{name}: run failed: {run.failure()}")
+            continue
+        for r in run.reports:
+            inits = r["nccl_inits"]
+            counted[f"{name} rank {r['rank']}"] = inits
+            if not m.smoke and inits.get("end", 0) != inits.get("before iteration 1", 0):
+                late.append(f"{name} rank {r['rank']}: {inits['end'] - inits['before iteration 1']} communicators "
+                            "created after the warm-up")
+    details = dict(nccl_inits=counted, runs=list(runs))
+    if late:
+        return result("fail", late[0], problems=late, **details)
+    how = "NCCL's Init COMPLETE lines unchanged after iteration 1 began" if not m.smoke else \
+        "emulated NCCL: the warm-up guard raised in none"
+    return result("pass", f"{len(runs)} runs: {how}", **details)
+
+
+def check_timed_against_1f1b(m: Machine) -> dict:
+    """Chimera D=2 against megatron-core's 1F1B on the same model and GPUs, the baseline with
+    --overlap-grad-reduce (as Megatron-LM's recipes run it): median iteration time from iteration 3 on,
+    reported as a ratio. A time is reported, never asserted."""
+    if m.smoke:
+        return result("skipped", "cpu-smoke: a time needs GPUs")
+    if m.need(2):
+        return result("skipped", m.need(2))
+    ranks = 4 if m.gpus >= 4 else 2
+    base = TIMED + ["--pipeline-model-parallel-size", "2"]
+    runs = {"chimera": train(m, base + ["--pipeline-schedule", "chimera"], ranks),
+            "megatron-1f1b": train(m, base + ["--pipeline-schedule", "megatron-1f1b", "--overlap-grad-reduce"], ranks)}
+    medians = {}
+    for name, run in runs.items():
+        if run.failure():
+            return result("fail", f"{name} failed: {run.failure()}", command=run.command)
+        medians[name] = statistics.median(run.times_ms[2:])
+    ratio = medians["megatron-1f1b"] / medians["chimera"]
+    return result("pass", f"megatron-core 1F1B / Chimera iteration time = {ratio:.3f} ({ranks} GPUs)",
+                  median_ms=medians, ratio=ratio, commands={n: r.command for n, r in runs.items()})
