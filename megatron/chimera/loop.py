@@ -197,7 +197,9 @@ class Trainer:
 
     def train_step(self, iteration: int) -> dict:
         """One iteration. A NaN/Inf loss or gradient norm (the same on every rank: both are all-reduced)
-        skips the optimizer and scheduler step; the batch counts as consumed, as in Megatron."""
+        skips the optimizer and scheduler step, unless --no-check-for-nan-in-loss-and-grad turns the check off
+        (then, as in Megatron-LM, only fp16's loss scaler skips a step); the batch counts as consumed, as in
+        Megatron."""
         self.main.zero_grad(self.optimizer)
         for m in self.models:
             m.train()
@@ -219,11 +221,18 @@ class Trainer:
         if self.args.moe_router_enable_expert_bias:
             update_expert_bias(self.chunks, self.rt, self.args.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)
-        self._step(norm, finite)
-        # fp16 gradients that overflow skip the step and lower the loss scale: not a NaN iteration
-        nan = not math.isfinite(loss) or (not finite and self.scaler is None)
-        return {"lm loss": loss, "grad norm": norm if finite else None, "skipped": not finite, "nan": nan,
-                "moe": moe}
+        steps = finite or not (self.args.check_for_nan_in_loss_and_grad or self.scaler)
+        self._step(norm, finite, steps)
+        return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
+                "nan": self._nan_iteration(loss, finite, steps), "moe": moe}
+
+    def _nan_iteration(self, loss: float, finite: bool, steps: bool) -> bool:
+        """With the NaN check (Megatron-LM's default): a NaN/Inf loss, or gradient norm without a loss scaler
+        (fp16 gradients that overflow lower the loss scale instead). Without it, what Megatron-LM's log counts
+        as one: a skipped step whose loss is NaN/Inf."""
+        if self.args.check_for_nan_in_loss_and_grad:
+            return not math.isfinite(loss) or (not finite and self.scaler is None)
+        return not steps and not math.isfinite(loss)
 
     def _gradients(self, iteration: int) -> tuple[float, float]:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
@@ -247,8 +256,8 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(divisor)
 
-    def _step(self, norm: float, finite: bool) -> None:
-        """Clip and step, or skip a non-finite iteration."""
+    def _step(self, norm: float, finite: bool, steps: bool) -> None:
+        """Clip (a finite norm) and step, or skip the step."""
         timers = self.timers
         if finite and self.args.clip_grad > 0:
             self.main.clip(self.args.clip_grad, norm)
@@ -256,7 +265,7 @@ class Trainer:
         timers("optimizer-inner-step", log_level=1).start()
         if self.scaler:
             self.scaler.update(found_inf=not finite)
-        if finite:
+        if steps:
             self.optimizer.step()
             self.main.copy_to_model()
             self.scheduler.step(increment=lr_increment(self.args))
@@ -416,12 +425,13 @@ def _resume(trainer) -> int:
 
 
 def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> None:
-    """Megatron's save policy: every --save-interval, at the end, and before an early exit; never the
-    state of a NaN iteration."""
+    """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
+    check, never the state of a NaN iteration."""
     from .checkpoint.checkpointing import save_checkpoint
 
     args = trainer.args
-    if args.save and not stats["nan"] and (done % args.save_interval == 0 or done == args.train_iters or stop):
+    kept = not (stats["nan"] and args.check_for_nan_in_loss_and_grad)
+    if args.save and kept and (done % args.save_interval == 0 or done == args.train_iters or stop):
         folder = save_checkpoint(trainer, done, done * args.global_batch_size)
         progress.last_saved = done
         print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
@@ -429,7 +439,7 @@ def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> 
 
 class _Progress:
     """What the log line reports: losses and NaN counts since the last line, and the time of the
-    iterations themselves (not of logging, evaluation or saving). Stops the run after too many NaN
+    iterations themselves (not of logging, evaluation or saving). With the NaN check, stops the run after too many NaN
     iterations in a row."""
 
     def __init__(self, args, first: int, board: _Board, timers):
@@ -446,7 +456,7 @@ class _Progress:
             self._log(done, lr, loss_scale)
             if self.args.timing_log_level >= 1:
                 print_times(self.timers, ITERATION, normalizer=iterations)
-        if self.nan_run >= self.args.max_consecutive_nan_iterations:
+        if self.args.check_for_nan_in_loss_and_grad and self.nan_run >= self.args.max_consecutive_nan_iterations:
             raise TrainingStopped(self._nan_message(done))
 
     def restart_clock(self, done: int) -> None:

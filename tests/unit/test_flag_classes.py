@@ -65,7 +65,7 @@ def test_flag_table_is_generated_from_the_classes():
     (["--num-experts", "8", "--disable-bias-linear", "--moe-layer-freq", "[0,1]"],
      "--moe-layer-freq=[0, 1]: must give one entry per layer (4)"),
     (["--num-experts", "8", "--disable-bias-linear", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),
-    (["--fp8-format", "hybrid"], "--fp8-format=hybrid: FP8 and FP4 need Transformer Engine on a GPU"),
+    (["--fp8-format", "hybrid"], "--fp8-format=hybrid: GPU-only: FP8 and FP4 need Transformer Engine on a GPU"),
     (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
     (["--no-save-optim"], "--no-save-optim=True: a checkpoint option this trainer does not implement"),
     (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: Transformer Engine's tensor-parallel"),

@@ -295,8 +295,6 @@ def _same_layout(common: dict, rt) -> bool:
 
 
 def _load_dist(trainer, folder: str) -> dict:
-    from megatron.core import dist_checkpointing
-
     args, rt = trainer.args, trainer.rt
     common = read_common(folder, "torch_dist", args.load)
     models = sharded_state.model_state(trainer)
@@ -309,7 +307,7 @@ def _load_dist(trainer, folder: str) -> dict:
         request["rng_state"] = sharded_state.rng_state(rt.rank, rt.world)
     try:
         with safe_globals():
-            loaded = dist_checkpointing.load(request, folder)
+            loaded = _load_strictly(request, folder, args.dist_ckpt_strictness, _objects(models))
     except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
         raise CheckpointError(args.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
     _restore_models(trainer, loaded, args.load)
@@ -319,6 +317,30 @@ def _load_dist(trainer, folder: str) -> dict:
     if rng:
         sharded_state.restore_rng(loaded["rng_state"])
     return common
+
+
+def _load_strictly(request: dict, folder: str, strictness: str, skipped: set[str]) -> dict:
+    """dist_checkpointing.load under --dist-ckpt-strictness, as Megatron-LM's loader passes it: what to do with
+    keys the request and the checkpoint do not share (raise, log, ignore). The two that also look for keys of the
+    checkpoint nobody requested (log_all, raise_all) do not count the ``skipped`` ones, which this loader leaves
+    out on purpose (``_tensors_only``) and Megatron-LM requests: megatron-core returns the mismatches
+    (return_all), and they are raised or logged as the flag says, in megatron-core's words."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
+
+    if strictness not in (StrictHandling.LOG_ALL.value, StrictHandling.RAISE_ALL.value):
+        return dist_checkpointing.load(request, folder, strict=strictness)
+    loaded, missing, unexpected = dist_checkpointing.load(request, folder, strict=StrictHandling.RETURN_ALL)
+    maybe_report_missing_and_unexpected_keys(missing - skipped, unexpected,
+                                             raise_error=strictness == StrictHandling.RAISE_ALL.value)
+    return loaded
+
+
+def _objects(models: dict) -> set[str]:
+    """The keys of the ShardedObjects in the models' sharded state (what ``_tensors_only`` leaves out)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {v.key for tree in models.values() for v in tree.values() if isinstance(v, ShardedObject)}
 
 
 def _tensors_only(tree: dict) -> dict:

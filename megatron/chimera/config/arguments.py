@@ -17,7 +17,7 @@ from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import build_spec, check_options
 
-from ..data.tokenizer import build_tokenizer
+from ..data.tokenizer import build_tokenizer, check_padded_vocab
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
     delayed_wgrad_te,
@@ -103,7 +103,7 @@ def _validate(args) -> None:
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
-    build_tokenizer(args)  # sets args.padded_vocab_size, as in Megatron-LM
+    check_padded_vocab(args, build_tokenizer(args), require)  # it sets args.padded_vocab_size, as in Megatron-LM
     _validate_layout(args)
 
 
@@ -204,6 +204,30 @@ def _validate_run(args) -> None:
                 "--recompute-granularity full needs uniform or block")
         require(args.recompute_num_layers is not None, "--recompute-num-layers", None,
                 "--recompute-granularity full needs it (megatron-core's rule)")
+    _validate_recompute_modules(args)
+
+
+# megatron-core 0.19's choices for TransformerConfig.recompute_modules
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
+
+
+def _validate_recompute_modules(args) -> None:
+    """megatron-core's rules for --recompute-modules under --recompute-granularity selective (its
+    TransformerConfig raises on them, naming no flag), on every device: moe_act stays in the list with
+    --moe-grouped-gemm even where local layers leave it out (model/chunk.py's ``te_only_recompute``)."""
+    if args.recompute_granularity != "selective":
+        return
+    rules = {"moe_act": (args.moe_grouped_gemm, "needs --moe-grouped-gemm (megatron-core's rule)"),
+             "mla_up_proj": (args.multi_latent_attention, "needs --multi-latent-attention (megatron-core's rule)"),
+             "shared_experts": (not (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size),
+                                "cannot be combined with --moe-shared-expert-overlap (megatron-core's rule)"),
+             "gdn_norm_out": (False, "recomputes the gated-delta-net attention variant's norm, which is not "
+                                     "supported yet")}
+    for module in args.recompute_modules or ():
+        require(module in RECOMPUTE_MODULES, "--recompute-modules", module,
+                f"is not one of megatron-core's modules ({', '.join(RECOMPUTE_MODULES)})")
+        allowed, rule = rules.get(module, (True, ""))
+        require(allowed, "--recompute-modules", module, rule)
 
 
 def _validate_layout(args) -> None:
@@ -239,6 +263,7 @@ def _validate_layout(args) -> None:
     if request is not None:
         _check_request(args, request)
         _check_split_backward(args, request)
+        _check_recompute_split(args, request)
     if args.chimera_concat == "halving":
         require(args.micro_batch_size % 2 == 0, "--micro-batch-size", args.micro_batch_size,
                 "must be even for --chimera-concat halving (it runs half-size micro-batches)")
@@ -250,20 +275,38 @@ def _validate_layout(args) -> None:
 def _check_split_backward(args, request: ScheduleSpec) -> None:
     """A schedule with a split backward (I and W passes: asked with --split-backward, or DualPipe's own)
     runs Transformer Engine's layers with their weight gradients delayed to W (delay_wgrad_compute and
-    backward_dw(), from the release ``delayed_wgrad_te`` names); with an older one, it is refused. Whether
-    the schedule splits is read from its IR, as the run plan reads it (so only with an older Transformer
-    Engine on a GPU is a schedule generated here as well as by the run plan)."""
+    backward_dw(), from the release ``delayed_wgrad_te`` names); with an older one, it is refused."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not uses_transformer_engine(args, device_type) or delays_weight_gradients(args):
         return
-    splits = request.split_backward or build_spec(request).split_backward
     asked = " --split-backward" if request.split_backward else ""
-    require(not splits, "--transformer-impl", args.transformer_impl,
+    require(not _splits_backward(request), "--transformer-impl", args.transformer_impl,
             f"Transformer Engine's fused linears compute the input and weight gradients together, which "
             f"--pipeline-schedule {request.schedule}{asked} separates: that needs Transformer Engine "
             f"{delayed_wgrad_te(args)} or later (delay_wgrad_compute under these flags; installed: "
             f"{transformer_engine_version()}); "
             "upgrade it, or give --transformer-impl local")
+
+
+def _splits_backward(request: ScheduleSpec) -> bool:
+    """Whether the schedule splits its backward, read from its IR as the run plan reads it (so a schedule is
+    generated here as well only for the rules that ask: an older Transformer Engine, recomputation)."""
+    return bool(request.split_backward or build_spec(request).split_backward)
+
+
+def _check_recompute_split(args, request: ScheduleSpec) -> None:
+    """megatron-core's activation recomputation (--recompute-granularity, --recompute-activations,
+    --moe-layer-recompute) reruns a forward inside a whole backward only: it raises "Checkpointing is not
+    compatible with .grad()" in a backward restricted to some tensors, which both passes of a split
+    backward are (I asks the stage input's gradient, W the weights'). Refused here, before anything starts."""
+    flag = ("--recompute-granularity" if args.recompute_granularity
+            else "--moe-layer-recompute" if args.moe_layer_recompute else None)
+    if flag is None:
+        return
+    asked = " --split-backward" if request.split_backward else ""
+    require(not _splits_backward(request), flag, args.recompute_granularity or True,
+            f"megatron-core's activation recomputation runs in a whole backward only, which --pipeline-schedule "
+            f"{request.schedule}{asked} splits into input- and weight-gradient passes: drop one of the two")
 
 
 def _check_mtp(args, held, request) -> None:
@@ -326,8 +369,32 @@ def _validate_architecture(args) -> None:
             "with --multi-latent-attention and no --q-lora-rank normalises inside Transformer Engine's fused "
             "norm and query projection, which megatron-core 0.19's local layers lack: give --q-lora-rank, or "
             "run Transformer Engine on a GPU")
+    _validate_recipe_layers(args, device_type)
     if args.num_experts is not None:
         _validate_experts(args)
+
+
+def _validate_recipe_layers(args, device_type: str) -> None:
+    """Llama 3.1's RoPE and gpt-oss's attention and MLP flags: Megatron-LM's rules, and what megatron-core's
+    layers run (its local attention has no unlimited window side; it picks windowed layers by layer number)."""
+    require(not (args.quick_geglu and args.swiglu), "--quick-geglu", True,
+            "cannot be combined with --swiglu (Megatron-LM's rule)")
+    factor = args.rotary_seq_len_interpolation_factor
+    require(factor is None or factor > 0, "--rotary-seq-len-interpolation-factor", factor, "must be positive")
+    window, freq = args.window_size, args.window_attn_skip_freq
+    if window is None:
+        return
+    shown = ",".join(map(str, window))
+    require(len(window) == 2, "--window-size", shown, "takes the window's left and right sizes, e.g. 128,0")
+    require(min(window) >= 0 or uses_transformer_engine(args, device_type), "--window-size", shown,
+            "with a negative (unlimited) side runs in Transformer Engine's attention only: megatron-core 0.19's "
+            "local attention then masks every position")
+    require(not isinstance(freq, list) or len(freq) == args.num_layers, "--window-attn-skip-freq", freq,
+            f"must give one entry per layer ({args.num_layers})")
+    require(isinstance(freq, list) or freq is None or freq > 0, "--window-attn-skip-freq", freq, "must be positive")
+    require(not args.mtp_num_layers, "--mtp-num-layers", args.mtp_num_layers,
+            "with --window-size is not supported yet: megatron-core numbers MTP layers 1, 2, ... apart from the "
+            "model's, and a pipeline stage's slice of the window pattern numbers them as its own layers")
 
 
 def _validate_experts(args) -> None:
@@ -343,6 +410,9 @@ def _validate_experts(args) -> None:
             "in-place update of a view); Megatron-LM's MoE recipes set it")
     require(args.tensor_model_parallel_size == 1 or args.sequence_parallel, "--sequence-parallel", False,
             "is required with --num-experts and tensor parallelism (megatron-core's rule for MoE layers)")
+    require(not (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size)
+            or args.moe_token_dispatcher_type == "alltoall", "--moe-shared-expert-overlap", True,
+            "needs --moe-token-dispatcher-type alltoall (megatron-core's rule)")
 
 
 def _require_documents(args, prefix: str) -> None:

@@ -54,10 +54,15 @@ HONOURED = _flags("""
     --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
     --moe-pad-expert-input-to-capacity --expert-model-parallel-size --expert-tensor-parallel-size
     --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-layer-recompute
+    --recompute-modules --moe-shared-expert-overlap --moe-router-force-load-balancing
+    --no-check-for-nan-in-loss-and-grad --dist-ckpt-strictness --trust-remote-code
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
     --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm
     --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
     --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+    --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
+    --window-size --window-attn-skip-freq --softmax-type --quick-geglu --glu-linear-offset
+    --activation-func-clamp-value --enable-experimental --disable-bf16-reduced-precision-matmul
 """)
 
 NO_EFFECT = {
@@ -168,49 +173,44 @@ REFUSED = {
         --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
         --linear-num-value-heads --is-hybrid-model --mamba-state-dim --mamba-head-dim --mamba-num-groups
         --mamba-num-heads --disable-mamba-mem-eff-path --mlp-chunks-for-prefill --mlp-chunks-for-training
-        --window-size --window-attn-skip-freq --mamba-training-ssm-states-dtype
+        --mamba-training-ssm-states-dtype
         --cache-mla-latents --mla-down-proj-fusion --linear-attention-freq --heterogeneous-layers-config-path
         --heterogeneous-layers-config-encoded-json --mamba-inference-conv-states-dtype
-        --mamba-inference-ssm-states-dtype --enable-experimental --spec --hybrid-layer-pattern
+        --mamba-inference-ssm-states-dtype --spec --hybrid-layer-pattern
         --hybrid-override-pattern
     """),
-    ('this part of mixture-of-experts training is not supported yet (the flex dispatcher, overlaps, '
-     'routing replay and quantisation padding, latent MoE, upcycling)'): _flags("""
+    ('this part of mixture-of-experts training is not supported yet (overlaps, routing replay and quantisation '
+     'padding, latent MoE, upcycling)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
-        --moe-shared-expert-overlap --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
+        --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
         --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8
         --moe-router-quantile-balancing-ema
-        --moe-router-force-load-balancing --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
+        --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
         --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
-        --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
-        --moe-hybridep-pad-uneven-dispatch-inputs
         --moe-pad-experts-for-cuda-graph-inference
-        --moe-apply-probs-on-input --moe-latent-size --moe-flex-dispatcher-num-sms
-        --moe-deepep-num-sms --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute
-        --moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape
-        --moe-ncclep-zero-copy --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
+        --moe-apply-probs-on-input --moe-latent-size --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
         --moe-paged-stash-page-size --moe-paged-stash-buffer-size-factor-cuda
         --moe-paged-stash-buffer-size-factor-cpu --moe-use-upcycling --moe-upcycling-granularity
         --moe-routing-trace-path --moe-routing-trace-max-training-iters --moe-routing-trace-capture-logits
         --moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights
     """),
     'a model, precision or initialisation variant this trainer does not implement yet': _flags("""
-        --deterministic-mode --flash-attention-version --softmax-type --fp32-residual-connection
-        --glu-linear-offset --activation-func-clamp-value --qk-l2-norm --qk-clip --qk-clip-alpha
+        --deterministic-mode --flash-attention-version --fp32-residual-connection
+        --qk-l2-norm --qk-clip --qk-clip-alpha
         --qk-clip-threshold --attention-output-gate --embedding-init-method-std
-        --apply-query-key-layer-scaling --disable-bf16-reduced-precision-matmul
+        --apply-query-key-layer-scaling
         --use-fused-weighted-squared-relu --fused-residual-rmsnorm --use-transformer-engine-op-fuser
-        --distribute-saved-activations --recompute-modules --no-clone-scatter-output-in-embedding
+        --distribute-saved-activations --no-clone-scatter-output-in-embedding
         --disable-clone-scatter-output-in-embedding --use-te-activation-func --mrope-section
         --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
         --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int
         --relative-attention-num-buckets --relative-attention-max-distance
-        --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --no-rope-freq
-        --openai-gelu --squared-relu --quick-geglu --onnx-safe --apply-wd-to-qk-layernorm
+        --no-rope-freq
+        --openai-gelu --squared-relu --onnx-safe --apply-wd-to-qk-layernorm
         --no-weight-decay-cond-type --te-rng-tracker --data-parallel-random-init
-        --init-method-xavier-uniform --freeze-all-layers --fp16-lm-cross-entropy --padded-vocab-size
+        --init-method-xavier-uniform --freeze-all-layers --fp16-lm-cross-entropy
         --no-pad-vocab-size --disable-pad-vocab-size --log-max-attention-logit
     """),
     "Transformer Engine's tensor-parallel communication overlap is not supported yet": _flags("""
@@ -245,7 +245,14 @@ REFUSED = {
         --use-mup --mup-width-mult --mup-base-hidden-size --mup-embedding-mult --mup-output-mult
         --mup-base-head-dim --mup-attn-scale-power
     """),
-    'FP8 and FP4 need Transformer Engine on a GPU; not supported yet': _flags("""
+    ("GPU-only: the flex dispatcher's DeepEP, HybridEP and NCCL-EP kernels need NVIDIA GPUs (use "
+     "--moe-token-dispatcher-type alltoall or allgather)"): _flags("""
+        --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
+        --moe-hybridep-pad-uneven-dispatch-inputs --moe-flex-dispatcher-num-sms --moe-deepep-num-sms
+        --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
+        --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape --moe-ncclep-zero-copy
+    """),
+    'GPU-only: FP8 and FP4 need Transformer Engine on a GPU; not supported yet': _flags("""
         --fp8-format --fp8-recipe --fp8-quantizer-factory --fp8-margin --fp8-interval --fp8-amax-history-len
         --fp8-amax-compute-algo --no-fp8-wgrad --disable-fp8-wgrad --fp8-output-proj --first-last-layers-bf16
         --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 --use-kitchen-attention
@@ -253,7 +260,7 @@ REFUSED = {
         --reuse-grad-buf-for-mxfp8-param-ag --keep-fp8-transpose-cache --fp4-param-gather --fp8-param-gather
         --te-precision-config-file
     """),
-    'CUDA graphs are not supported yet': _flags("""
+    'GPU-only: CUDA graphs are not supported yet': _flags("""
         --enable-cuda-graph --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl
         --inference-cuda-graph-scope --optimizer-cuda-graph --cuda-graph-scope --cuda-graph-modules
         --inference-cuda-graph-all-prefills --inference-cuda-graph-max-tokens
@@ -305,7 +312,7 @@ REFUSED = {
      '--max-consecutive-nan-iterations)'): _flags("""
         --check-weight-hash-across-dp-replicas-interval --gpu-sniff-test-interval --train-sync-interval
         --exit-signal-handler-for-dataloader --exit-signal-handler-for-training --iterations-to-skip
-        --no-check-for-nan-in-loss-and-grad --dump-param-to-param-group-map
+        --dump-param-to-param-group-map
     """),
     'removed from Megatron-LM (its own validate_args refuses it)': _flags("""
         --batch-size --checkpoint-activations --warmup
@@ -355,7 +362,7 @@ REFUSED = {
         --ckpt-convert-update-legacy-dist-opt-format
         --no-ckpt-load-validate-sharding-integrity
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
-        --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness --dist-ckpt-save-pre-mcore-014
+        --disable-strict-fsdp-dtensor-load --dist-ckpt-save-pre-mcore-014
         --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient --replication
         --replication-jump --replication-factor --verify-integrity --no-stream-ckpt-dequant
         --disable-stream-ckpt-dequant --no-save-optim --no-save-rng --override-ckpt-iteration
@@ -381,7 +388,7 @@ REFUSED = {
         --vocab-extra-ids --tokenizer-sentencepiece-legacy --tokenizer-metadata --tokenizer-special-tokens
         --no-tokenizer-sentencepiece-ignore-extra-whitespaces
         --disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast
-        --tokenizer-hf-no-include-special-tokens --trust-remote-code --null-tokenizer-eod-id
+        --tokenizer-hf-no-include-special-tokens --null-tokenizer-eod-id
         --null-tokenizer-pad-id --chat-template
     """),
     'ADLR autoresume is an NVIDIA cluster service': _flags("""
@@ -421,12 +428,18 @@ REFUSED = {
 # Megatron-LM would accept and we do not).
 VALUES = {
     "--optimizer": ("adam",),
+    # Megatron-LM 0.19's GPT builder (gpt_config_from_args) gives GPTModel its default, 8.0, whatever this says
+    "--rope-scaling-factor": (8.0,),
     "--moe-token-dispatcher-type": ("allgather", "alltoall"),
     "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "none"),
     "--moe-router-score-function": ("softmax", "sigmoid"),
     "--dataloader-type": (None, "single"),
     "--transformer-impl": ("transformer_engine", "local"),
     "--ckpt-format": ("torch_dist", "torch"),
+    # return_*: megatron-core's load returns the mismatched keys beside the state, which Megatron-LM's loader
+    # does not take (it fails on the tuple)
+    "--dist-ckpt-strictness": ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                               "ignore_all"),
     "--position-embedding-type": ("learned_absolute", "rope", "none"),
     "--lr-decay-style": ("constant", "linear", "cosine", "inverse-square-root"),
     "--tokenizer-type": (None, "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",

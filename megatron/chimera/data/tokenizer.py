@@ -50,6 +50,16 @@ def build_tokenizer(args):
     return tokenizer
 
 
+def check_padded_vocab(args, tokenizer, require) -> None:
+    """--padded-vocab-size is taken as given, as Megatron-LM takes it (its tokenizer pads only without
+    it): it must hold every id the tokenizer makes, and megatron-core's vocab-parallel embedding and
+    output layer split it evenly over tensor parallelism (Megatron-LM fails on either only once running)."""
+    size, tp, ids = args.padded_vocab_size, args.tensor_model_parallel_size, tokenizer.vocab_size
+    require(size >= ids, "--padded-vocab-size", size, f"must hold the tokenizer's {ids} ids")
+    require(size % tp == 0, "--padded-vocab-size", size,
+            f"must be a multiple of --tensor-model-parallel-size ({tp}): megatron-core splits the vocabulary evenly")
+
+
 class GPT2BPE:
     """GPT-2's byte-level BPE from its vocab.json and merges.txt, with what Megatron-LM's datasets and
     preprocess_data ask of a tokenizer."""

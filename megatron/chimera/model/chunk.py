@@ -30,13 +30,21 @@ import torch
 ARCHITECTURE = ("ffn_hidden_size", "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
                 "qk_layernorm", "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std",
                 "apply_residual_connection_post_layernorm", "rotary_interleaved", "attention_backend",
-                "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "calculate_per_token_loss")
+                "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "calculate_per_token_loss",
+                # gpt-oss's attention sink and clamped, offset GLU; sliding windows (window_attn_skip_freq is
+                # the stage's: _window_layers)
+                "softmax_type", "window_size", "glu_linear_offset", "activation_func_clamp_value",
+                "disable_bf16_reduced_precision_matmul")
 # Mixture-of-experts fields, under the same name in Megatron-LM's arguments and TransformerConfig
 MOE = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
        "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_router_score_function", "moe_router_pre_softmax",
        "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype",
        "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor", "moe_token_drop_policy",
-       "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+       "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+       "moe_router_force_load_balancing")
+# --recompute-modules that only Transformer Engine's layers recompute: the activation of its grouped experts
+# (TEGroupedMLP); megatron-core's local experts (SequentialMLP) have no such checkpoint
+TE_RECOMPUTE = ("moe_act",)
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine's grouped experts
@@ -290,6 +298,55 @@ def _experts(args, num_layers: int, first_layer: int, transformer_engine: bool) 
             "moe_layer_recompute": args.moe_layer_recompute}
 
 
+def _activation(args) -> dict:
+    """The MLP's activation as Megatron-LM's core_transformer_config_from_args sets it: --swiglu is a
+    SiLU-gated unit, --quick-geglu (gpt-oss) a quick-GELU-gated one, GELU otherwise."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if args.swiglu:
+        return {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+    if args.quick_geglu:
+        return {"gated_linear_unit": True, "activation_func": quick_gelu}
+    return {"gated_linear_unit": False, "activation_func": torch.nn.functional.gelu}
+
+
+def _window_layers(args, first_layer: int, num_layers: int):
+    """--window-attn-skip-freq for a chunk's layers. megatron-core picks sliding-window attention by the
+    layer's number, which in Megatron-LM counts through the whole model (after the pipeline offset) but
+    in a chunk from its first layer: so with --window-size the chunk gets its slice of the model's
+    pattern, as a list (1: sliding window), as moe_layer_freq gets its slice in _experts."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if args.window_size is None or args.window_attn_skip_freq is None:
+        return args.window_attn_skip_freq  # every layer windowed, or no window at all
+    return [int(is_layer_window_attention(args.window_size, args.window_attn_skip_freq, first_layer + i + 1))
+            for i in range(num_layers)]
+
+
+def te_only_recompute(args, transformer_engine: bool) -> list[str]:
+    """The --recompute-modules listed that only Transformer Engine's layers recompute, where megatron-core's
+    local layers run instead (none under Transformer Engine)."""
+    return [] if transformer_engine else [m for m in args.recompute_modules or () if m in TE_RECOMPUTE]
+
+
+def recompute_modules(args, transformer_engine: bool) -> list[str] | None:
+    """--recompute-modules as Megatron-LM passes it (None: megatron-core's default, core_attn), less the
+    modules ``te_only_recompute`` names: megatron-core refuses moe_act without grouped GEMMs, which are
+    Transformer Engine's (``_experts``)."""
+    if args.recompute_modules is None:
+        return None
+    skipped = te_only_recompute(args, transformer_engine)
+    return [m for m in args.recompute_modules if m not in skipped]
+
+
+def shared_expert_overlap(args, device_type: str) -> bool:
+    """--moe-shared-expert-overlap on a GPU: megatron-core runs the shared experts on a CUDA side stream
+    beside the token dispatch. The CPU has one stream: the shared experts run before the router, as without
+    the flag, computing the same (megatron-core notes that only the input's gradient sums its two parts in
+    another order)."""
+    return args.moe_shared_expert_overlap and device_type == "cuda"
+
+
 def transformer_config(args, num_layers: int, first_layer: int = 0, device_type: str = "cpu",
                        split_backward: bool = False):
     """The config of a chunk of ``num_layers`` layers starting at layer ``first_layer`` of the model
@@ -317,8 +374,8 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, device_type:
         num_attention_heads=args.num_attention_heads,
         **architecture,
         num_query_groups=args.num_query_groups,
-        gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        **_activation(args),
+        window_attn_skip_freq=_window_layers(args, first_layer, num_layers),
         add_bias_linear=args.add_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -333,6 +390,8 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, device_type:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        recompute_modules=recompute_modules(args, transformer_engine),
+        moe_shared_expert_overlap=shared_expert_overlap(args, device_type),
         # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual stage
         microbatch_group_size_per_vp_stage=args.pipeline_model_parallel_size,
         cuda_graph_scope=[],  # the whole layer; megatron-core's default spelling of it ("full") warns
@@ -352,9 +411,13 @@ def build_chunk(args, plan, stage: int, device: torch.device):
     MTP block where it puts m."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from . import recompute
+
+    recompute.apply()  # --recompute-modules layernorm without Transformer Engine
     held, te = plan.layout.stages[stage], uses_transformer_engine(args, device.type)
     first = plan.layout.first_layer(stage)
     config = transformer_config(args, held.layers, first, device.type, plan.split_backward)
+    _experimental(args)
     with _one_stage_view():
         model = GPTModel(
             config,
@@ -367,6 +430,7 @@ def build_chunk(args, plan, stage: int, device: torch.device):
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            **rope_scaling(args),
             mtp_block_spec=_mtp_block_spec(args, config, device, plan.split_backward) if held.mtp else None,
         )
     if args.mtp_num_layers and not plan.layout.holds_last_layer(stage):
@@ -376,11 +440,29 @@ def build_chunk(args, plan, stage: int, device: torch.device):
         # copy MTP needs) and keys no output layer in its checkpoint: the unused matrix is not kept
         model.output_layer.weight = None
     model.stage = stage
+    mark_per_head(model)
     mark_tensor_parallel_sums(model, model.config)
     init_chunk(model, args, first)
     if plan.split_backward:
         (_delayed_weight_gradients if te else _splittable_linears)(model)
     return model.to(device, args.params_dtype)  # as Megatron's Float16Module casts the whole chunk
+
+
+def rope_scaling(args) -> dict:
+    """GPTModel's RoPE arguments beyond base and percent, from Megatron-LM's flags as its GPT builder
+    passes them (gpt_config_from_args): Llama 3.1's frequency scaling (--use-rope-scaling) by
+    --rope-scaling-factor (8.0, the only value Megatron-LM 0.19's builder gives GPTModel; flag_classes
+    refuses others), and position interpolation (--rotary-seq-len-interpolation-factor)."""
+    return {"rope_scaling": args.use_rope_scaling, "rope_scaling_factor": args.rope_scaling_factor,
+            "seq_len_interpolation_factor": args.rotary_seq_len_interpolation_factor}
+
+
+def _experimental(args) -> None:
+    """--enable-experimental: megatron-core's process-wide switch for the code it marks experimental,
+    set as Megatron-LM's set_global_variables sets it, before the model that reads it is built."""
+    from megatron.core.config import set_experimental_flag
+
+    set_experimental_flag(args.enable_experimental)
 
 
 @contextlib.contextmanager
@@ -420,6 +502,16 @@ def mark_tensor_parallel_sums(model, config) -> None:
         param.sums_over_tensor_parallel = bool(
             (config.sequence_parallel and getattr(param, "sequence_parallel", False))
             or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+
+
+def mark_per_head(model) -> None:
+    """--softmax-type learnable: the attention sink, one offset per attention head of this rank's share,
+    which megatron-core's checkpoint splits over tensor parallelism on axis 0 like the heads but leaves
+    unmarked. Marked so, init_chunk draws it whole and slices it like the heads, and the gradient norm
+    counts every rank's share (megatron-core's unmarked offset counts TP rank 0's only)."""
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
 def _splittable_linears(model) -> None:
@@ -520,7 +612,8 @@ def init_chunk(model, args, layer_offset: int) -> None:
 
 
 def is_gated(args, gname: str) -> bool:
-    return args.swiglu and gname.endswith("linear_fc1.weight")
+    """Whether the parameter is a gated MLP's fc1 ([gate; up]): --swiglu or --quick-geglu."""
+    return (args.swiglu or args.quick_geglu) and gname.endswith("linear_fc1.weight")
 
 
 def tp_shard(full: torch.Tensor, dim: int, tp: int, rank: int, gated: bool) -> torch.Tensor:

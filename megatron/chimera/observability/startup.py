@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.run_plan import PROOF_MODE
-from ..model.chunk import fusions_off
+from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
 
 
 def print_building(args, transformer_engine: bool) -> None:
@@ -20,6 +20,20 @@ def print_building(args, transformer_engine: bool) -> None:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
     _print_fusions_off(args)
+    _print_local_stand_ins(args, transformer_engine)
+
+
+def _print_local_stand_ins(args, transformer_engine: bool) -> None:
+    """Once, what two MoE and recomputation flags do here that differs from a GPU run with Transformer Engine
+    (model/chunk.py's ``te_only_recompute`` and ``shared_expert_overlap``)."""
+    te_only = te_only_recompute(args, transformer_engine)
+    if te_only and args.recompute_granularity == "selective":
+        rest = [m for m in args.recompute_modules if m not in te_only]
+        print(f" > --recompute-modules: {', '.join(te_only)} only in Transformer Engine's layers (no effect with "
+              f"megatron-core's local layers here); recomputed: {', '.join(rest) or 'none of the others'}", flush=True)
+    if args.moe_shared_expert_overlap and not shared_expert_overlap(args, _training_device(args)):
+        print(" > --moe-shared-expert-overlap: off on the CPU (megatron-core overlaps the shared experts with the "
+              "token dispatch on a CUDA stream); they run before the router instead, computing the same", flush=True)
 
 
 def _print_fusions_off(args) -> None:

@@ -1,0 +1,215 @@
+"""Megatron-LM's recipe flags of issue 34 that reach megatron-core's config or the trainer's behaviour, in one
+process: --recompute-modules, --moe-shared-expert-overlap, --moe-router-force-load-balancing,
+--no-check-for-nan-in-loss-and-grad, --dist-ckpt-strictness, --trust-remote-code."""
+import contextlib
+
+import pytest
+import torch
+
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
+from megatron.chimera.observability.hooks import Hooks
+
+TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+        "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--eval-iters", "0"]
+# layer 0 dense, layer 1 mixture-of-experts with a shared expert
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8", "--moe-layer-freq", "[0,1]",
+       "--moe-shared-expert-intermediate-size", "8", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
+
+
+def gradients(flags: list[str]) -> tuple[dict, int]:
+    """One chunk's parameter gradients after a forward and backward of a fixed batch, and the bytes autograd
+    kept for the backward."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    args = parse_args(TINY + flags, world_size=1)
+    model_parallel_cuda_manual_seed(args.seed)
+    model = build_chunk(args, make_run_plan(args), 0, torch.device("cpu"))
+    tokens = torch.arange(16).remainder(64).view(2, 8)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).mean()
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, sum(saved)
+
+
+@pytest.mark.parametrize("modules", [["core_attn", "mlp", "layernorm", "shared_experts"], ["moe"]])
+def test_selective_recompute_modules_keep_the_gradients_and_save_memory(one_process_group, modules):
+    """Each module megatron-core's local layers recompute reaches the config, keeps the gradients bit for bit
+    and keeps fewer bytes for the backward."""
+    assert transformer_config(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1), 2).recompute_modules \
+        == modules
+    plain, plain_bytes = gradients(MOE)
+    recomputed, recomputed_bytes = gradients(MOE + SELECTIVE + modules)
+    assert all(torch.equal(plain[n], recomputed[n]) for n in plain)
+    assert recomputed_bytes < plain_bytes
+
+
+def test_megatron_cores_layernorm_checkpoint_still_asks_for_fp8_without_it():
+    """Why model/recompute.py exists: megatron-core 0.19 reads CheckpointWithoutOutput's default fp8=False as fp8
+    on (``fp8 is not None``). When a release fixes that, this fails and the module can go."""
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    from megatron.chimera.model import recompute
+
+    recompute.apply()
+    checkpoint = object.__new__(CheckpointWithoutOutput)
+    getattr(CheckpointWithoutOutput.__init__, "__wrapped__", CheckpointWithoutOutput.__init__)(checkpoint)
+    assert checkpoint.fp8
+
+
+def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_group, capsys):
+    from megatron.chimera.observability.startup import print_building
+
+    args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
+    assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
+    capsys.readouterr()
+    print_building(args, transformer_engine=False)
+    out = capsys.readouterr().out
+    assert out.count("--recompute-modules") == 1
+    assert (" > --recompute-modules: moe_act only in Transformer Engine's layers (no effect with megatron-core's "
+            "local layers here); recomputed: mlp") in out
+
+
+def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process_group, capsys):
+    from megatron.chimera.observability.startup import print_building
+
+    args = parse_args(TINY + MOE + ["--moe-shared-expert-overlap"], world_size=1)
+    assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
+    assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
+    capsys.readouterr()
+    print_building(args, transformer_engine=False)
+    out = capsys.readouterr().out
+    assert out.count("--moe-shared-expert-overlap") == 1 and "off on the CPU" in out
+
+
+def routes(flags: list[str]) -> list[torch.Tensor]:
+    """The MoE layer's routing maps of two random inputs, each routed from the same RNG states."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    args = parse_args(TINY + MOE + flags, world_size=1)
+    router = build_chunk(args, make_run_plan(args), 0, torch.device("cpu")).decoder.layers[1].mlp.router
+    maps = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        maps.append(router(torch.randn(8, 2, 16))[1])
+    return maps
+
+
+def test_forced_load_balancing_routes_at_random_whatever_the_input(one_process_group):
+    """megatron-core's random logits (RandomSTE) replace the router's: drawn from the expert-parallel RNG state,
+    so two inputs routed from the same state go to the same experts."""
+    assert transformer_config(parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1),
+                              2).moe_router_force_load_balancing
+    forced, learned = routes(["--moe-router-force-load-balancing"]), routes([])
+    assert torch.equal(*forced) and not torch.equal(*learned)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (SELECTIVE + ["moe_act"], "--recompute-modules=moe_act: needs --moe-grouped-gemm (megatron-core's rule)"),
+    (SELECTIVE + ["mla_up_proj"], "--recompute-modules=mla_up_proj: needs --multi-latent-attention"),
+    (SELECTIVE + ["attention"], "--recompute-modules=attention: is not one of megatron-core's modules"),
+    (SELECTIVE + ["shared_experts", "--moe-shared-expert-overlap"],
+     "--recompute-modules=shared_experts: cannot be combined with --moe-shared-expert-overlap"),
+    (["--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "allgather"],
+     "--moe-shared-expert-overlap=True: needs --moe-token-dispatcher-type alltoall"),
+    (["--recompute-activations", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+      "--split-backward"], "--recompute-granularity=selective: megatron-core's activation recomputation runs in a "
+                           "whole backward only, which --pipeline-schedule 1f1b --split-backward splits"),
+    (["--dist-ckpt-strictness", "return_all"], "--dist-ckpt-strictness=return_all: pretrain_gpt.py runs"),
+])
+def test_what_cannot_run_fails_in_one_line(capsys, extra, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(TINY + MOE + extra, world_size=2 if "--split-backward" in extra else 1)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+class _NaNWeights(Hooks):
+    """NaN word embeddings before the iteration: a NaN loss and gradient norm, as a diverged run has."""
+
+    def before_iteration(self, trainer, iteration: int) -> None:
+        with torch.no_grad():
+            trainer.models[0].embedding.word_embeddings.weight.fill_(float("nan"))
+
+
+@contextlib.contextmanager
+def trainer(flags: list[str], hooks: Hooks = Hooks()):
+    """A one-process Trainer in the test process; after it, the one_process_group fixture's parallel state,
+    which the Trainer's own replaced and released."""
+    from megatron.core import parallel_state
+
+    from megatron.chimera.loop import Trainer
+    from megatron.chimera.model.gpt_step import forward_step
+
+    args = parse_args(TINY + flags, world_size=1)
+    built = Trainer(args, make_run_plan(args), forward_step, hooks)
+    try:
+        yield built
+    finally:
+        built.close()
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, checked):
+    """On (Megatron-LM's default) a NaN step is skipped, counted, and --max-consecutive-nan-iterations of them
+    stop the run; with --no-check-for-nan-in-loss-and-grad nothing checks: the step is taken, as in Megatron-LM."""
+    from megatron.chimera.loop import TrainingStopped, _Board, _Progress
+
+    flags = ["--max-consecutive-nan-iterations", "1"] + ([] if checked else ["--no-check-for-nan-in-loss-and-grad"])
+    with trainer(flags, _NaNWeights()) as t:
+        stats = t.train_step(0)
+        assert stats["lm loss"] != stats["lm loss"]  # NaN
+        expected = (True, True, 0) if checked else (False, False, 1)
+        assert (stats["skipped"], stats["nan"], t.optimizer_steps()) == expected
+        progress = _Progress(t.args, 0, _Board(None), t.timers)
+        with pytest.raises(TrainingStopped) if checked else contextlib.nullcontext():
+            progress.record(stats, 1, 1e-3, None)
+
+
+def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, caplog):
+    """Our own checkpoint loads under raise_all (the _extra_state objects this loader leaves out on purpose are
+    not reported); without the optimizer (--no-load-optim) its keys are missing: raise_all fails, log_all logs
+    them and loads."""
+    from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.chimera.checkpoint.format import CheckpointError
+
+    with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
+        save_checkpoint(t, 1, 2)
+    load = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
+    with trainer(load + ["raise_all"]) as t:
+        assert load_checkpoint(t) == (1, 2)
+    with trainer(load + ["raise_all", "--no-load-optim"]) as t, pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(t)
+    with trainer(load + ["log_all", "--no-load-optim"]) as t:
+        caplog.clear()
+        assert load_checkpoint(t) == (1, 2)
+        assert "optimizer.state.exp_avg" in caplog.text and "_extra_state" not in caplog.text
+
+
+def test_trust_remote_code_reaches_huggingfaces_auto_tokenizer(gpt2_files, monkeypatch):
+    from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
+
+    asked = []
+    real = huggingface_tokenizer.AutoTokenizer.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        asked.append(kwargs["trust_remote_code"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_tokenizer.AutoTokenizer, "from_pretrained", from_pretrained)
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(gpt2_files / "hf")]
+    for flag in ([], ["--trust-remote-code"]):
+        parse_args(TINY + hf + flag, world_size=1)
+    assert asked == [False, True]
