@@ -1,7 +1,8 @@
 # Shared by the MoE recipes: the launcher and the knobs a test or a user turns.
 #   NPROC (4) processes; PP (2), EP (2); SCHEDULE (chimera: the one flag the recipes add to Megatron-LM's);
 #   PRECISION (--bf16, as the recipes train; empty for fp32); TOKENIZER_MODEL (the README's SentencePiece
-#   model, read by Megatron-LM's Llama2Tokenizer); extra flags after the script's name are appended.
+#   model, read by Megatron-LM's Llama2Tokenizer); PRINT_COMMAND=1 prints the command (each word quoted
+#   for bash) instead of running it; extra flags after the script's name are appended.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 NPROC=${NPROC:-4}
@@ -10,7 +11,9 @@ EP=${EP:-2}
 SCHEDULE=${SCHEDULE-chimera}
 PRECISION=${PRECISION---bf16}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-$ROOT/data/build/tokenizer.model}
-if [ "$NPROC" -gt 1 ]; then
+if [ -n "${PRINT_COMMAND:-}" ]; then
+    LAUNCH=(printf '%q ')
+elif [ "$NPROC" -gt 1 ]; then
     LAUNCH=(torchrun --nproc_per_node "$NPROC" --master_port "${MASTER_PORT:-29511}")
 else
     LAUNCH=(python)

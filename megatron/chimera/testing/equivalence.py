@@ -68,6 +68,53 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
 MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 VARIANTS |= {"mtp": MTP, "mtp-untied": MTP + ["--untie-embeddings-and-output-weights"], "mixtral-mtp": MIXTRAL + MTP}
 
+# Megatron-LM's current model recipes (recipes/moe/, issue 34), each family's model-definition flags
+# scaled to MODEL, dropout off (Megatron-LM seeds dropout by pipeline rank)
+QWEN3 = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--group-query-attention",
+         "--num-query-groups", "2", "--kv-channels", "8", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+         "--position-embedding-type", "rope", "--rotary-percent", "1.0", "--rotary-base", "1000000"]
+ROUTED = ["--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
+SIGMOID_SHARED = ["--moe-router-score-function", "sigmoid", "--moe-shared-expert-intermediate-size", "16",
+                  "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-drop-policy", "probs"]
+LATENT = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+          "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-channels", "8", "--qk-layernorm",
+          "--rotary-percent", "1.0", "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+DENSE_GLU = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+             "--position-embedding-type", "rope", "--ffn-hidden-size", "64"]
+FAMILIES = {
+    "qwen3": QWEN3,
+    "qwen3-moe": QWEN3 + ROUTED + ["--num-experts", "8", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+                                   "--moe-aux-loss-coeff", "1e-3", "--moe-router-load-balancing-type", "aux_loss",
+                                   "--moe-layer-recompute", "--rotary-seq-len-interpolation-factor", "2"],
+    "kimi-k2": DENSE_GLU + LATENT + ROUTED + SIGMOID_SHARED + [
+        "--num-experts", "8", "--moe-layer-freq", "[0]*1+[1]*7", "--moe-ffn-hidden-size", "16",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2", "--moe-router-topk", "2",
+        "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor", "2.827", "--moe-shared-expert-overlap",
+        "--moe-aux-loss-coeff", "1e-4", "--rotary-base", "50000", "--rotary-scaling-factor", "32",
+        "--padded-vocab-size", "192", "--recompute-activations", "--moe-layer-recompute"],
+    "llama4-scout": DENSE_GLU + ROUTED + SIGMOID_SHARED + [
+        "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--num-experts", "8",
+        "--moe-ffn-hidden-size", "16", "--moe-router-topk", "1", "--moe-router-topk-scaling-factor", "1.0",
+        "--moe-aux-loss-coeff", "1e-3", "--rotary-interleaved", "--rotary-percent", "1.0", "--rotary-base", "500000",
+        "--rope-scaling-factor", "8.0", "--use-rope-scaling"],
+    "deepseek-v3": DENSE_GLU + LATENT + ROUTED + SIGMOID_SHARED + [
+        "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1",
+        "--norm-epsilon", "1e-6", "--rotary-base", "10000", "--num-experts", "8", "--moe-layer-freq", "[0]*3+[1]*5",
+        "--moe-ffn-hidden-size", "16", "--moe-router-topk", "4", "--moe-router-pre-softmax", "--moe-grouped-gemm",
+        "--moe-aux-loss-coeff", "1e-4", "--moe-router-group-topk", "2", "--moe-router-num-groups", "4",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+        "1e-2", "--rotary-scaling-factor", "40", "--recompute-granularity", "selective", "--recompute-modules", "mlp",
+        "moe", "mla_up_proj", "layernorm", "--no-check-for-nan-in-loss-and-grad", "--init-method-std", "0.02"],
+    "gpt-oss": ["--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--rope-type", "rope",
+                "--position-embedding-type", "rope", "--rotary-base", "10000", "--rotary-percent", "1.0",
+                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64", "--quick-geglu",
+                "--glu-linear-offset", "1.0", "--softmax-type", "learnable", "--window-attn-skip-freq", "2",
+                "--activation-func-clamp-value", "7.0", "--window-size", "4,0", "--num-experts", "4",
+                "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
+                "1e-3", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "32", "--moe-z-loss-coeff", "1e-3"] + ROUTED,
+}
+VARIANTS |= FAMILIES
+
 
 # How close a layout must come to the one-process reference: (losses, whole model's weights, worst
 # single tensor, evaluation loss), relative.
@@ -165,6 +212,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
         out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
         out["deepseek-style chimera split D=2"] = ("deepseek-style", schedule_cases(2)["chimera split D=2"])
+        out["qwen3 chimera D=2"] = ("qwen3", schedule_cases(2)["chimera direct D=2"])
         out.update(layout_cases(2))
         return out
     chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
@@ -218,6 +266,7 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
     })
+    out.update({f"{family} chimera D=2 EP=2": (family, chimera2 + EP2) for family in FAMILIES if family != "qwen3"})
     out.update(layout_cases(4))
     return out
 
