@@ -5,16 +5,19 @@
 # a shared one, sigmoid routing with expert bias, forced load balancing (random routing, as the recipe
 # benchmarks it), multi-latent attention with YaRN-scaled RoPE, one multi-token-prediction layer, selective
 # recomputation of the MLP, MoE, MLA up-projection and norm modules, no NaN check, lenient checkpoint loading.
-# Two flags differ from the recipe: --moe-token-dispatcher-type alltoall for its flex dispatcher (HybridEP,
-# GPU kernels), and the data: common.sh's SentencePiece tokenizer on mock data for DeepSeek-V3's tokenizer
-# and corpus. Checkpoints go to CHECKPOINTS (default: none saved). Plus --pipeline-schedule chimera and a
-# pipeline (common.sh). Train on with --train-samples (the recipe counts samples, not iterations).
+# What differs from the recipe: --moe-token-dispatcher-type alltoall for its flex dispatcher (HybridEP, GPU
+# kernels); the data, common.sh's SentencePiece tokenizer on mock data for DeepSeek-V3's tokenizer and
+# corpus, its vocabulary padded to a multiple of 64 (3232 there); the FSDP block, --calculate-per-token-loss
+# included. Checkpoints and TensorBoard go to CHECKPOINTS (default: none written). Plus --pipeline-schedule
+# chimera and a pipeline (common.sh). Train on with --train-samples (the recipe counts samples, not iterations).
 # Its forced load balancing routes by random logits that megatron-core draws per expert-parallel rank, by
 # design: so its losses follow the layout, in Megatron-LM as here; without that flag this recipe in fp32
 # prints one process's losses to the digit.
 source "$(dirname "$0")/common.sh"
 CHECKPOINT_ARGS=()
-[ -n "${CHECKPOINTS:-}" ] && CHECKPOINT_ARGS=(--load "$CHECKPOINTS" --save "$CHECKPOINTS" --save-interval 100)
+DATA_ARGS=(--tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER_MODEL" --mock-data --split 99,1,0)
+[ -n "${CHECKPOINTS:-}" ] && CHECKPOINT_ARGS=(--load "$CHECKPOINTS" --save "$CHECKPOINTS" --save-interval 100
+                                            --tensorboard-dir "$CHECKPOINTS/tensorboard")
 MODEL_ARGS=(
     --distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-tensor-parallel-size 1
     --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather

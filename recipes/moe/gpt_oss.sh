@@ -32,7 +32,8 @@ TRAINING_ARGS=(
     --use-flash-attn --attention-softmax-in-fp32 --accumulate-allreduce-grads-in-fp32
     --disable-bf16-reduced-precision-matmul --recompute-activations
 )
-PARALLEL_ARGS+=(--tensor-model-parallel-size 1 --sequence-parallel --context-parallel-size 1 --use-distributed-optimizer)
+PARALLEL_ARGS+=(--tensor-model-parallel-size 1 --sequence-parallel --context-parallel-size 1
+               --use-distributed-optimizer)
 LOGGING_ARGS=(--log-interval 1 --save-interval 10000 --eval-interval 50000000 --eval-iters 0 --moe-per-layer-logging
               --no-load-optim --no-load-rng --log-throughput)
 "${LAUNCH[@]}" pretrain_gpt.py "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \

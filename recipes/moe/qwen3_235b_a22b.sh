@@ -2,7 +2,8 @@
 # Qwen3-235B-A22B as Megatron-LM configures it (examples/post_training/modelopt/conf/qwen/
 # Qwen3-235B-A22B.sh), scaled down for a CPU: 4 layers, hidden 64, 16 experts of which 4 routed, grouped
 # queries with per-head query and key norms, every MoE layer recomputed, RoPE with a sequence-length
-# interpolation factor (1, as the recipe sets it). Every other flag is the recipe's, plus
+# interpolation factor (1, as the recipe sets it), the vocabulary padded to a multiple of 64 (1187 there,
+# for Qwen's tokenizer). Every other flag is the recipe's, plus
 # --pipeline-schedule chimera and a pipeline (common.sh).
 source "$(dirname "$0")/common.sh"
 MODEL_ARGS=(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Qwen3-8B (dense) as Megatron-LM configures it (examples/post_training/modelopt/conf/qwen/Qwen3-8B.sh),
-# scaled down for a CPU: 4 layers, hidden 64, grouped queries with per-head query and key norms. Every
-# other flag is the recipe's (its dropout is Megatron-LM's default, 0.1), plus --pipeline-schedule chimera
+# scaled down for a CPU: 4 layers, hidden 64, grouped queries with per-head query and key norms, the
+# vocabulary padded to a multiple of 64 (1187 there, for Qwen's tokenizer). Every other flag is the
+# recipe's (its dropout is Megatron-LM's default, 0.1), plus --pipeline-schedule chimera
 # and a pipeline (common.sh); no experts, so no expert parallelism (EP=1) and 2 processes.
 EP=${EP:-1}
 NPROC=${NPROC:-2}

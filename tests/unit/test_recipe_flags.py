@@ -15,7 +15,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
         "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "100", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--no-rope-fusion"]
-# Megatron-LM's gpt-oss recipe (examples/gptoss), its attention and MLP flags, the window scaled to 16 tokens
+# Megatron-LM's gpt-oss recipe (examples/gptoss), its attention and MLP flags, the window scaled to 4 tokens
 GPT_OSS = ["--softmax-type", "learnable", "--window-size", "4,0", "--window-attn-skip-freq", "2", "--quick-geglu",
            "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0", "--position-embedding-type", "rope"]
 SINK = "self_attention.core_attention.softmax_offset"
@@ -153,8 +153,8 @@ def test_the_attention_sink_starts_equal_in_every_copy_and_splits_over_tp_like_h
     (["--window-size", "4"], 1, "--window-size=4: takes the window's left and right sizes"),
     (["--window-size", "4,0", "--window-attn-skip-freq", "[1,0]"], 1,
      "--window-attn-skip-freq=[1, 0]: must give one entry per layer (4)"),
-    (["--window-size", "4,0", "--mtp-num-layers", "1", "--position-embedding-type", "rope"], 1,
-     "--mtp-num-layers=1: with --window-size is not supported yet"),
+    (["--window-size", "4,0", "--window-attn-skip-freq", "2", "--mtp-num-layers", "1", "--position-embedding-type",
+      "rope"], 1, "--mtp-num-layers=1: with --window-size and --window-attn-skip-freq is not supported yet"),
 ])
 def test_impossible_recipe_flags_fail_in_one_line(capsys, extra, world_size, needle):
     with pytest.raises(SystemExit) as exit_info:

@@ -42,7 +42,7 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
               "max_position_embeddings", "position_embedding_type", "untie_embeddings_and_output_weights",
               "add_bias_linear", "normalization", "swiglu", "num_query_groups", "kv_channels",
-              "qk_layernorm", "add_qkv_bias")
+              "qk_layernorm", "add_qkv_bias", "quick_geglu", "softmax_type")
 SHAPE_FLAGS = {"add_bias_linear": "--disable-bias-linear (add_bias_linear)"}  # dests named otherwise
 
 

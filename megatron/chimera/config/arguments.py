@@ -392,9 +392,10 @@ def _validate_recipe_layers(args, device_type: str) -> None:
     require(not isinstance(freq, list) or len(freq) == args.num_layers, "--window-attn-skip-freq", freq,
             f"must give one entry per layer ({args.num_layers})")
     require(isinstance(freq, list) or freq is None or freq > 0, "--window-attn-skip-freq", freq, "must be positive")
-    require(not args.mtp_num_layers, "--mtp-num-layers", args.mtp_num_layers,
-            "with --window-size is not supported yet: megatron-core numbers MTP layers 1, 2, ... apart from the "
-            "model's, and a pipeline stage's slice of the window pattern numbers them as its own layers")
+    require(not (args.mtp_num_layers and freq is not None), "--mtp-num-layers", args.mtp_num_layers,
+            "with --window-size and --window-attn-skip-freq is not supported yet: megatron-core numbers MTP "
+            "layers 1, 2, ... apart from the model's, and a pipeline stage's slice of the window pattern numbers "
+            "them as its own layers")
 
 
 def _validate_experts(args) -> None:

@@ -190,7 +190,8 @@ REFUSED = {
         --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
         --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
         --moe-pad-experts-for-cuda-graph-inference
-        --moe-apply-probs-on-input --moe-latent-size --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor --moe-paged-stash
+        --moe-apply-probs-on-input --moe-latent-size --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor
+        --moe-paged-stash
         --moe-paged-stash-page-size --moe-paged-stash-buffer-size-factor-cuda
         --moe-paged-stash-buffer-size-factor-cpu --moe-use-upcycling --moe-upcycling-granularity
         --moe-routing-trace-path --moe-routing-trace-max-training-iters --moe-routing-trace-capture-logits
@@ -245,8 +246,8 @@ REFUSED = {
         --use-mup --mup-width-mult --mup-base-hidden-size --mup-embedding-mult --mup-output-mult
         --mup-base-head-dim --mup-attn-scale-power
     """),
-    ("GPU-only: the flex dispatcher's DeepEP, HybridEP and NCCL-EP kernels need NVIDIA GPUs (use "
-     "--moe-token-dispatcher-type alltoall or allgather)"): _flags("""
+    ("GPU-only: the flex dispatcher's DeepEP, HybridEP and NCCL-EP kernels need NVIDIA GPUs; not supported "
+     "yet (use --moe-token-dispatcher-type alltoall or allgather)"): _flags("""
         --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
         --moe-hybridep-pad-uneven-dispatch-inputs --moe-flex-dispatcher-num-sms --moe-deepep-num-sms
         --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute

@@ -112,6 +112,16 @@ def megatron_fusions(args) -> dict[str, bool]:
             "persist_layer_norm": not args.no_persist_layer_norm}  # --no-persist-layer-norm
 
 
+def _masked_softmax_fusion_missing(args, te: bool) -> str | None:
+    if te:
+        return None
+    if args.window_size is not None:  # megatron-core's fused softmax would attend past the window
+        return "megatron-core's fused masked softmax ignores --window-size"
+    if all(map(_kernel_installed, SOFTMAX_KERNELS)):
+        return None
+    return "megatron-core's local attention needs apex's fused softmax"
+
+
 def fusions_off(args, device_type: str, split_backward: bool = False) -> dict[str, str]:
     """Each fusion the flags ask for that stays off here, and why: on the CPU all of them (their kernels
     are CUDA's); on a GPU those megatron-core cannot run here (its kernel is not installed, or its own
@@ -124,8 +134,7 @@ def fusions_off(args, device_type: str, split_backward: bool = False) -> dict[st
     te = uses_transformer_engine(args, device_type)
     missing = {"gradient_accumulation_fusion": _gradient_accumulation_fusion_missing(te, split_backward),
                "apply_rope_fusion": _rope_fusion_missing(args),
-               "masked_softmax_fusion": None if te or all(map(_kernel_installed, SOFTMAX_KERNELS))
-               else "megatron-core's local attention needs apex's fused softmax",
+               "masked_softmax_fusion": _masked_softmax_fusion_missing(args, te),
                "persist_layer_norm": None if te or _kernel_installed("apex")
                else "megatron-core's local norms without apex are torch's, which have no persistent kernel"}
     return {field: missing[field] for field in asked if missing.get(field)}

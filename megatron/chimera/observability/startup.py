@@ -31,7 +31,8 @@ def _print_local_stand_ins(args, transformer_engine: bool) -> None:
         rest = [m for m in args.recompute_modules if m not in te_only]
         print(f" > --recompute-modules: {', '.join(te_only)} only in Transformer Engine's layers (no effect with "
               f"megatron-core's local layers here); recomputed: {', '.join(rest) or 'none of the others'}", flush=True)
-    if args.moe_shared_expert_overlap and not shared_expert_overlap(args, _training_device(args)):
+    if (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size
+            and not shared_expert_overlap(args, _training_device(args))):
         print(" > --moe-shared-expert-overlap: off on the CPU (megatron-core overlaps the shared experts with the "
               "token dispatch on a CUDA stream); they run before the router instead, computing the same", flush=True)
 

@@ -266,7 +266,11 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
     })
-    out.update({f"{family} chimera D=2 EP=2": (family, chimera2 + EP2) for family in FAMILIES if family != "qwen3"})
+    # the MoE families; gpt-oss with an odd first stage, so that each stage's slice of its window pattern
+    # (every other layer) matters
+    odd = {"gpt-oss": ["--decoder-first-pipeline-num-layers", "3"]}
+    out.update({f"{family} chimera D=2 EP=2": (family, chimera2 + EP2 + odd.get(family, []))
+                for family in FAMILIES if family != "qwen3"})
     out.update(layout_cases(4))
     return out
 
