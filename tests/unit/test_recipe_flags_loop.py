@@ -10,6 +10,7 @@ from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
 from megatron.chimera.observability.hooks import Hooks
+from megatron.chimera.testing.one_step import forward_backward_once
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
@@ -24,22 +25,8 @@ SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
 def gradients(flags: list[str]) -> tuple[dict, int]:
     """One chunk's parameter gradients after a forward and backward of a fixed batch, and the bytes autograd
     kept for the backward."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    args = parse_args(TINY + flags, world_size=1)
-    model_parallel_cuda_manual_seed(args.seed)
-    model = build_chunk(args, make_run_plan(args), 0, torch.device("cpu"))
-    tokens = torch.arange(16).remainder(64).view(2, 8)
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).mean()
-    loss.backward()
-    return {n: p.grad for n, p in model.named_parameters()}, sum(saved)
+    _, grads, saved = forward_backward_once(TINY + flags)
+    return grads, saved
 
 
 @pytest.mark.parametrize("modules", [["core_attn", "mlp", "layernorm", "shared_experts"], ["moe"]])

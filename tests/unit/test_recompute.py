@@ -3,9 +3,7 @@
 keeping fewer bytes of activations for the backward pass."""
 import torch
 
-from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.model.chunk import build_chunk
+from megatron.chimera.testing.one_step import forward_backward_once
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -14,22 +12,7 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def step(flags):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    args = parse_args(FLAGS + flags, world_size=1)
-    model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    model = build_chunk(args, make_run_plan(args), 0, torch.device("cpu"))
-    tokens = torch.arange(2 * 64).remainder(128).view(2, 64)
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens, torch.arange(64).expand(2, 64), None, labels=tokens).mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+    return forward_backward_once(FLAGS + flags)
 
 
 def test_recomputation_saves_memory_and_keeps_results(one_process_group):
