@@ -29,6 +29,7 @@ from .ir.costs import CostModel
 from .ir.errors import require
 from .ir.schedule import Schedule
 from .ir.spec import OPTION, ScheduleSpec
+from .passes.overlap import overlap_forward_backward
 from .passes.zero_bubble import split_backward
 
 
@@ -67,24 +68,27 @@ def _generate_chimera(spec: ScheduleSpec, costs: CostModel) -> Schedule:
 
 ENTRIES = (
     Entry("gpipe", lambda spec, costs: gpipe(spec.depth, spec.microbatches), variants={"gpipe": {}}),
-    Entry("1f1b", lambda spec, costs: one_f_one_b(spec.depth, spec.microbatches), options=("split_backward",),
-          variants={"1f1b": {}, "1f1b split": {"split_backward": True}}),
+    Entry("1f1b", lambda spec, costs: one_f_one_b(spec.depth, spec.microbatches),
+          options=("split_backward", "overlap"),
+          variants={"1f1b": {}, "1f1b split": {"split_backward": True}, "1f1b overlap": {"overlap": True}}),
     Entry("interleaved", lambda spec, costs: interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
           check=lambda spec: check_interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
           options=("virtual_stages",), virtual_stages=lambda spec: spec.virtual_stages,
           variants={"interleaved v=2": {"virtual_stages": 2}}),
-    Entry("chimera", _generate_chimera, _check_chimera, options=("pipelines", "concat", "order", "split_backward"),
-          pipelines=lambda spec: spec.pipelines,
+    Entry("chimera", _generate_chimera, _check_chimera,
+          options=("pipelines", "concat", "order", "split_backward", "overlap"), pipelines=lambda spec: spec.pipelines,
           variants={"chimera direct": {"concat": "direct"}, "chimera doubling": {"concat": "doubling"},
                     "chimera halving": {"concat": "halving"}, "chimera best": {"order": "best"},
                     "chimera split": {"split_backward": True},
-                    "chimera split best": {"split_backward": True, "order": "best"}}),
+                    "chimera split best": {"split_backward": True, "order": "best"},
+                    "chimera direct overlap": {"concat": "direct", "overlap": True},
+                    "chimera split overlap": {"split_backward": True, "overlap": True}}),
     Entry("dualpipe", lambda spec, costs: dualpipe(spec.depth, spec.microbatches),
-          lambda spec: check_dualpipe(spec.depth, spec.microbatches), pipelines=lambda spec: 2,
-          variants={"dualpipe": {}}),
+          lambda spec: check_dualpipe(spec.depth, spec.microbatches), options=("overlap",), pipelines=lambda spec: 2,
+          variants={"dualpipe": {}, "dualpipe overlap": {"overlap": True}}),
     Entry("dualpipev", lambda spec, costs: dualpipev(spec.depth, spec.microbatches),
-          lambda spec: check_dualpipev(spec.depth, spec.microbatches), virtual_stages=lambda spec: 2,
-          variants={"dualpipev": {}}),
+          lambda spec: check_dualpipev(spec.depth, spec.microbatches), options=("overlap",),
+          virtual_stages=lambda spec: 2, variants={"dualpipev": {}, "dualpipev overlap": {"overlap": True}}),
 )
 REGISTRY = {e.name: e for e in ENTRIES}
 SCHEDULES = tuple(REGISTRY)
@@ -131,12 +135,15 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
 
 def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     """The schedule the spec describes, validated. ``costs`` guide the orders that depend on them
-    (``--order best``, more than two Chimera pipelines, where a split backward places its W passes)."""
+    (``--order best``, more than two Chimera pipelines, where a split backward places its W passes).
+    Overlapping forwards and backwards comes last: it pairs the actions of the final order."""
     spec, costs = check(spec), costs or CostModel()
     result = REGISTRY[spec.schedule].generate(spec, costs)
     if spec.split_backward and not result.split_backward:  # a generator may split its own backward
         # never more live micro-batches than the unsplit schedule's most loaded worker holds
         result = split_backward(result, costs, [max(peak_activations(result))] * spec.depth)
+    if spec.overlap:
+        result = overlap_forward_backward(result, costs)
     validate(result)
     return result
 

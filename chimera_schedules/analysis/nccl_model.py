@@ -2,8 +2,8 @@
 and the simulator's pricing of communication.
 
 Each worker's host walks its list in order. Compute runs on one compute stream; it starts when the
-previous compute is done and the RECV of its input has completed. Communication is posted without
-blocking the host onto a FIFO queue (rules 1, 4, 6):
+previous compute is done and the RECVs of its inputs have completed (an overlapped action's: both
+parts'). Communication is posted without blocking the host onto a FIFO queue (rules 1, 4, 6):
 - p2p: one queue per (worker, group, peer), shared by sends and receives of that pair;
 - collectives: one queue per (worker, communicator): the trainer gives groups with one rank set one
   process group (setup_parallel), so the replica groups of stages held by the same workers (Chimera's
@@ -23,16 +23,20 @@ Modes:
 In every mode messages are matched by order per (group, pair), as both libraries do, so a receive
 that would get another message than it names is an error (wrong data), not just a deadlock. When
 nothing can progress, the wait-for cycle is reported: worker, operation and group at every step.
+
+An overlapped action's expert all-to-alls are issued inside the action, on the expert-parallel group, in
+an order fixed by the action (megatron-core's part order, ``ir/parts.py``), identical on every member of
+that group because they all run the same list; so they cannot cross, and the lists do not name them.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..ir.actions import Action, Op
+from ..ir.actions import COMM_OPS, Action, Op, Overlapped
 from ..ir.channels import stage_group
 from ..ir.costs import CostModel, Event
-from ..ir.dataflow import consumed_message, produced_message, source_worker
+from ..ir.dataflow import consumed_messages, produced_messages, source_worker
 from ..ir.errors import InvalidSchedule
 from ..ir.schedule import Schedule
 from .validator import validate
@@ -99,11 +103,11 @@ def check_structure(s: Schedule) -> None:
     for w, actions in enumerate(s.workers):
         sent, received, computed, batches = set(), set(), set(), []
         for a in actions:
-            if a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE):
-                _check_comm(s, w, a, sent, received, computed)
-            else:
+            if a.op not in COMM_OPS:
                 _check_compute_inputs(s, w, a, received)
                 computed.add(a)
+                continue
+            _check_comm(s, w, a, sent, received, computed)
             if a.batch >= 0 and (not batches or batches[-1] != a.batch):
                 if a.batch in batches:
                     raise InvalidSchedule(f"batch {a.batch} is not consecutive", w, a)
@@ -132,7 +136,7 @@ def _check_comm(s: Schedule, w: int, a: Action, sent: set, received: set, comput
     if message in book:
         raise InvalidSchedule("message posted twice", w, a)
     book.add(message)
-    if a.op is Op.SEND and not any(produced_message(s, c) == message for c in computed):
+    if a.op is Op.SEND and not any(message in produced_messages(s, c) for c in computed):
         raise InvalidSchedule("send posted before the compute that produces it", w, a)
 
 
@@ -143,17 +147,19 @@ def _ends(s: Schedule, message: tuple) -> tuple[int, int]:
     return source_worker(s, message), s.placement[pipeline][stage]
 
 
-def _check_compute_inputs(s: Schedule, w: int, a: Action, received: set) -> None:
-    needed = consumed_message(s, a)
-    if needed is not None and source_worker(s, needed) != w and needed not in received:
-        raise InvalidSchedule(f"no RECV of its input from worker {source_worker(s, needed)} is posted before it", w, a)
+def _check_compute_inputs(s: Schedule, w: int, a: Action | Overlapped, received: set) -> None:
+    for needed in consumed_messages(s, a):
+        if source_worker(s, needed) != w and needed not in received:
+            raise InvalidSchedule(f"no RECV of its input from worker {source_worker(s, needed)} is posted before it",
+                                  w, a)
 
 
 def _check_outputs(s: Schedule, w: int, actions, sent: set) -> None:
     for a in actions:
-        message = produced_message(s, a) if a.op not in (Op.SEND, Op.RECV, Op.ALLREDUCE) else None
-        if message is not None and s.placement[message[1]][message[2]] != w and message not in sent:
-            raise InvalidSchedule(f"its output is never sent to worker {s.placement[message[1]][message[2]]}", w, a)
+        for message in produced_messages(s, a) if a.op not in COMM_OPS else ():
+            holder = s.placement[message[1]][message[2]]
+            if holder != w and message not in sent:
+                raise InvalidSchedule(f"its output is never sent to worker {holder}", w, a)
 
 
 class _NcclRun:
@@ -204,9 +210,10 @@ class _NcclRun:
         actions, moved = self.s.workers[w], False
         while self.pc[w] < len(actions) and self.blocked[w] is None:
             a = actions[self.pc[w]]
-            if a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE):
+            if a.op in COMM_OPS:
                 ops, nxt = [a], self.pc[w] + 1
-                while a.batch >= 0 and nxt < len(actions) and actions[nxt].batch == a.batch:
+                while a.batch >= 0 and nxt < len(actions) and actions[nxt].op in COMM_OPS \
+                        and actions[nxt].batch == a.batch:
                     ops.append(actions[nxt])
                     nxt += 1
                 self._post(w, ops)
@@ -218,13 +225,15 @@ class _NcclRun:
             moved = True
         return moved
 
-    def _compute(self, w: int, a: Action) -> bool:
-        needed = consumed_message(self.s, a)
-        start = self.time[w]
-        if needed is not None and source_worker(self.s, needed) != w:
-            if (w, needed) not in self.arrived:
-                return False
-            start = max(start, self.arrived[(w, needed)])
+    def _remote_inputs(self, w: int, a: Action | Overlapped) -> list[tuple]:
+        """The messages a compute action waits for from other workers."""
+        return [m for m in consumed_messages(self.s, a) if source_worker(self.s, m) != w]
+
+    def _compute(self, w: int, a: Action | Overlapped) -> bool:
+        remote = self._remote_inputs(w, a)
+        if any((w, m) not in self.arrived for m in remote):
+            return False
+        start = max([self.time[w]] + [self.arrived[(w, m)] for m in remote])
         end = start + self.costs.compute_time(self.s, a)
         self.events.append(Event(w, a, start, end))
         self.time[w] = end
@@ -382,7 +391,7 @@ class _NcclRun:
             return f"worker {w} blocks on {_ops(item)} ({why})", ("item", w, item)
         if self.pc[w] < len(self.s.workers[w]):
             a = self.s.workers[w][self.pc[w]]
-            needed = consumed_message(self.s, a)
+            needed = next(m for m in self._remote_inputs(w, a) if (w, m) not in self.arrived)
             item = self.posted_recv[(w, needed)]
             q = self._queue(next(r for r in item.ops if r.op is Op.RECV and r.message == needed))
             head = self._head(w, q)

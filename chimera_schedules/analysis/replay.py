@@ -1,7 +1,8 @@
 """Replay of a compute schedule: every worker runs its list in order; an action starts when the worker
 is free and its inputs (the dataflow rule) have arrived. The validator asks whether it finishes; the
 simulator and lowering read its times. Sends never block, so the only way to get stuck is a real
-dependency cycle, which is named."""
+dependency cycle, which is named. An overlapped action starts when both its parts' inputs are there and
+hands on both parts' results when it ends (the dataflow rule says so)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

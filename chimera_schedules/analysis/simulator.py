@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..ir.actions import Op
+from ..ir.actions import Op, parts
 from ..ir.costs import CostModel, Event, activation_units
 from ..ir.schedule import Schedule
 from .nccl_model import run_lowered
@@ -56,7 +56,7 @@ def _num(x: float):
     return int(round(x)) if abs(x - round(x)) < 1e-9 else round(x, 6)
 
 
-def _reduce_windows(schedule: Schedule, costs: CostModel, posts: dict) -> list[Event]:
+def reduce_windows(schedule: Schedule, costs: CostModel, posts: dict) -> list[Event]:
     """Collectives in order of readiness; a worker's collectives run one after another."""
     channel = [0.0] * schedule.num_workers
     windows = []
@@ -79,7 +79,8 @@ def peak_activations(schedule: Schedule, stage_bytes: Sequence[float] | None = N
     the rest of a graph it still has to run). In units of M_a (``activation_units``), or in bytes when
     ``stage_bytes[s]`` gives what one of the schedule's micro-batches keeps in model stage s. I also
     keeps, until W, the gradient arriving at each weight's operation: ``kept_for_w[s]`` bytes of it per
-    micro-batch in stage s (not counted when not given)."""
+    micro-batch in stage s (not counted when not given). An overlapped action counts as its forward then
+    its backward: the forward's activations are allocated before the backward frees any."""
     def size(a) -> float:
         return activation_units(schedule, a) if stage_bytes is None else stage_bytes[a.stage]
 
@@ -91,7 +92,7 @@ def peak_activations(schedule: Schedule, stage_bytes: Sequence[float] | None = N
     peaks = []
     for w in range(schedule.num_workers):
         live = peak = 0.0
-        for a in schedule.workers[w]:
+        for a in (p for action in schedule.workers[w] for p in parts(action)):
             if a.op in grows:
                 live += grows[a.op](a)
                 peak = max(peak, live)
@@ -112,7 +113,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, comm: str = "nc
         events, reductions, transfers, finish = run.events, run.reductions, run.transfers, run.finish
     else:
         plain = replay(schedule, costs)
-        events, reductions, transfers = plain.events, _reduce_windows(schedule, costs, plain.posts), []
+        events, reductions, transfers = plain.events, reduce_windows(schedule, costs, plain.posts), []
         finish = list(plain.free)
         for e in reductions:
             finish[e.worker] = max(finish[e.worker], e.end)

@@ -2,6 +2,10 @@
 
 Unlike torch.distributed.pipelining's ``_Action``, an action names its pipeline as well as its model
 stage, so one model stage can live on several workers (Chimera's down and up pipelines).
+
+An ``Overlapped`` action (``F3p0s1&B1p1s6``) runs a forward and the backward (or I) of another
+micro-batch as one step, DualPipe style, so one micro-batch's expert all-to-all hides behind the other's
+compute. It has no micro-batch, pipeline or stage of its own: a reader takes its ``parts``.
 """
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ class Op(StrEnum):
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
     REDUCE_GRADS = "R"
+    OVERLAPPED = "FB"  # an F and a B or I of another micro-batch, run together (``Overlapped``)
     # Communication, added by lowering (passes/lowering.py): each names its process group ("channel").
     SEND = "SEND"
     RECV = "RECV"
     ALLREDUCE = "ALLREDUCE"
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.OVERLAPPED)
 P2P_OPS = (Op.SEND, Op.RECV)
 COMM_OPS = (Op.SEND, Op.RECV, Op.ALLREDUCE)
 KINDS = ("act", "grad")  # activations flow to stage + 1, input gradients to stage - 1
@@ -71,9 +76,15 @@ class Action:
         return text + (f"#{self.batch}" if self.batch >= 0 else "")
 
     @classmethod
-    def parse(cls, token: str) -> Action:
-        """Inverse of ``str``: ``F3p1s2`` is the forward of micro-batch 3, pipeline 1, stage 2."""
+    def parse(cls, token: str) -> Action | Overlapped:
+        """Inverse of ``str``: ``F3p1s2`` is the forward of micro-batch 3, pipeline 1, stage 2;
+        ``F3p0s1&B1p1s6`` an overlapped forward and backward."""
         token = token.strip()
+        if "&" in token:
+            pair = token.split("&")
+            if len(pair) != 2 or any("@" in t for t in pair):
+                raise ValueError(f"not an overlapped token: {token!r} (expected two compute tokens: F3p0s1&B1p1s6)")
+            return Overlapped(*map(cls.parse, pair))
         if "@" in token:
             return cls._parse_comm(token)
         m = _TOKEN.match(token)
@@ -110,8 +121,10 @@ class Action:
         return obj
 
     @classmethod
-    def from_json(cls, obj: dict) -> Action:
+    def from_json(cls, obj: dict) -> Action | Overlapped:
         op = Op(obj["op"])
+        if op is Op.OVERLAPPED:
+            return Overlapped.from_json(obj)
         batch = int(obj.get("batch", -1))
         if op in P2P_OPS:
             if obj.get("kind") not in KINDS:
@@ -121,6 +134,44 @@ class Action:
         if op is Op.ALLREDUCE:
             return cls(op, -1, int(obj["pipeline"]), int(obj["stage"]), group=str(obj["group"]), batch=batch)
         return cls(op, int(obj.get("mb", -1)), int(obj["pipeline"]), int(obj["stage"]))
+
+
+@dataclass(frozen=True, order=True)
+class Overlapped:
+    """The forward of one micro-batch and the backward (B or I) of another, run by one worker as one
+    action: megatron-core's combined 1F1B interleaves their layers (``ir/parts.py``) so each one's
+    all-to-alls run while the other computes. Deliberately without ``mb``, ``pipeline`` or ``stage``:
+    every reader goes through ``parts()``, so one that is not ported fails loudly. The validator checks
+    what makes it runnable (one F, one B or I, two micro-batches, neither needing the other)."""
+
+    forward: Action
+    backward: Action
+
+    @property
+    def op(self) -> Op:
+        return Op.OVERLAPPED
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"{self.forward}&{self.backward}"
+
+    def to_json(self) -> dict:
+        return {"op": Op.OVERLAPPED.value, "forward": self.forward.to_json(), "backward": self.backward.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Overlapped:
+        pair = [Action.from_json(obj[key]) for key in ("forward", "backward")]
+        if any(isinstance(a, Overlapped) for a in pair):
+            raise ValueError("an overlapped action holds plain actions, not overlapped ones")
+        return cls(*pair)
+
+
+def parts(action: Action | Overlapped) -> tuple[Action, ...]:
+    """The plain actions an action runs: an Overlapped's forward and backward, else the action itself."""
+    return action.parts if isinstance(action, Overlapped) else (action,)
 
 
 def F(mb: int, pipeline: int, stage: int) -> Action:

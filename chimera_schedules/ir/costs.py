@@ -6,7 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import Action, Op
+from . import parts as moe
+from .actions import Action, Op, Overlapped
 from .schedule import Schedule
 
 
@@ -22,7 +23,15 @@ class CostModel:
     with L = ``grad_bytes`` of one 1F1B stage and beta = 1 / ``allreduce_bandwidth``.
     ``collectives_use_compute``: an all-reduce occupies the worker's compute while it runs, as gloo's
     host-side reduction does when each rank has one core (lowered schedules only); on a GPU, NCCL's
-    collectives overlap compute."""
+    collectives overlap compute.
+
+    Expert all-to-all: ``a2a`` (one value, or one per model stage like ``forward``) is what one
+    micro-batch's forward through the stage's MoE layers spends in all-to-alls, dispatch and combine of
+    all its layers together; a B or an I moves the same tokens back and spends it too, a W none. Alone,
+    an action's time is its compute plus its ``a2a``. An overlapped F&B runs both as megatron-core's
+    combined 1F1B does (``ir/parts.py``): ``moe_layers`` layers (an int: every model stage's) share the
+    stage's compute and all-to-all, ``attention_share`` of a layer's compute is its attention, so one
+    micro-batch's all-to-alls hide behind the other's compute. With ``a2a`` = 0 it costs F + B."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
@@ -35,17 +44,48 @@ class CostModel:
     data_parallel: int = 1
     collectives_use_compute: bool = False
     weight: float | Sequence[float] | None = None
+    a2a: float | Sequence[float] = 0.0
+    moe_layers: int | Sequence[int] = 1
+    attention_share: float = 0.5
 
-    def compute_time(self, schedule: Schedule, action: Action) -> float:
+    def compute_time(self, schedule: Schedule, action: Action | Overlapped) -> float:
+        """How long the action holds its worker: compute and all-to-all one after the other when alone,
+        interleaved when overlapped; scaled by the schedule's micro-batch size."""
+        if action.op is Op.OVERLAPPED:
+            return self._overlapped_time(schedule, action) * schedule.microbatch_scale
+        compute, a2a = self._alone(schedule, action)
+        return (compute + a2a) * schedule.microbatch_scale
+
+    def a2a_time(self, schedule: Schedule, action: Action | Overlapped) -> float:
+        """The all-to-all time inside an action run alone (an overlapped one's parts each alone)."""
+        if action.op is Op.OVERLAPPED:
+            return sum(self.a2a_time(schedule, part) for part in action.parts)
+        return self._alone(schedule, action)[1] * schedule.microbatch_scale
+
+    def _alone(self, schedule: Schedule, action: Action) -> tuple[float, float]:
+        """(compute, all-to-all) of one full-size plain compute action."""
+        if action.op is Op.BACKWARD_WEIGHT:
+            return self.weight_time(schedule, action), 0.0
+        a2a = self._per_stage(self.a2a, schedule, action)
         if action.op is Op.FORWARD:
-            t = self._per_stage(self.forward, schedule, action)
-        elif action.op is Op.BACKWARD:
-            t = self._per_stage(self.backward, schedule, action)
-        else:
-            t = self.weight_time(schedule, action)
-            if action.op is Op.BACKWARD_INPUT:
-                t = self._per_stage(self.backward, schedule, action) - t
-        return t * schedule.microbatch_scale
+            return self._per_stage(self.forward, schedule, action), a2a
+        if action.op is Op.BACKWARD:
+            return self._per_stage(self.backward, schedule, action), a2a
+        if action.op is Op.BACKWARD_INPUT:
+            return self._per_stage(self.backward, schedule, action) - self.weight_time(schedule, action), a2a
+        raise ValueError(f"{action} is not a compute action")
+
+    def _overlapped_time(self, schedule: Schedule, action: Overlapped) -> float:
+        """One full-size overlapped action: its parts interleaved layer by layer (``ir/parts.py``)."""
+        forward, backward = action.parts
+        f_compute, f_a2a = self._alone(schedule, forward)
+        b_compute, b_a2a = self._alone(schedule, backward)
+        f_parts = moe.forward_parts(f_compute, f_a2a, self._layers(forward), self.attention_share)
+        b_parts = moe.backward_parts(b_compute, b_a2a, self._layers(backward), self.attention_share)
+        return moe.span(moe.interleave(f_parts, b_parts))
+
+    def _layers(self, action: Action) -> int:
+        return self.moe_layers if isinstance(self.moe_layers, int) else self.moe_layers[action.stage]
 
     def weight_time(self, schedule: Schedule, action: Action) -> float:
         """The W part of one full-size backward of the action's stage."""

@@ -11,12 +11,15 @@ A result is a key ``(kind, pipeline, stage, mb)``:
 
 A result consumed by another model stage is a message ``(kind, pipeline, receiving stage, mb)``:
 ``"act"`` for an activation (to stage + 1), ``"grad"`` for an input gradient (to stage - 1).
+
+An overlapped action (``Overlapped``) consumes and produces what its parts do: it starts once both
+parts' inputs are there and hands on both parts' results when it ends.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .actions import Action, Op
+from .actions import Action, Op, Overlapped, parts
 from .schedule import Schedule
 
 Key = tuple[str, int, int, int]
@@ -24,9 +27,11 @@ Message = tuple[str, int, int, int]
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)  # the passes that compute an input gradient
 
 
-def dependencies(action: Action, last_stage: int) -> list[Key]:
+def dependencies(action: Action | Overlapped, last_stage: int) -> list[Key]:
     """The results an action consumes: a forward the previous stage's output; B or I its own forward
-    and the next stage's input gradient; W its I."""
+    and the next stage's input gradient; W its I; an overlapped action what either part consumes."""
+    if action.op is Op.OVERLAPPED:
+        return [key for part in action.parts for key in dependencies(part, last_stage)]
     p, s, m = action.pipeline, action.stage, action.mb
     if action.op is Op.FORWARD:
         return [("F", p, s - 1, m)] if s > 0 else []
@@ -37,8 +42,10 @@ def dependencies(action: Action, last_stage: int) -> list[Key]:
     return []
 
 
-def products(action: Action) -> list[Key]:
-    """The results an action makes."""
+def products(action: Action | Overlapped) -> list[Key]:
+    """The results an action makes (an overlapped action: both parts')."""
+    if action.op is Op.OVERLAPPED:
+        return [key for part in action.parts for key in products(part)]
     p, s, m = action.pipeline, action.stage, action.mb
     if action.op is Op.FORWARD:
         return [("F", p, s, m)]
@@ -56,23 +63,24 @@ def producer(key: Key, split: bool) -> Action:
     return Action(op, m, p, s)
 
 
-def produced_message(schedule: Schedule, action: Action) -> Message | None:
-    """The message a compute action sends to another model stage, or None."""
+def produced_messages(schedule: Schedule, action: Action | Overlapped) -> list[Message]:
+    """The messages a compute action sends to other model stages: at most one per part."""
     last = schedule.stages_per_pipeline - 1
+    out = []
     for kind, p, s, m in products(action):
         if kind == "F" and s < last:
-            return ("act", p, s + 1, m)
-        if kind == "G" and s > 0:
-            return ("grad", p, s - 1, m)
-    return None
+            out.append(("act", p, s + 1, m))
+        elif kind == "G" and s > 0:
+            out.append(("grad", p, s - 1, m))
+    return out
 
 
-def consumed_message(schedule: Schedule, action: Action) -> Message | None:
-    """The message a compute action needs from another model stage before it can start, or None."""
-    for kind, p, s, m in dependencies(action, schedule.stages_per_pipeline - 1):
-        if s != action.stage:
-            return ("act" if kind == "F" else "grad", p, action.stage, m)
-    return None
+def consumed_messages(schedule: Schedule, action: Action | Overlapped) -> list[Message]:
+    """The messages a compute action needs from other model stages before it can start: at most one
+    per part."""
+    last = schedule.stages_per_pipeline - 1
+    return [("act" if kind == "F" else "grad", p, part.stage, m)
+            for part in parts(action) for kind, p, s, m in dependencies(part, last) if s != part.stage]
 
 
 def source_worker(schedule: Schedule, message: Message) -> int:
@@ -89,9 +97,9 @@ def describe(key: Key) -> str:
 
 def forward_only(lowered: Schedule) -> Schedule:
     """What evaluation posts: the forwards and their activations, in the same relative order (a
-    subsequence of a consistent order is consistent)."""
+    subsequence of a consistent order is consistent); an overlapped action's forward runs alone."""
     keep = lambda a: a.op is Op.FORWARD or (a.op in (Op.SEND, Op.RECV) and a.kind == "act")  # noqa: E731
-    return replace(lowered, workers=tuple(tuple(filter(keep, w)) for w in lowered.workers))
+    return replace(lowered, workers=tuple(tuple(p for a in w for p in parts(a) if keep(p)) for w in lowered.workers))
 
 
 def compute_part(schedule: Schedule) -> Schedule:

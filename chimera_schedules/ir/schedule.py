@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .actions import COMM_OPS, COMPUTE_OPS, P2P_OPS, Action, Op
+from .actions import COMM_OPS, COMPUTE_OPS, P2P_OPS, Action, Op, Overlapped, parts
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Schedule:
     depth: int
     microbatches: int
     placement: tuple[tuple[int, ...], ...]
-    workers: tuple[tuple[Action, ...], ...]
+    workers: tuple[tuple[Action | Overlapped, ...], ...]
     virtual_stages: int = 1
     microbatch_scale: float = 1.0
     meta: dict = field(default_factory=dict, compare=False)
@@ -59,8 +59,9 @@ class Schedule:
         """The (pipeline, stage) copies this worker holds, in placement order."""
         return [(p, s) for p, row in enumerate(self.placement) for s, w in enumerate(row) if w == worker]
 
-    def compute(self, worker: int) -> list[Action]:
-        """The worker's actions without the gradient reductions and communication."""
+    def compute(self, worker: int) -> list[Action | Overlapped]:
+        """The worker's actions without the gradient reductions and communication (overlapped ones kept
+        whole)."""
         return [a for a in self.workers[worker] if a.op in COMPUTE_OPS]
 
     @property
@@ -71,7 +72,7 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """Whether backwards run as I and W passes (read from the actions, so every reader agrees)."""
-        return any(a.op is Op.BACKWARD_INPUT for w in self.workers for a in w)
+        return any(p.op is Op.BACKWARD_INPUT for w in self.workers for a in w for p in parts(a))
 
     def tokens(self, worker: int) -> str:
         return " ".join(str(a) for a in self.workers[worker])
@@ -123,11 +124,11 @@ class Schedule:
         return cls.from_json(json.loads(text))
 
 
-def infer_placement(workers: Iterable[Iterable[Action]], stages_per_pipeline: int) -> list[list[int]]:
+def infer_placement(workers: Iterable[Iterable[Action | Overlapped]], stages_per_pipeline: int) -> list[list[int]]:
     """Placement read off the actions; -1 where no action names a (pipeline, stage)."""
     seen: dict[tuple[int, int], int] = {}
     for w, actions in enumerate(workers):
-        for a in actions:
+        for a in (p for action in actions for p in parts(action)):
             if a.op not in P2P_OPS:  # a message names the receiving stage, held by the peer
                 seen.setdefault((a.pipeline, a.stage), w)
     pipelines = 1 + max((p for p, _ in seen), default=0)

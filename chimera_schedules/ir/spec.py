@@ -27,6 +27,7 @@ class ScheduleSpec:
     concat: str | None = None
     order: str | None = None
     split_backward: bool | None = None
+    overlap: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,13 @@ OPTIONS = (
     Option("split_backward", "--split-backward", "--split-backward",
            "split each backward into I (input gradient, sent at once) and W (weight gradients, placed into "
            "the bubbles), zero-bubble style", bool),
+    Option("overlap", "--overlap", "--overlap-moe-expert-parallel-comm",
+           "run each adjacent forward and backward of two micro-batches as one overlapped action, so one's "
+           "expert all-to-all hides behind the other's compute", bool),
 )
 OPTION = {o.field: o for o in OPTIONS}
-# options both front ends take as they are, added from this table
+# options both front ends take as they are, added from this table (not ``overlap``: the trainer reads
+# Megatron-LM's own flag of that name)
 SHARED = ("pipelines", "concat", "order", "split_backward")
 
 

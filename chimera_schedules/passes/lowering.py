@@ -1,7 +1,9 @@
 """Lowering: a compute schedule becomes the list each worker posts, communication included.
 
 Every cross-worker message becomes a SEND on its producer's worker and a RECV on its consumer's,
-and every gradient reduction an ALLREDUCE, each naming its process group (``ir/channels.py``).
+and every gradient reduction an ALLREDUCE, each naming its process group (``ir/channels.py``). An
+overlapped action is one compute action: the messages both its parts consume are received before it,
+those both produce are sent after it.
 
 Posting order. The compute schedule is replayed once under fixed unit costs (``ORDER_COSTS``), which
 gives every action and message a time. Each worker then posts its operations sorted by one global key:
@@ -23,10 +25,10 @@ import heapq
 from dataclasses import dataclass, replace
 
 from ..analysis.replay import replay
-from ..ir.actions import Action, Op
+from ..ir.actions import Action, Op, parts
 from ..ir.channels import p2p_group, stage_group
 from ..ir.costs import CostModel
-from ..ir.dataflow import consumed_message, produced_message
+from ..ir.dataflow import consumed_messages, produced_messages
 from ..ir.schedule import Schedule
 
 ORDER_COSTS = CostModel(forward=1.0, backward=2.0)  # for the posting order only, never for timing
@@ -83,18 +85,15 @@ def _messages(schedule: Schedule, times: dict) -> list[_Message]:
     consumer = {}
     for w, actions in enumerate(schedule.workers):
         for a in actions:
-            needed = consumed_message(schedule, a)
-            if needed is not None:
+            for needed in consumed_messages(schedule, a):
                 consumer[needed] = (w, times[(w, a)][0])
     out = []
     for w, actions in enumerate(schedule.workers):
         for a in actions:
-            message = produced_message(schedule, a)
-            if message is None:
-                continue
-            dst, needed = consumer[message]
-            if dst != w:
-                out.append(_Message(*message, src=w, dst=dst, ready=times[(w, a)][1], needed=needed))
+            for message in produced_messages(schedule, a):
+                dst, needed = consumer[message]
+                if dst != w:
+                    out.append(_Message(*message, src=w, dst=dst, ready=times[(w, a)][1], needed=needed))
     return out
 
 
@@ -118,10 +117,12 @@ def _message_keys(messages: list[_Message], buffers: int) -> dict[_Message, floa
 
 def _reduction_times(schedule: Schedule, times: dict) -> dict[int, float]:
     """Per model stage, when the last of its copies has finished its gradients: every member of the
-    stage's group posts the all-reduce at that one key, so shared members agree on the order."""
+    stage's group posts the all-reduce at that one key, so shared members agree on the order. A backward
+    inside an overlapped action is done when the action ends."""
     done: dict[int, float] = {}
     for w, actions in enumerate(schedule.workers):
         for a in actions:
-            if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
-                done[a.stage] = max(done.get(a.stage, 0.0), times[(w, a)][1])
+            for part in parts(a):
+                if part.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                    done[part.stage] = max(done.get(part.stage, 0.0), times[(w, a)][1])
     return done

@@ -12,13 +12,16 @@ when the forwards and input gradients are done runs at the end, oldest first.
   activation memory stays 1F1B's; at F = I = W its idle time is (D-1)(F + B - 2W).
 - Chimera split is the paper's order with W moved into the bubbles, capped at D micro-batches per
   worker (the most a worker holds in the unsplit basic unit).
+
+The registry overlaps forwards and backwards after this pass; an overlapped B given here becomes an
+overlapped I, read through its parts.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import replace
 
-from ..ir.actions import Action, Op
+from ..ir.actions import Action, Op, Overlapped, parts
 from ..ir.costs import CostModel, activation_units
 from ..ir.dataflow import dependencies, products
 from ..ir.schedule import Schedule
@@ -27,10 +30,16 @@ from .grad_sync import with_grad_sync
 
 def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Schedule:
     """``schedule`` (with B passes) with every B split into I and a W placed as described above."""
-    queues = [[Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
-               for a in schedule.compute(w)] for w in range(schedule.num_workers)]
+    queues = [[_input_pass(a) for a in schedule.compute(w)] for w in range(schedule.num_workers)]
     orders = _WeightPlacer(replace(schedule, workers=tuple(map(tuple, queues))), costs, cap).run()
     return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders))))
+
+
+def _input_pass(a: Action | Overlapped) -> Action | Overlapped:
+    """The action with its B (alone or overlapped) as an I."""
+    if a.op is Op.OVERLAPPED:
+        return Overlapped(a.forward, _input_pass(a.backward))
+    return Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
 
 
 class _WeightPlacer:
@@ -79,8 +88,8 @@ class _WeightPlacer:
         I is ready; False if it has to wait for something not yet known."""
         now, head = self.free[w], self.queue[w][0] if self.queue[w] else None
         ready = self.ready_at(w, head) if head is not None else None
-        fits = head is None or head.op is not Op.FORWARD or \
-            self.live[w] + activation_units(self.s, head) <= self.cap[w] + 1e-9
+        grows = [activation_units(self.s, p) for p in parts(head) if p.op is Op.FORWARD] if head else []
+        fits = not grows or self.live[w] + grows[0] <= self.cap[w] + 1e-9
         if ready is not None and ready <= now + 1e-9 and fits:
             self._start(w, self.queue[w].pop(0), now)
         elif self.pending[w] and (not fits or ready is None or
@@ -99,9 +108,10 @@ class _WeightPlacer:
         self.orders[w].append(a)
         for key in products(a):
             self.done[key] = (w, end)
-        if a.op is Op.FORWARD:
-            self.live[w] += activation_units(self.s, a)
-        elif a.op is Op.BACKWARD_INPUT:
-            self.pending[w].append(Action(Op.BACKWARD_WEIGHT, a.mb, a.pipeline, a.stage))
-        else:
-            self.live[w] -= activation_units(self.s, a)
+        for part in parts(a):
+            if part.op is Op.FORWARD:
+                self.live[w] += activation_units(self.s, part)
+            elif part.op is Op.BACKWARD_INPUT:
+                self.pending[w].append(Action(Op.BACKWARD_WEIGHT, part.mb, part.pipeline, part.stage))
+            else:
+                self.live[w] -= activation_units(self.s, part)

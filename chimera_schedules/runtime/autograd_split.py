@@ -95,6 +95,10 @@ class WeightPass:
             _accumulate_delayed(compute, params)
         self.restarts, self.delayed = [], []  # frees the graph and the kept gradients
 
+    def kept(self) -> list[torch.Tensor]:
+        """The gradients kept for the restarts (what an observer counts as held for W)."""
+        return [g for r in self.restarts for g in r.grads.values() if g is not None]
+
 
 def _delayed(params: list[torch.Tensor]) -> list[tuple[Callable[[], None], list]]:
     """The parameters' delayed weight-gradient calls, each with the parameters it computes, in the order

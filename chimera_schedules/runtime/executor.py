@@ -8,11 +8,23 @@ schedule made it or which channel a message takes:
 - B: backward from the loss or the received output gradient, keep the input gradient;
 - I and W: the two halves of a B (autograd_split.py): I keeps the input gradient, W later computes
   the same micro-batch's weight gradients;
+- F&B (an ``Overlapped`` action): the forward of one micro-batch and the B or I of another, run as one
+  through schedule plans (below);
 - SEND: post the send of a kept output or input gradient; a sent activation's own data is released
   at once (the backward needs only its graph), and completed sends are dropped after every action;
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
+
+Schedule plans (``schedule_plans``, which --overlap-moe-expert-parallel-comm turns on): in training every
+forward and backward of a chunk runs through megatron-core's combined-1F1B protocol, so that a forward
+and a backward can run interleaved, part by part. ``forward_step_func(data_iterator, model,
+return_schedule_plan=True)`` returns the micro-batch's plan instead of its output, and
+``type(plan).run(f_plan, b_plan, b_grad=g)`` runs a forward, a backward, or an F&B with both, returning
+the forward's output; a backward's input gradient lands in the stage input's ``.grad``. A last stage's
+loss is computed from the plan's output detached (its gradient is what the plan's backward starts
+from). Before a backward that is an I, ``plan.defer_weight_gradients()`` returns the W that completes it.
+A sent activation keeps its data there: the plan's nodes hold it for their backward.
 Each action runs inside a profiler range named ``PP:`` and its IR token (``PP:F3p1s2``, ``PP:sA3p0s1>1@down``),
 so a trace reads as the lowered list; with ``nvtx_ranges`` on a GPU, an NVTX range of the same name too.
 A PipelineFault names the action the worker was at, in the lowered list around it. What failed is told by
@@ -35,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..ir.actions import COMPUTE_OPS, Action, Op
-from ..ir.dataflow import consumed_message, forward_only, produced_message
+from ..ir.actions import COMPUTE_OPS, Action, Op, Overlapped
+from ..ir.dataflow import consumed_messages, forward_only, produced_messages
 from ..ir.schedule import Schedule
 from .autograd_split import backward_input, graph_root
 from .clock import Clock
@@ -151,10 +163,10 @@ class Transport:
 
 class _Messages:
     """One iteration's messages: posted receives, outputs kept for a send or a local consumer, and
-    sends in flight."""
+    sends in flight. ``release_sent``: free a sent activation's data (its backward needs only its graph)."""
 
-    def __init__(self, transport: Transport, shape: tuple):
-        self.t, self.shape = transport, shape
+    def __init__(self, transport: Transport, shape: tuple, release_sent: bool = True):
+        self.t, self.shape, self.release_sent = transport, shape, release_sent
         self.posted: dict[tuple, tuple] = {}  # message -> (handle, buffer, action)
         self.kept: dict[tuple, torch.Tensor] = {}
         self.sends: dict[tuple, deque] = {}  # (group, peer) -> (handle, tensor kept alive, action), oldest first
@@ -176,7 +188,7 @@ class _Messages:
         tensor = kept.detach().to(self.t.comm_device or self.t.device, self.t.dtype).contiguous()
         work = self.t.p2p.isend(tensor, self.t.ranks[a.peer], self.t.groups[a.group])
         self.sends.setdefault((a.group, a.peer), deque()).append((work, tensor, a))
-        if a.kind == "act" and kept.grad_fn is not None and kept._base is None:
+        if self.release_sent and a.kind == "act" and kept.grad_fn is not None and kept._base is None:
             kept.data = torch.empty((1,), dtype=kept.dtype, device=kept.device)
 
     def reap(self) -> None:
@@ -236,7 +248,7 @@ def _raised(e: Exception) -> str:
 
 
 _WHAT = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input-gradient backward",
-         Op.BACKWARD_WEIGHT: "weight-gradient backward"}
+         Op.BACKWARD_WEIGHT: "weight-gradient backward", Op.OVERLAPPED: "overlapped forward and backward"}
 
 
 def _action_fault(a: Action, e: Exception, t: Transport, grad_sync: GradSync) -> PipelineFault:
@@ -249,7 +261,11 @@ def _action_fault(a: Action, e: Exception, t: Transport, grad_sync: GradSync) ->
     return ComputeFault(f"{who}: {what} raised {_raised(e)}", action=a)
 
 
-def _action_name(a: Action, t: Transport) -> str:
+def _action_name(a: Action | Overlapped, t: Transport) -> str:
+    if a.op is Op.OVERLAPPED:
+        f, b = a.parts
+        return (f"the {_WHAT[a.op]} of micro-batches {f.mb} (pipeline {f.pipeline}, stage {f.stage}) and {b.mb} "
+                f"(pipeline {b.pipeline}, stage {b.stage}) ({a})")
     if a.op in COMPUTE_OPS:
         return f"the {_WHAT[a.op]} of micro-batch {a.mb}, pipeline {a.pipeline}, stage {a.stage} ({a})"
     if a.op is Op.ALLREDUCE:
@@ -309,17 +325,23 @@ def _scaled_loss(outputs, num_microbatches: int, per_token: bool):
 
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
-                          observer: Observer | None = None, nvtx_ranges: bool = False) -> Callable:
+                          observer: Observer | None = None, nvtx_ranges: bool = False,
+                          schedule_plans: bool = False) -> Callable:
     """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
     chunk needs no data). Returns the loss reports of the micro-batches whose last stage is here.
     ``observer`` (the Observer protocol), when given, sees every action as it is posted and every
     compute action's device time after the flush. ``nvtx_ranges`` (--nvtx-ranges) adds an NVTX range
-    per action when the device is a GPU (there is no NVTX on the CPU). megatron-core's options that this
-    executor does not implement are refused when set, not ignored."""
-    if any(a.batch >= 0 for w in lowered.workers for a in w):
+    per action when the device is a GPU (there is no NVTX on the CPU). ``schedule_plans`` runs training's
+    forwards and backwards through schedule plans (the module's docstring); a schedule with overlapped
+    actions needs it. megatron-core's options that this executor does not implement are refused when set,
+    not ignored."""
+    if any(a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE) and a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
+    if not schedule_plans and any(a.op is Op.OVERLAPPED for w in lowered.workers for a in w):
+        raise ValueError("a schedule with overlapped forwards and backwards runs its chunks through schedule "
+                         "plans: pass schedule_plans=True")
     nvtx = nvtx_ranges and transport.device.type == "cuda"
     held = lowered.held(transport.worker)
     plans = {False: lowered.workers[transport.worker], True: forward_only(lowered).workers[transport.worker]}
@@ -341,7 +363,7 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
             raise ValueError(f"schedule has {lowered.microbatches} micro-batches, called with {num_microbatches}")
         run = _Run(lowered, transport, dict(zip(held, chunks)), dict(zip(held, iterators)), forward_step_func,
                    _activation_shape(chunks[0].config, seq_length, micro_batch_size), num_microbatches, forward_only,
-                   Clock(transport.device, enabled=observer is not None))
+                   Clock(transport.device, enabled=observer is not None), schedule_plans and not forward_only)
         return run.execute(plans[forward_only], grad_sync, observer, nvtx)
 
     return forward_backward
@@ -363,24 +385,39 @@ def _activation_shape(config, seq_length: int, micro_batch_size: int) -> tuple:
     return (seq_length, micro_batch_size, config.hidden_size)
 
 
+@dataclass
+class _Saved:
+    """What one micro-batch's forward through one stage copy leaves for its backward: the stage input
+    (a leaf; None on a first stage), the output (on a last stage the scaled loss, or, through a plan, the
+    detached output the loss was computed from, with ``loss``), where a split backward's I stops
+    (``boundary``), and the schedule plan it ran through."""
+
+    x: torch.Tensor | None
+    output: torch.Tensor
+    boundary: torch.Tensor | None = None
+    plan: object = None
+    loss: torch.Tensor | None = None
+
+
 class _Run:
-    """The state of one call: chunks, data, messages, saved activations, loss reports."""
+    """The state of one call: chunks, data, messages, saved activations, loss reports. ``plans``: run the
+    chunks through schedule plans (training only)."""
 
     def __init__(self, schedule, transport, chunk, data, forward_step_func, shape, num_microbatches, forward_only,
-                 clock: Clock):
+                 clock: Clock, plans: bool = False):
         self.s, self.t, self.chunk, self.data = schedule, transport, chunk, data
         self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
-        self.forward_only = forward_only
+        self.forward_only, self.plans = forward_only, plans
         self.clock = clock
-        self.messages = _Messages(transport, shape)
+        self.messages = _Messages(transport, shape, release_sent=not plans)
         self.per_token = getattr(next(iter(chunk.values())).config, "calculate_per_token_loss", False)
         self.last = schedule.stages_per_pipeline - 1
-        self.saved: dict[tuple, tuple] = {}
+        self.saved: dict[tuple, _Saved] = {}
         self.weight_passes: dict[tuple, object] = {}
         self.reports = []
         self.embedded: dict[tuple, torch.Tensor] = {}  # a first stage's embedding output, the I boundary
         self.hooks = [self._watch_embedding(key, c) for key, c in chunk.items()
-                      if key[1] == 0 and not forward_only and schedule.split_backward]
+                      if key[1] == 0 and not forward_only and not plans and schedule.split_backward]
 
     def _watch_embedding(self, key, chunk):
         embedding = getattr(chunk, "embedding", None)  # megatron-core's GPTModel
@@ -439,9 +476,8 @@ class _Run:
         return {"receive buffers": [buf for _, buf, _ in m.posted.values()],
                 "unsent": list(m.kept.values()) + list(self.embedded.values()),
                 "in flight": m.in_flight(),
-                "stage inputs": [t for saved in self.saved.values() for t in saved if t is not None],
-                "kept for W": [g for w in self.weight_passes.values() for r in w.restarts for g in r.grads.values()
-                               if g is not None]}
+                "stage inputs": [t for s in self.saved.values() for t in (s.x, s.output, s.boundary) if t is not None],
+                "kept for W": [g for w in self.weight_passes.values() for g in w.kept()]}
 
     def step(self, a: Action, grad_sync: GradSync):
         """Post or run one action; a compute action returns the stamp of its start. What the action
@@ -463,51 +499,104 @@ class _Run:
             return self.messages.send(a)
         if a.op is Op.ALLREDUCE:
             return grad_sync.start(a.pipeline, a.stage, self.t.groups[a.group])
-        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
-                Op.BACKWARD_WEIGHT: self.backward_weight}[a.op](a)
+        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward,
+                Op.BACKWARD_WEIGHT: self.backward_weight, Op.OVERLAPPED: self.overlapped}[a.op](a)
 
     def forward(self, a: Action) -> float:
-        key, x = (a.pipeline, a.stage), None
-        if a.stage > 0:
-            x = self.messages.take(consumed_message(self.s, a))
-            x.requires_grad_(not self.forward_only)  # arrives in the transport dtype
+        x = self._input(a)
         started = self.clock.stamp()  # compute only: waiting for the input is a bubble
-        self.chunk[key].set_input_tensor(x)
-        output, loss_func = self.forward_step_func(self.data[key], self.chunk[key])
-        if a.stage == self.last:
-            output, report = _scaled_loss(loss_func(output), self.num_microbatches, self.per_token)
-            self.reports.append(report)
+        if self.plans:
+            plan, loss_func = self._plan(a, x)
+            self._keep_output(a, x, type(plan).run(plan, None), loss_func, plan)
         else:
-            self.messages.keep(produced_message(self.s, a), output)
-        if not self.forward_only:
-            self.saved[(*key, a.mb)] = (x, output, self.embedded.pop(key, None) if a.stage == 0 else x)
+            key = (a.pipeline, a.stage)
+            self.chunk[key].set_input_tensor(x)
+            self._keep_output(a, x, *self.forward_step_func(self.data[key], self.chunk[key]))
         return started
 
     def backward(self, a: Action) -> float:
-        x, output, _ = self.saved.pop((a.pipeline, a.stage, a.mb))
-        grad = None
-        if a.stage < self.last:
-            grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
+        """B, or I (the input gradient now, the weight gradients at the same micro-batch's W)."""
+        saved = self.saved.pop((a.pipeline, a.stage, a.mb))
+        grad = self._output_grad(a, saved)
         started = self.clock.stamp()
-        torch.autograd.backward(graph_root(output) if grad is not None else output, grad_tensors=grad)
-        if a.stage > 0:
-            self.messages.keep(produced_message(self.s, a), x.grad)
+        if self.plans:
+            type(saved.plan).run(None, saved.plan, b_grad=self._plan_backward(a, saved, grad))
+            dx = saved.x.grad if saved.x is not None else None
+        elif a.op is Op.BACKWARD:
+            torch.autograd.backward(graph_root(saved.output) if grad is not None else saved.output, grad_tensors=grad)
+            dx = saved.x.grad if saved.x is not None else None
+        else:
+            params = [p for p in self.chunk[(a.pipeline, a.stage)].parameters() if p.requires_grad]
+            dx, self.weight_passes[(a.pipeline, a.stage, a.mb)] = backward_input(saved.output, grad, saved.boundary,
+                                                                                params)
+        self._keep_input_grad(a, dx)
         return started
 
-    def backward_input(self, a: Action) -> float:
-        key = (a.pipeline, a.stage)
-        _, output, boundary = self.saved.pop((*key, a.mb))
-        grad = None
-        if a.stage < self.last:
-            grad = self.messages.take(consumed_message(self.s, a)).to(output.dtype)
+    def overlapped(self, a: Overlapped) -> float:
+        """F&B: one micro-batch's forward beside another's B or I, interleaved part by part by their
+        schedule plans (megatron-core's combined 1F1B)."""
+        f, b = a.parts
+        x = self._input(f)
+        saved = self.saved.pop((b.pipeline, b.stage, b.mb))
+        grad = self._output_grad(b, saved)
         started = self.clock.stamp()
-        params = [p for p in self.chunk[key].parameters() if p.requires_grad]
-        dx, self.weight_passes[(*key, a.mb)] = backward_input(output, grad, boundary, params)
-        if a.stage > 0:
-            self.messages.keep(produced_message(self.s, a), dx)
+        plan, loss_func = self._plan(f, x)
+        output = type(plan).run(plan, saved.plan, b_grad=self._plan_backward(b, saved, grad))
+        self._keep_output(f, x, output, loss_func, plan)
+        self._keep_input_grad(b, saved.x.grad if saved.x is not None else None)
         return started
 
     def backward_weight(self, a: Action) -> float:
         started = self.clock.stamp()
         self.weight_passes.pop((a.pipeline, a.stage, a.mb)).run()
         return started
+
+    def _input(self, a: Action) -> torch.Tensor | None:
+        """A forward's input: the previous stage's activation, a leaf (None on a first stage)."""
+        if a.stage == 0:
+            return None
+        x = self.messages.take(consumed_messages(self.s, a)[0])
+        return x.requires_grad_(not self.forward_only)  # arrives in the transport dtype
+
+    def _plan(self, a: Action, x: torch.Tensor | None):
+        """The micro-batch's schedule plan and loss function (megatron-core's forward_step convention)."""
+        key = (a.pipeline, a.stage)
+        self.chunk[key].set_input_tensor(x)
+        return self.forward_step_func(self.data[key], self.chunk[key], return_schedule_plan=True)
+
+    def _keep_output(self, a: Action, x, output, loss_func, plan=None) -> None:
+        """A forward's output: kept for its send (or the local next stage), and with the stage input for
+        the backward; on a last stage the loss computed from it, whose report is kept."""
+        loss = None
+        if a.stage == self.last:
+            if plan is not None:  # the plan's backward starts from the gradient of its own output
+                output = output.detach().requires_grad_(not self.forward_only)
+            loss, report = _scaled_loss(loss_func(output), self.num_microbatches, self.per_token)
+            self.reports.append(report)
+            if plan is None:
+                output, loss = loss, None
+        else:
+            self.messages.keep(produced_messages(self.s, a)[0], output)
+        if not self.forward_only:
+            boundary = self.embedded.pop((a.pipeline, a.stage), None) if a.stage == 0 else x
+            self.saved[(a.pipeline, a.stage, a.mb)] = _Saved(x, output, boundary, plan, loss)
+
+    def _output_grad(self, a: Action, saved: _Saved) -> torch.Tensor | None:
+        """A backward's incoming gradient: the next stage's, received (None on a last stage)."""
+        if a.stage == self.last:
+            return None
+        return self.messages.take(consumed_messages(self.s, a)[0]).to(saved.output.dtype)
+
+    def _plan_backward(self, a: Action, saved: _Saved, grad: torch.Tensor | None) -> torch.Tensor:
+        """What a plan's backward starts from (on a last stage, the loss's gradient of the plan's output);
+        for an I, the plan is told to leave its weight gradients to the W."""
+        if saved.loss is not None:
+            torch.autograd.backward(saved.loss)
+            grad = saved.output.grad
+        if a.op is Op.BACKWARD_INPUT:
+            self.weight_passes[(a.pipeline, a.stage, a.mb)] = saved.plan.defer_weight_gradients()
+        return grad
+
+    def _keep_input_grad(self, a: Action, dx: torch.Tensor | None) -> None:
+        if a.stage > 0:
+            self.messages.keep(produced_messages(self.s, a)[0], dx)

@@ -56,7 +56,7 @@ def _schedule_options(g) -> None:
     g.add_argument("--stages", "--depth", "-D", dest="depth", type=int, default=4,
                    help=OPTION["depth"].describe() + " (default 4)")
     g.add_argument("--microbatches", "-N", type=int, help=OPTION["microbatches"].describe() + " (default D)")
-    add_arguments(g, "cli", ("virtual_stages",) + SHARED)
+    add_arguments(g, "cli", ("virtual_stages",) + SHARED + ("overlap",))
     g.add_argument("--file", help="read the schedule from this JSON file instead of generating it")
     g.add_argument("--lowered", action="store_true",
                    help="with its communication: SEND/RECV/ALLREDUCE actions, lowered as the trainer does")
@@ -78,6 +78,11 @@ def _cost_options(c) -> None:
     c.add_argument("--allreduce-bandwidth", type=float, default=float("inf"), help="1 / beta")
     c.add_argument("--grad-bytes", type=float, default=0.0, help="gradient bytes of one stage")
     c.add_argument("--data-parallel", type=int, default=1, help="data-parallel width W")
+    c.add_argument("--a2a", type=float, default=0.0,
+                   help="expert all-to-all time of one stage's forward (dispatch and combine of all its MoE layers); "
+                        "a B or I spends it too, an overlapped F&B hides it behind compute (default 0)")
+    c.add_argument("--moe-layers", type=int, default=1,
+                   help="MoE layers per model stage, sharing its compute and --a2a in an overlapped F&B (default 1)")
 
 
 def _planner_options(planner) -> None:
@@ -107,9 +112,12 @@ def _costs(args) -> CostModel:
     if args.weight_time is not None:
         require(0 < args.weight_time < args.backward_time, "--weight-time", args.weight_time,
                 f"must be positive and less than --backward-time ({args.backward_time:g}), which includes it")
+    require(args.a2a >= 0, "--a2a", args.a2a, "must not be negative")
+    require(args.moe_layers >= 1, "--moe-layers", args.moe_layers, "must be at least 1")
     return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
-                     args.grad_bytes, args.data_parallel, weight=args.weight_time)
+                     args.grad_bytes, args.data_parallel, weight=args.weight_time, a2a=args.a2a,
+                     moe_layers=args.moe_layers)
 
 
 def _load(path: str, option: str) -> Schedule:
@@ -132,7 +140,7 @@ def _schedule(args) -> Schedule:
         return schedule
     spec = ScheduleSpec(args.schedule, args.depth, args.microbatches or args.depth, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,
-                        split_backward=args.split_backward)
+                        split_backward=args.split_backward, overlap=args.overlap)
     return build_spec(spec, _costs(args))
 
 

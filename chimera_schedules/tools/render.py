@@ -1,6 +1,7 @@
 """Pictures of a timeline: ASCII for the terminal, SVG/PNG like the paper's Figure 1, and a Chrome /
 Perfetto trace. They draw any ``SimResult`` (simulated) or an object with the same fields (measured
-timestamps), so predicted and measured runs look alike."""
+timestamps), so predicted and measured runs look alike. An overlapped action fills one slot: in ASCII
+one label (``F3&B1``), in pictures two half-height boxes, its forward above its backward."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from html import escape
 
 from ..analysis.simulator import SimResult
-from ..ir.actions import Op
+from ..ir.actions import Op, parts
 from ..ir.costs import Event
 from ..ir.errors import ConfigError
 
@@ -32,8 +33,9 @@ def direction_mark(pipelines: int, pipeline: int) -> str:
 
 
 def label(result: SimResult, e: Event) -> str:
-    a = e.action
-    return f"{a.op.value}{a.mb}{direction_mark(result.schedule.pipelines, a.pipeline)}"
+    """Op, micro-batch and direction (``F3v``); an overlapped action's parts joined by ``&``."""
+    mark = lambda a: direction_mark(result.schedule.pipelines, a.pipeline)  # noqa: E731
+    return "&".join(f"{a.op.value}{a.mb}{mark(a)}" for a in parts(e.action))
 
 
 def _title(result: SimResult) -> str:
@@ -45,7 +47,8 @@ def _title(result: SimResult) -> str:
 
 def ascii_timeline(result: SimResult) -> str:
     """One row per worker; each time quantum is a fixed-width cell. Forwards are drawn as their label,
-    backwards (B, I) as their label followed by '=', W passes followed by '~', bubbles as '.'."""
+    backwards (B, I) and overlapped actions (``F3&B1``) as their label followed by '=', W passes
+    followed by '~', bubbles as '.'."""
     durations = [e.end - e.start for e in result.events if e.end > e.start]
     quantum = min(durations) if durations else 1.0
     for _ in range(4):  # a grid on which every start falls (transfer delays shift starts off it)
@@ -61,7 +64,7 @@ def ascii_timeline(result: SimResult) -> str:
         for e in (e for e in result.events if e.worker == w):
             first = int(round(e.start / quantum))
             span = max(1, int(round((e.end - e.start) / quantum)))
-            fill = " =~"[_FILL[e.action.op]]
+            fill = " =~"[_FILL[parts(e.action)[-1].op]]  # an overlapped action continues as its backward
             text = labels[id(e)].ljust(span * cell - 1, fill) + "|"
             for k in range(span):
                 line[first + k] = text[k * cell:(k + 1) * cell]
@@ -101,8 +104,11 @@ def _boxes(result: SimResult) -> tuple[list[_Box], float, float]:
     as thin bars. Returns boxes, total width, total height."""
     boxes = []
     for e in result.events:
-        fill = _COLOURS[e.action.pipeline % len(_COLOURS)][_FILL[e.action.op]]
-        boxes.append(_Box(e.start, e.worker, e.end - e.start, 0.74, fill, str(e.action.mb)))
+        halves = parts(e.action)
+        for k, a in enumerate(halves):
+            fill = _COLOURS[a.pipeline % len(_COLOURS)][_FILL[a.op]]
+            h = 0.74 / len(halves)
+            boxes.append(_Box(e.start, e.worker + k * h, e.end - e.start, h, fill, str(a.mb)))
     for e in result.transfers:
         if e.action.op is Op.RECV and e.end > e.start:
             boxes.append(_Box(e.start, e.worker + 0.76, e.end - e.start, 0.09, _TRANSFER_COLOURS[e.action.kind], ""))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from chimera_schedules.ir.actions import Action, Op
-from chimera_schedules.ir.dataflow import consumed_message, produced_message, source_worker
+from chimera_schedules.ir.dataflow import consumed_messages, produced_messages, source_worker
 from chimera_schedules.ir.schedule import Schedule
 
 
@@ -19,13 +19,13 @@ def legacy_lower(schedule: Schedule) -> Schedule:
             if a.op is Op.REDUCE_GRADS:
                 out.append(Action(Op.ALLREDUCE, -1, a.pipeline, a.stage, group=f"stage{a.stage}"))
                 continue
-            needed = consumed_message(schedule, a)
-            if needed is not None and source_worker(schedule, needed) != w:
-                out.append(_p2p(Op.RECV, needed, source_worker(schedule, needed)))
+            for needed in consumed_messages(schedule, a):
+                if source_worker(schedule, needed) != w:
+                    out.append(_p2p(Op.RECV, needed, source_worker(schedule, needed)))
             out.append(a)
-            made = produced_message(schedule, a)
-            if made is not None and schedule.placement[made[1]][made[2]] != w:
-                out.append(_p2p(Op.SEND, made, schedule.placement[made[1]][made[2]]))
+            for made in produced_messages(schedule, a):
+                if schedule.placement[made[1]][made[2]] != w:
+                    out.append(_p2p(Op.SEND, made, schedule.placement[made[1]][made[2]]))
         workers.append(tuple(out))
     return replace(schedule, name=schedule.name + " (one group per pipeline)", workers=tuple(workers))
 
