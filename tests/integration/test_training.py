@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from megatron.chimera.distributed.ports import free_port
-from megatron.chimera.testing.equivalence import KAPPA_MAX, TOLERANCE, cases
+from megatron.chimera.testing.equivalence import EVERY_PAIR, KAPPA_MAX, TOLERANCE, cases
 from megatron.chimera.testing.launch import ENV, ROOT, launch
 
 HARNESS = ["-m", "megatron.chimera.testing.equivalence"]
@@ -107,6 +107,18 @@ def test_gradient_reductions_start_as_overlap_grad_reduce_says(results):
     assert wrong == {}
     assert {"megatron-1f1b D=2 DP=2 overlapped reduce", "chimera D=2 DP=2 overlapped reduce"} <= {
         case for case in CASES if results[case]["overlap_grad_reduce"]}
+
+
+def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results):
+    """--overlap-moe-expert-parallel-comm under every schedule that takes it (the losses and weights above
+    equal one process's): F&B actions under 1F1B, Chimera and DualPipe(V); the pass pairs nothing under
+    Chimera split at D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every
+    pair fused runs F&I actions. No other case runs any."""
+    paired = {case: results[case]["overlapped"] for case in CASES}
+    overlap = {case for case in CASES if "overlap" in case and "EP=2" in case}
+    assert len(overlap) == 5 and paired[EVERY_PAIR].get("I", 0) > 0, paired
+    assert all(paired[f"mixtral overlap {name} D=2 EP=2"].get("B", 0) > 0 for name in ("1f1b", "dualpipe"))
+    assert all(not paired[case] for case in CASES if case not in overlap)
 
 
 def readme_main_command() -> str:

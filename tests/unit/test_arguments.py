@@ -43,6 +43,22 @@ LAYOUT_CASES = [
     (CHIMERA2 + [LAYOUT, "Et|(tt|L"], 2, "unknown layer character '('"),
 ]
 
+OVERLAP = "--overlap-moe-expert-parallel-comm"
+MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
+       "--expert-model-parallel-size", "2"]
+# --overlap-moe-expert-parallel-comm: each rule names the flag, and what it needs
+OVERLAP_CASES = [
+    (CHIMERA2 + MOE[:-2] + [OVERLAP], 2, f"{OVERLAP}=True: hides the expert-parallel all-to-all behind another "
+     "micro-batch's compute: it needs --expert-model-parallel-size > 1 (got 1)"),
+    (CHIMERA2 + MOE + [OVERLAP, "--moe-token-dispatcher-type", "allgather"], 4, f"{OVERLAP}=True: splits each MoE "
+     "layer at its dispatch and combine all-to-alls, which the allgather dispatcher does not have"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "megatron-1f1b", *MOE, OVERLAP], 4,
+     f"{OVERLAP}=True: pairs the actions of our executor's schedules"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", *MOE, OVERLAP], 4,
+     f"{OVERLAP}=True: applies to --pipeline-schedule 1f1b or chimera or dualpipe or dualpipev only"),
+    (CHIMERA2 + MOE + [OVERLAP, "--moe-layer-recompute"], 4, f"{OVERLAP}=True: runs a layer's parts one by one"),
+]
+
 
 @pytest.mark.parametrize("flags,world,needle", [
     (["--pipeline-model-parallel-size", "3", "--pipeline-schedule", "chimera", "--num-layers", "6"], 3,
@@ -77,6 +93,7 @@ LAYOUT_CASES = [
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipev", "--num-layers", "4"], 4,
      "--num-layers=4: must be divisible by the 8 pipeline stages"),
     *LAYOUT_CASES,
+    *OVERLAP_CASES,
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:

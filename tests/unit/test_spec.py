@@ -59,7 +59,10 @@ def test_check_fills_in_the_defaults_of_the_options_the_schedule_takes():
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "chimera best"])  # best: seconds of search
 def test_the_trainer_builds_each_variant_as_the_library_does(name):
     spec = variant(name, 2, 4)  # global batch 8 / micro-batch 2 = 4 micro-batches on one pipeline
-    args = parse_args(MODEL + schedule_flags(spec, num_layers=8), world_size=2)
+    # the overlap hides an expert-parallel all-to-all: EP=2 over a second replica, twice the global batch
+    moe = ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
+           "--expert-model-parallel-size", "2", "--global-batch-size", "16"] if spec.overlap else []
+    args = parse_args(MODEL + moe + schedule_flags(spec, num_layers=8), world_size=4 if spec.overlap else 2)
     assert make_run_plan(args).schedule == build_spec(spec)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -260,6 +261,7 @@ def _validate_layout(args) -> None:
     if args.balance_pipeline_layout:
         args.pipeline_model_parallel_layout = str(balanced_layout(args, stages, request))
     _check_mtp(args, stage_layout(args, stages), request)
+    _check_overlap(args, request)
     if request is not None:
         _check_request(args, request)
         _check_split_backward(args, request)
@@ -272,13 +274,47 @@ def _validate_layout(args) -> None:
         args.fresh_start, args.load = args.load, None
 
 
+OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
+
+
+def _check_overlap(args, request: ScheduleSpec | None) -> None:
+    """--overlap-moe-expert-parallel-comm under megatron-core's rules for it (TransformerConfig's), less two
+    that its combined 1F1B needs and our executor does not: it runs in fp32 too (the exactness tests need
+    it) and without virtual stages (our schedules pair the actions themselves). The field is therefore not
+    passed to megatron-core's config; the schedule's overlap pass and the executor's schedule plans are
+    what the flag turns on."""
+    if not args.overlap_moe_expert_parallel_comm:
+        return
+    needs = partial(require, False, OVERLAP_FLAG, True)
+    if request is None:
+        needs(f"pairs the actions of our executor's schedules: give --pipeline-schedule 1f1b, chimera, dualpipe "
+              f"or dualpipev with --pipeline-model-parallel-size > 1 (got {args.pipeline_schedule} at "
+              f"PP={args.pipeline_model_parallel_size})")
+    if args.expert_model_parallel_size < 2:
+        needs("hides the expert-parallel all-to-all behind another micro-batch's compute: it needs "
+              f"--expert-model-parallel-size > 1 (got {args.expert_model_parallel_size})")
+    if args.moe_token_dispatcher_type != "alltoall":
+        needs("splits each MoE layer at its dispatch and combine all-to-alls, which the "
+              f"{args.moe_token_dispatcher_type} dispatcher does not have: give --moe-token-dispatcher-type alltoall")
+    recompute = (args.recompute_granularity == "full" or args.moe_layer_recompute
+                 or "moe" in (args.recompute_modules or []))
+    if recompute:
+        needs("runs a layer's parts one by one, which recomputing the whole layer or its MoE block cannot "
+              "(megatron-core's rule): drop --recompute-granularity full, --moe-layer-recompute and "
+              "--recompute-modules moe")
+    if args.moe_shared_expert_overlap:
+        needs("and --moe-shared-expert-overlap exclude each other (megatron-core's rule): drop one")
+    if args.mtp_num_layers:
+        needs("with --mtp-num-layers is not supported yet")
+
+
 def _check_split_backward(args, request: ScheduleSpec) -> None:
     """A schedule with a split backward (I and W passes: asked with --split-backward, or DualPipe's own)
     runs Transformer Engine's layers with their weight gradients delayed to W (delay_wgrad_compute and
     backward_dw(), from the release ``delayed_wgrad_te`` names); with an older one, it is refused."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if not uses_transformer_engine(args, device_type) or delays_weight_gradients(args):
-        return
+    if not uses_transformer_engine(args, device_type) or delays_weight_gradients(args) or request.overlap:
+        return  # with --overlap-moe-expert-parallel-comm the schedule plan splits the backward itself
     asked = " --split-backward" if request.split_backward else ""
     require(not _splits_backward(request), "--transformer-impl", args.transformer_impl,
             f"Transformer Engine's fused linears compute the input and weight gradients together, which "
@@ -584,7 +620,7 @@ def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
     out = ["--pipeline-model-parallel-size", str(spec.depth), "--pipeline-schedule", spec.schedule]
     if spec.virtual_stages:
         out += [OPTION["virtual_stages"].trainer, str(num_layers // (spec.depth * spec.virtual_stages))]
-    for field in SHARED:
+    for field in (*SHARED, "overlap"):
         value = getattr(spec, field)
         if value is True:
             out.append(OPTION[field].trainer)

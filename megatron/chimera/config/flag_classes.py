@@ -58,6 +58,7 @@ HONOURED = _flags("""
     --no-check-for-nan-in-loss-and-grad --dist-ckpt-strictness --trust-remote-code
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
     --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm
+    --overlap-moe-expert-parallel-comm
     --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
     --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm
     --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
@@ -182,7 +183,7 @@ REFUSED = {
     ('this part of mixture-of-experts training is not supported yet (overlaps, routing replay and quantisation '
      'padding, latent MoE, upcycling)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
-        --overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad
+        --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
         --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
         --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
 from chimera_schedules.analysis.nccl_model import check
 from chimera_schedules.ir import layout as layouts
+from chimera_schedules.ir.actions import parts
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.spec import OPTION, SHARED
@@ -40,7 +41,9 @@ class RunPlan:
     (0.5 under Chimera's halving). ``megatron_virtual_stages``: megatron-core's interleaved schedule's
     chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``).
     ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``.
-    ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order."""
+    ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order.
+    ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards, and
+    the executor runs every chunk through its schedule plan."""
 
     schedule: Schedule | None
     placement: tuple[tuple[int, ...], ...]
@@ -52,6 +55,7 @@ class RunPlan:
     layout: Layout
     lowered: Schedule | None = None
     proof_seconds: float | None = None
+    overlap: bool = False
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, model stage) copies ``worker`` holds, in placement order."""
@@ -61,7 +65,7 @@ class RunPlan:
         """Per held chunk, its micro-batches in the order the schedule runs their forwards."""
         if self.schedule is None:
             return [list(range(self.microbatches)) for _ in self.held(worker)]
-        actions = self.schedule.workers[worker]
+        actions = [p for a in self.schedule.workers[worker] for p in parts(a)]  # an F&B's forward too
         return [[a.mb for a in actions if a.op is Op.FORWARD and (a.pipeline, a.stage) == key]
                 for key in self.held(worker)]
 
@@ -71,7 +75,8 @@ class RunPlan:
         hooks) sees our actions; ``nvtx_ranges`` (--nvtx-ranges) gives each of our actions an NVTX range
         on a GPU."""
         if self.lowered is not None:
-            return make_forward_backward(self.lowered, transport, grad_sync, observer, nvtx_ranges)
+            return make_forward_backward(self.lowered, transport, grad_sync, observer, nvtx_ranges,
+                                         schedule_plans=self.overlap)
         return _megatron_core_runner(models, grad_sync, self.megatron_virtual_stages)
 
 
@@ -146,7 +151,7 @@ def schedule_request(args) -> ScheduleSpec | None:
         return None
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
                         virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
-                        **given_options(args))
+                        overlap=args.overlap_moe_expert_parallel_comm or None, **given_options(args))
     return spec
 
 
@@ -184,7 +189,7 @@ def make_run_plan(args) -> RunPlan:
     schedule = build_spec(request)
     lowered, seconds = _proven(lower(schedule))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
-                   schedule.split_backward, None, held, lowered, seconds)
+                   schedule.split_backward, None, held, lowered, seconds, bool(request.overlap))
 
 
 def _proven(lowered: Schedule) -> tuple[Schedule, float]:

@@ -410,7 +410,8 @@ def transformer_config(args, num_layers: int, first_layer: int = 0, device_type:
     # A split backward with Transformer Engine's layers: B queues their weight-gradient GEMMs and W runs them
     # (_delayed_weight_gradients). Set after construction: megatron-core's __post_init__ allows the field
     # only with its own combined-1F1B overlap (--overlap-moe-expert-parallel-comm); our executor runs W itself.
-    config.delay_wgrad_compute = split_backward and transformer_engine
+    # With that flag our schedule plan splits the backward itself (model/schedule_plan.py), so it stays off.
+    config.delay_wgrad_compute = split_backward and transformer_engine and not args.overlap_moe_expert_parallel_comm
     return config
 
 

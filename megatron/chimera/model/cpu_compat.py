@@ -16,10 +16,17 @@ needed.
   for ``transformer/moe/token_dispatcher.py``: on the CPU the copies are plain and need no wait. Its
   split sizes become the numpy arrays its GPU path hands all_to_all_single (which takes no tensor):
   megatron-core's ``maybe_move_tensor_to_cpu`` converts only tensors that were on the GPU.
+- The schedule plan of --overlap-moe-expert-parallel-comm (``model/schedule_plan.py``): its nodes enter
+  a compute or a communication stream and order them with one CUDA event per model chunk -> the one CPU
+  stream and an event that has always happened, through the same proxy for the four modules that make
+  and run plans; and they tell the caching allocator which stream still uses a tensor
+  (``Tensor.record_stream``), which on the CPU, one stream and no caching allocator, means nothing ->
+  a no-op for CPU tensors.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import types
 
 import torch
@@ -101,9 +108,23 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
+class _CpuEvent:
+    """An event of the one CPU stream: it has always happened."""
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+
 class _CpuCuda:
     """``torch.cuda`` as a patched module sees it: one CPU stream, which every stream is, entering
     which changes nothing, and whose events have always happened; the rest is torch.cuda's."""
+
+    @staticmethod
+    def Event(*args, **kwargs):  # noqa: N802  (torch.cuda's spelling)
+        return _CpuEvent()
 
     @staticmethod
     def Stream(*args, **kwargs):  # noqa: N802  (torch.cuda's spelling)
@@ -126,6 +147,19 @@ def _split_sizes_as_numpy(tensor, as_numpy: bool = False, record_stream: bool = 
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream(tensor: torch.Tensor, stream) -> None:
+    """``Tensor.record_stream`` for a CUDA tensor; nothing for a CPU one."""
+    if tensor.is_cuda:
+        _RECORD_STREAM(tensor, stream)
+
+
+PLAN_MODULES = ("megatron.core.pipeline_parallel.utils", "megatron.core.models.common.model_chunk_schedule_plan",
+                "megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
+
+
 def apply() -> None:
     """Idempotent. Call before building models or calling megatron-core schedules on the CPU."""
     global _applied
@@ -146,4 +180,7 @@ def apply() -> None:
     random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = utils.torch = token_dispatcher.torch = _CpuTorch()
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_as_numpy
+    for name in PLAN_MODULES:
+        importlib.import_module(name).torch = _CpuTorch()
+    torch.Tensor.record_stream = _record_stream
     _applied = True

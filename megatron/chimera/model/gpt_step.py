@@ -7,6 +7,8 @@ from functools import partial
 
 import torch
 
+from . import schedule_plan
+
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of token losses, the token count, and the report Megatron logs as 'lm loss'."""
@@ -17,14 +19,19 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch through one model chunk. Middle stages get no data: their input is the
-    previous stage's activation, set by the schedule through ``set_input_tensor``."""
+    previous stage's activation, set by the schedule through ``set_input_tensor``. With
+    ``return_schedule_plan`` (--overlap-moe-expert-parallel-comm, as in Megatron-LM's) the chunk is not
+    run: its schedule plan is returned in the output's place, which the executor runs in parts."""
     batch = next(data_iterator) if data_iterator is not None else None
     embeds = model.pre_process or model.mtp_process  # MTP embeds the next tokens
     tokens = batch["tokens"] if embeds else None
     position_ids = batch["position_ids"] if embeds else None
     labels = batch["labels"] if model.post_process else None
     loss_mask = batch["loss_mask"] if model.post_process else None
+    if return_schedule_plan:
+        return schedule_plan.build(model, tokens, position_ids, None, labels=labels, loss_mask=loss_mask), \
+            partial(loss_func, loss_mask)
     output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)  # MTP's loss reads the mask
     return output, partial(loss_func, loss_mask)

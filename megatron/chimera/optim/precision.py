@@ -176,10 +176,11 @@ class LossScaler:
 
 def scaled_loss(forward_step_func, scaler: LossScaler):
     """The loss each micro-batch's backward starts from, times the current loss scale; the logged
-    report stays unscaled. Works the same under our executor and megatron-core's schedules."""
+    report stays unscaled. Works the same under our executor and megatron-core's schedules, and for a
+    schedule plan in the output's place (``return_schedule_plan``, passed on)."""
 
-    def forward_step(data_iterator, model):
-        output, loss_func = forward_step_func(data_iterator, model)
+    def forward_step(data_iterator, model, **kwargs):
+        output, loss_func = forward_step_func(data_iterator, model, **kwargs)
 
         def loss_times_scale(output_tensor):
             loss, *rest = loss_func(output_tensor)

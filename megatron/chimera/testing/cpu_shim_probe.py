@@ -6,6 +6,7 @@ with every shim in place, which must all be null.
     python -m megatron.chimera.testing.cpu_shim_probe
 """
 import contextlib
+import importlib
 import inspect
 import json
 import sys
@@ -33,7 +34,9 @@ ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cu
             "get_state": random._get_cuda_rng_state, "set_state": random._set_cuda_rng_state,
             "schedules.torch": schedules.torch, "utils.torch": utils.torch,
             "token_dispatcher.torch": token_dispatcher.torch,
-            "maybe_move_tensor_to_cpu": token_dispatcher.maybe_move_tensor_to_cpu}
+            "maybe_move_tensor_to_cpu": token_dispatcher.maybe_move_tensor_to_cpu,
+            "record_stream": torch.Tensor.record_stream}
+PLAN_TORCH = {name: importlib.import_module(name).torch for name in cpu_compat.PLAN_MODULES}
 
 
 def gpt(position="learned_absolute", experts=None, **config):
@@ -70,6 +73,22 @@ def no_pipelining_schedule():
 
     schedules.forward_backward_no_pipelining(forward_step_func=step, data_iterator=iter([None] * 2), model=[model],
                                              num_microbatches=2, seq_length=16, micro_batch_size=1)
+
+
+def schedule_plan():
+    """--overlap-moe-expert-parallel-comm's way through a chunk: its schedule plan's forward, then backward."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+    model, tokens = gpt(), torch.randint(0, 64, (1, 16))
+    plan = model.build_schedule_plan(tokens, torch.arange(16)[None], torch.triu(torch.ones(1, 1, 16, 16), 1).bool(),
+                                     labels=tokens)
+    loss = TransformerModelChunkSchedulePlan.run(plan, None)
+    TransformerModelChunkSchedulePlan.run(None, plan, b_grad=torch.ones_like(loss))
+
+
+def plan_torch(proxy: bool):
+    for name, original in PLAN_TORCH.items():
+        importlib.import_module(name).torch = cpu_compat._CpuTorch() if proxy else original
 
 
 def fresh_tracker():
@@ -117,6 +136,9 @@ SHIMS = {  # name -> (undo, redo, what needs it)
     "dispatcher_split_sizes": (
         lambda: setattr(token_dispatcher, "maybe_move_tensor_to_cpu", ORIGINAL["maybe_move_tensor_to_cpu"]),
         lambda: setattr(token_dispatcher, "maybe_move_tensor_to_cpu", cpu_compat._split_sizes_as_numpy), split_sizes),
+    "schedule_plan_streams": (lambda: plan_torch(False), lambda: plan_torch(True), schedule_plan),
+    "record_stream": (lambda: setattr(torch.Tensor, "record_stream", ORIGINAL["record_stream"]),
+                      lambda: setattr(torch.Tensor, "record_stream", cpu_compat._record_stream), schedule_plan),
 }
 
 

@@ -15,10 +15,16 @@ import argparse
 import hashlib
 import json
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from chimera_schedules import Op
+from chimera_schedules.analysis.validator import validate
+from chimera_schedules.ir.actions import Overlapped
+from chimera_schedules.ir.errors import InvalidSchedule
+from chimera_schedules.passes.lowering import lower
 from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
@@ -152,6 +158,8 @@ OVERLAP = ["--overlap-grad-reduce"]  # Megatron-LM's: off by default, every redu
 
 
 EP2 = ["--expert-model-parallel-size", "2"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+MOE_OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -266,6 +274,13 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
         "deepseek-style chimera D=4": ("deepseek-style", chimera4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
     })
+    # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
+    # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
+    # the pass leaves unpaired at D=2, as EVERY_PAIR below: 1F1B split with its I passes paired)
+    d2 = schedule_cases(2)
+    out.update({f"mixtral overlap {name} EP=2": ("mixtral", d2[name] + EP2 + ALLTOALL + MOE_OVERLAP)
+                for name in ("1f1b D=2", "chimera direct D=2", "dualpipe D=2", "dualpipev D=2")})
+    out[EVERY_PAIR] = ("mixtral", d2["1f1b split D=2"] + EP2 + ALLTOALL + MOE_OVERLAP)
     # the MoE families; gpt-oss with an odd first stage, so that each stage's slice of its window pattern
     # (every other layer) matters
     odd = {"gpt-oss": ["--decoder-first-pipeline-num-layers", "3"]}
@@ -423,12 +438,48 @@ class HookRecorder(Hooks):
             self.actions == actions and self.posted == posted and self.kinds == kinds
 
 
-def run_case(flags: list[str], world: int, out: str):
+# The overlap pass keeps only the pairs that pay (passes/overlap.py), and at D=2 no forward sits next to
+# another micro-batch's I under Chimera split: this case fuses every adjacent independent pair of 1F1B
+# split instead, so that the executor's F&I (a forward beside an I, its W later) runs on a real model.
+EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
+
+
+def every_pair_fused(plan):
+    """``plan`` with each worker's adjacent forward and B-or-I of two micro-batches fused wherever the
+    schedule stays valid, whether or not the pair pays."""
+    schedule = plan.schedule
+    workers = [list(w) for w in schedule.workers]
+    for actions in workers:
+        i = 0
+        while i + 1 < len(actions):
+            pair = sorted(actions[i:i + 2], key=lambda a: a.op is not Op.FORWARD)
+            ops = tuple(a.op for a in pair)
+            if ops in ((Op.FORWARD, Op.BACKWARD), (Op.FORWARD, Op.BACKWARD_INPUT)) and pair[0].mb != pair[1].mb:
+                kept = actions[i:i + 2]
+                actions[i:i + 2] = [Overlapped(*pair)]
+                try:
+                    validate(replace(schedule, workers=tuple(map(tuple, workers))))
+                except InvalidSchedule:
+                    actions[i:i + 1] = kept
+            i += 1
+    fused = replace(schedule, workers=tuple(map(tuple, workers)))
+    return replace(plan, schedule=fused, lowered=lower(fused))
+
+
+def _overlapped(trainer) -> dict[str, int]:
+    """This rank's overlapped actions, by the op of their backward part."""
+    actions = trainer.plan.lowered.workers[trainer.rt.worker] if trainer.plan.lowered is not None else ()
+    pairs = [a.backward.op.value for a in actions if a.op is Op.OVERLAPPED]
+    return {op: pairs.count(op) for op in set(pairs)}
+
+
+def run_case(flags: list[str], world: int, out: str, pair_all: bool = False):
     # Megatron-LM's --data-cache-path: the first case builds the mock dataset's indices (4 million
     # samples, about a third of a small case's time), every later case and launch loads them
     args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
     hooks = HookRecorder()
-    trainer = Trainer(args, make_run_plan(args), forward_step, hooks)
+    plan = make_run_plan(args)
+    trainer = Trainer(args, every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     losses, kappas, consistent, trainer.moe_fields = [], [], True, []
     for i in range(ITERS):
@@ -457,7 +508,8 @@ def main() -> None:
     for name, (variant, flags) in cases(world).items():
         if options.only not in name:
             continue
-        trainer, losses, kappa, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world, out)
+        trainer, losses, kappa, consistent, untouched, eval_loss = run_case(VARIANTS[variant] + flags, world, out,
+                                                                           pair_all=name == EVERY_PAIR)
         weights = local_weights(trainer)
         if world == 1:
             torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()},
@@ -476,6 +528,7 @@ def main() -> None:
             "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
             "hooks_saw_everything": trainer.hooks_saw_everything, "holds_its_layout": trainer.holds_its_layout,
             "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
+            "overlapped": _overlapped(trainer),
             "reductions_before_flush": trainer.reductions_before_flush,
             "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
             "mtp_loss": trainer.moe_fields[-1].get("mtp_1 loss"),
