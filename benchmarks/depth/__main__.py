@@ -6,6 +6,7 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
     python -m benchmarks.depth --stages 8 --model llama3-8b --out FILE  # the fair comparison (FAIRNESS)
     python -m benchmarks.depth --stages 8 --model gpt2-1.3b --selection fair --out FILE
     python -m benchmarks.depth --stages 8 --model llama3-8b --selection full  # every runtime, schedule and N
+    python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE  # issue 35
 
 One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
 and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
@@ -60,6 +61,25 @@ launch): our executor's lowered lists under gloo's rules, the peers' compute ord
 ``pipeline_order``; megatron-core's are our 1f1b's and interleaved's) with each message a fixed
 delay.
 
+Forward and backward overlapped (``--a2a-fraction 0.25, 0.5 or 1.0``; a model with experts, DeepSeek-V3):
+each MoE layer spends that fraction of its forward compute in expert all-to-alls, in each forward, I and
+whole backward (benchmarks/depth/costs.py). The all-to-all is a timed wait on a communication thread
+(benchmarks/depth/moe.py), not a gloo all-to-all of the tokens, issued part by part at the executor's
+part boundaries: our executor runs every pass as a schedule plan (megatron-core's combined-1F1B
+protocol), one micro-batch at a time for a schedule without overlap, two at once for an overlapped
+F&B action of the registry's "... overlap" variants, whose all-to-all of one micro-batch then runs
+while the other computes. The selection: our executor's 1F1B, Chimera direct, Chimera split and
+DualPipe, each with overlap on and off, at N = 2D, the even layout and the profile's own stage time,
+2 rounds (``--schedules`` names the plain variants to keep). Rows gain ``overlap``, ``a2a_fraction``,
+``a2a_critical_ms`` (the all-to-all on the critical path without overlap: the simulator's makespan of
+the schedule without overlap at these costs minus its makespan with no all-to-all; an overlap row
+carries its control's), ``a2a_overlapped_share`` (of the all-to-all time the ranks recorded, the
+share inside a compute part of the other micro-batch: none without overlap) and, on the overlap rows,
+``hidden`` ((ms without overlap - ms with) / a2a_critical_ms) beside ``predicted_hidden`` (the same
+from the simulator's makespans). The acceptance run, about 5 minutes here (D=4 with one round: 154 s):
+
+    python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE
+
 Writes FILE (rows: model, runtime, schedule, layout_kind, layout, D, N, ms, ms_min, ms_max,
 predicted_ms, bubble, predicted_bubble, and more; the ratios and the targets), its tables (.md) and a
 plot (.png) beside it.
@@ -74,6 +94,7 @@ import subprocess
 import sys
 import time
 
+from chimera_schedules import Op
 from megatron.chimera.distributed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,6 +102,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEPTHS = (4, 8, 16)
 MEMORY_BOUND_DEPTH = 16  # here N = 4D does not fit: 16 ranks of N=64 cases ran out of this machine's 24 GB
 RUNTIMES = ("ours", "megatron-core", "torch")
+A2A_FRACTIONS = (0.25, 0.5, 1.0)
 
 
 def default_microbatches(depth: int) -> list[int]:
@@ -92,8 +114,24 @@ OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimer
         "dualpipe", "dualpipev", "gpipe", "1f1b split")
 
 
+# --a2a-fraction: these of our schedules, each with and without overlap
+A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera split", "dualpipe")
+
+
 def _selected(names, args) -> list[str]:
     return [name for name in names if args.schedules is None or name in args.schedules]
+
+
+def _ours(args) -> list[str]:
+    """Our variants to run: the selected ones; with --a2a-fraction each also with overlap, where the
+    registry has that variant."""
+    from chimera_schedules.registry import VARIANTS
+
+    from .runtimes import OVERLAP
+
+    if not args.a2a_fraction:
+        return _selected(OURS, args)
+    return [name for base in _selected(OURS, args) for name in (base, base + OVERLAP) if name in VARIANTS]
 
 
 def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
@@ -106,7 +144,7 @@ def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
 
     out = []
     if "ours" in args.runtimes:
-        for name in _selected(OURS, args):
+        for name in _ours(args):
             try:
                 out.append(("ours", name, runtimes.ours_schedule(setup, name, n)))
             except ConfigError as e:
@@ -195,22 +233,25 @@ def size_messages(setup) -> dict:
             "full_shape_ms": full, "full_shape": [SEQ, 1, HIDDEN]}
 
 
-def iteration(case) -> tuple[float, float]:
-    """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits)."""
+def iteration(case) -> tuple[float, float, float, float]:
+    """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits
+    (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
     import torch.distributed as dist
 
-    from . import stage
+    from . import moe, stage
 
     stage.SPANS.clear()
+    moe.PARTS.clear()
     dist.barrier()
     start = time.perf_counter()
     case.run()
     end = time.perf_counter()
-    return end - start, sum(e - s for _, s, e in stage.SPANS)
+    return end - start, sum(e - s for _, s, e in stage.SPANS), *moe.a2a_overlap()
 
 
 def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
-    """Per case, every measured iteration as (ms, bubble) over all ranks: ms is the slowest rank's. A
+    """Per case, every measured iteration as (ms, bubble, a2a_overlapped_share) over all ranks: ms is
+    the slowest rank's, the share None without all-to-all. A
     case runs one untimed iteration first whenever it is new (torch infers shapes and allocates its
     buffers, gloo connects pairs): once, or every round for a case released after each round."""
     import gc
@@ -234,13 +275,15 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
     return samples
 
 
-def _timed(case, world: int) -> tuple[float, float]:
+def _timed(case, world: int) -> tuple[float, float, float | None]:
     import torch.distributed as dist
 
     every = [None] * world
     dist.all_gather_object(every, iteration(case))
-    ms = max(t for t, _ in every) * 1e3
-    return ms, 1 - sum(b for _, b in every) * 1e3 / (world * ms)
+    ms = max(t for t, *_ in every) * 1e3
+    a2a = sum(a for *_, a, _ in every)
+    share = sum(inside for *_, inside in every) / a2a if a2a else None
+    return ms, 1 - sum(b for _, b, *_ in every) * 1e3 / (world * ms), share
 
 
 def row(setup, case, samples) -> dict:
@@ -249,18 +292,54 @@ def row(setup, case, samples) -> dict:
     planner's memory of its largest worker, which the emulated device does not hold)."""
     from .costs import predict
 
-    ms = [m for m, _ in samples]
+    ms = [m for m, *_ in samples]
     median = statistics.median(ms)
-    bubble = statistics.median(b for _, b in samples)
+    bubble = statistics.median(b for _, b, _ in samples)
     chosen = case.chosen
     model = setup.costs(case.schedule.virtual_stages, chosen.layout, case.first_input_in_weight)
     pred = predict(case.schedule, model, case.lowered)
     layout = {"layout": str(chosen.layout), "layout_kind": chosen.kind,
               "layout_memory_gib": None if chosen.memory is None else chosen.memory / 2 ** 30,
               "layout_fits": chosen.fits, **({"megatron_flags": chosen.flags} if chosen.kind == "megatron" else {})}
-    return {"model": setup.model, "runtime": case.runtime, "schedule": case.schedule_name, "D": setup.depth,
-            "N": case.microbatches, **layout, "ms": median, "ms_min": min(ms), "ms_max": max(ms), "samples_ms": ms,
-            **pred, "bubble": bubble, "measured_over_predicted": median / pred["predicted_ms"]}
+    out = {"model": setup.model, "runtime": case.runtime, "schedule": case.schedule_name, "D": setup.depth,
+           "N": case.microbatches, **layout, "ms": median, "ms_min": min(ms), "ms_max": max(ms), "samples_ms": ms,
+           **pred, "bubble": bubble, "measured_over_predicted": median / pred["predicted_ms"]}
+    if setup.a2a_fraction:
+        shares = [a for *_, a in samples if a is not None]
+        pairs = sum(1 for actions in case.schedule.workers for a in actions if a.op is Op.OVERLAPPED)
+        out.update(overlap=case.overlap, a2a_fraction=setup.a2a_fraction, overlapped_actions=pairs,
+                   a2a_overlapped_share=statistics.median(shares) if shares else 0.0)
+    return out
+
+
+def add_a2a_critical(setup, cases, rows: list[dict]) -> None:
+    """Each row's a2a_critical_ms: its control's (the same variant without overlap, same N and layout),
+    from the simulator (costs.a2a_critical_ms)."""
+    from .costs import a2a_critical_ms
+    from .runtimes import without_overlap
+
+    critical = {}
+    for case in (c for c in cases if not c.overlap):
+        model = setup.costs(case.schedule.virtual_stages, case.chosen.layout)
+        critical[(case.schedule_name, case.microbatches, case.chosen.kind)] = a2a_critical_ms(case.schedule, model)
+    for case, r in zip(cases, rows):
+        r["a2a_critical_ms"] = critical.get((without_overlap(case.schedule_name), case.microbatches,
+                                             case.chosen.kind))
+
+
+def overlap_timeline(setup) -> str:
+    """One overlapped F&B action drawn (parts.ascii_timeline): a middle stage of the even split, one
+    micro-batch's forward beside another's whole backward; its first two layer pairs, the rest repeat
+    them (a part is too short to label at the whole action's scale)."""
+    from chimera_schedules.ir import parts
+
+    from .moe import stage_parts
+
+    t = setup.times(1)[setup.depth // 2]
+    order = parts.interleave(stage_parts(t, "F", t.forward), stage_parts(t, "B", t.input + t.weight))
+    return (f"stage {setup.depth // 2} of {setup.depth}: {t.moe_layers} MoE layers, forward {t.forward * 1e3:.1f} ms, "
+            f"backward {(t.input + t.weight) * 1e3:.1f} ms, all-to-all {t.a2a * 1e3:.1f} ms per pass, overlapped "
+            f"{parts.span(order) * 1e3:.1f} ms; its first two layer pairs\n" + parts.ascii_timeline(order[:16], 110))
 
 
 def worker(args) -> None:
@@ -278,7 +357,7 @@ def worker(args) -> None:
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
     profile = Profile.load(args.profile)
-    setup = runtimes.Setup(d, forward_ms(args, profile, d), args.model, profile)
+    setup = runtimes.Setup(d, forward_ms(args, profile, d), args.model, profile, a2a_fraction=args.a2a_fraction or 0.0)
     message = size_messages(setup)
     microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, args, microbatches)
@@ -288,6 +367,9 @@ def worker(args) -> None:
         doc = {"D": d, "model": args.model, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
                ROOT)}, "forward_ms": setup.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
                "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters, "skipped": skipped, "rows": rows}
+        if setup.a2a_fraction:
+            add_a2a_critical(setup, cases, rows)
+            doc.update(a2a_fraction=setup.a2a_fraction, overlap_timeline=overlap_timeline(setup))
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     dist.barrier()
@@ -306,20 +388,22 @@ def forward_ms(args, profile, depth: int) -> float:
 
     if args.forward_ms:
         return args.forward_ms
-    return round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1) if args.fairness else 20.0
+    own = args.selection != "full"
+    return round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1) if own else 20.0
 
 
 def launch(depth: int, args, out: str) -> dict:
     """One torchrun of ``depth`` processes; its JSON."""
     port = str(free_port())
-    microbatches = args.microbatches or ([depth, 2 * depth] if args.fairness else None)
+    microbatches = args.microbatches or {"fair": [depth, 2 * depth], "a2a": [2 * depth]}.get(args.selection)
     extra = ["--microbatches", *map(str, microbatches)] if microbatches else []
     extra += ["--schedules", *args.schedules] if args.schedules else []
     extra += ["--forward-ms", str(args.forward_ms)] if args.forward_ms else []
+    extra += ["--a2a-fraction", str(args.a2a_fraction)] if args.a2a_fraction else ["--selection", args.selection]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
-           "--layouts", *args.layouts, "--runtimes", *args.runtimes, "--selection", args.selection, *extra]
+           "--layouts", *args.layouts, "--runtimes", *args.runtimes, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode:
@@ -332,16 +416,24 @@ def launch(depth: int, args, out: str) -> dict:
 # each at its three layouts, at N = D and 2D
 FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
                                                                   "chimera best"], "rounds": 2}
+# --a2a-fraction: our schedules with overlap and without, at the even layout and N = 2D (launch)
+A2A = {"runtimes": ["ours"], "schedules": list(A2A_SCHEDULES), "rounds": 2, "layouts": ["even"]}
+FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 
 
 def _selection(args) -> None:
-    """Fill in what was not given: FAIRNESS, or everything (GPT-2's historical run)."""
+    """Fill in what was not given: A2A with --a2a-fraction, else FAIRNESS, or everything (GPT-2's
+    historical run); every layout kind but with --a2a-fraction."""
+    from .layouts import KINDS
+
+    if args.a2a_fraction:
+        args.selection = "a2a"
     args.selection = args.selection or ("full" if args.model == "gpt2-1.3b" else "fair")
-    args.fairness = args.selection == "fair"
-    defaults = FAIRNESS if args.fairness else {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
+    defaults = {"fair": FAIRNESS, "a2a": A2A, "full": FULL}[args.selection]
     for option, value in defaults.items():
         if getattr(args, option) is None:
             setattr(args, option, value)
+    args.layouts = args.layouts or list(KINDS)
 
 
 def arguments() -> argparse.Namespace:
@@ -359,7 +451,8 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--model", choices=list(MODELS), default="gpt2-1.3b", help="whose stage times the stages wait")
     p.add_argument("--profile", help="hardware profile JSON (default: Piz Daint's P100 for gpt2-1.3b, "
                    "profiles/h100-datasheet.json for the others)")
-    p.add_argument("--layouts", nargs="+", choices=KINDS, default=list(KINDS), help="layout kinds to run at")
+    p.add_argument("--layouts", nargs="+", choices=KINDS, help="layout kinds to run at (default: all; even with "
+                   "--a2a-fraction)")
     p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, help=f"default: {', '.join(RUNTIMES)}")
     names = list(dict.fromkeys([*OURS, *MEGATRON, *(name for name, _, _ in TORCH.values())]))
     p.add_argument("--schedules", nargs="+", choices=names, metavar="NAME",
@@ -373,10 +466,18 @@ def arguments() -> argparse.Namespace:
                         "at the profile's own stage time (the default for llama3-8b and deepseek-v3: about 6 and 12 "
                         "minutes at D=8); full: every runtime and schedule at N = D, 2D and 4D, 3 rounds, at 20 ms "
                         "(the default for gpt2-1.3b, the results before models)")
+    p.add_argument("--a2a-fraction", type=float, choices=A2A_FRACTIONS,
+                   help="MoE layers spend this fraction of their forward compute in all-to-alls; runs our 1f1b, "
+                        "chimera direct, chimera split and dualpipe with overlap on and off at N = 2D, the even "
+                        "layout, 2 rounds (a model with experts: deepseek-v3)")
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.a2a_fraction and (args.selection or MODELS[args.model].experts is None):
+        p.error("--a2a-fraction: a model with experts (deepseek-v3), without --selection")
+    if args.a2a_fraction and set(args.runtimes or ["ours"]) != {"ours"}:
+        p.error("--a2a-fraction runs our executor only")
     _selection(args)
     args.profile = os.path.abspath(args.profile or default_profile(args.model))
     if not os.path.exists(args.profile):

@@ -5,7 +5,10 @@ Every row names its model and its layout kind (rows written before the benchmark
 ``overheads``, ``targets``) still compare the even layout's rows, so that their keys mean what they
 meant. Those of issue 32, "measured at depth, fairly" (``layout_wins``, ``fair_ratios``,
 ``fairness_targets``), compare layouts: each schedule at its balanced layout against its even and
-Megatron-LM's best, Chimera at its balanced layout against megatron-core's 1F1B at its best.
+Megatron-LM's best, Chimera at its balanced layout against megatron-core's 1F1B at its best. Those of
+issue 35, forward and backward overlapped (``--a2a-fraction``: ``hidden_fractions``, ``overlap_table``,
+``overlap_ratios``, ``overlap_targets``), compare each of our schedules with overlap against the same
+schedule without; a document of such rows has those targets only.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ TARGET_FAIR = 1.15  # the best Chimera without a split backward, balanced, over 
 FAIR_DEPTH = 8  # where issue 32's targets are measured
 KINDS = ("even", "megatron", "balanced")  # layouts.KINDS, the order tables and panels follow
 CHIMERA = ("chimera direct", "chimera doubling", "chimera best")  # the Chimera variants without a split backward
+OVERLAP = " overlap"  # runtimes.OVERLAP: an overlap variant's name is its control's and this
+HIDDEN_DUALPIPE = 0.7  # DualPipe's hidden share of its critical all-to-all at D=8, N=2D, a2a 50%
+HIDDEN_SLACK = 0.05  # the best Chimera's hidden share may fall this far below the simulator's
+TOLERANCE_OVERLAP = 0.05  # the overlap rows' measured makespan against the simulator's
+OVERLAP_CASE = (8, 16, 0.5)  # D, N and a2a fraction of issue 35's targets
 
 
 def kind(r: dict) -> str:
@@ -156,6 +164,9 @@ def document(per_depth: list[dict], command: str) -> dict:
     ratio_rows, overhead_rows = ratios(even), overheads(even)
     wins, fair = layout_wins(rows), fair_ratios(rows)
     first = per_depth[0]
+    if "a2a_fraction" in first:
+        return {**_overlap_document(per_depth, command, rows), "ratios": ratio_rows, "overheads": overhead_rows,
+                "layout_wins": wins, "fair_ratios": fair}
     return {"command": command, "date": str(date.today()),
             "machine": f"{platform.machine()}, {socket.gethostname()}", "model": first.get("model", "gpt2-1.3b"),
             "profile": first.get("profile"), "layouts": first.get("layouts", ["even"]),
@@ -167,10 +178,105 @@ def document(per_depth: list[dict], command: str) -> dict:
             "targets": {**targets(even, ratio_rows, overhead_rows), **fairness_targets(rows, wins, fair)}}
 
 
+def _overlap_document(per_depth: list[dict], command: str, rows: list[dict]) -> dict:
+    """An --a2a-fraction document: the launches' rows with their hidden fractions, the overlap table,
+    ratios and targets, and each depth's drawn overlapped action."""
+    first = per_depth[0]
+    hidden_fractions(rows)
+    table_rows, ratio_rows = overlap_table(rows), overlap_ratios(rows)
+    return {"command": command, "date": str(date.today()), "machine": f"{platform.machine()}, {socket.gethostname()}",
+            "model": first["model"], "profile": first["profile"], "layouts": first["layouts"],
+            "forward_ms": first["forward_ms"], "rounds": first["rounds"], "iters": first["iters"],
+            "a2a_fraction": first["a2a_fraction"], "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "message": {str(doc["D"]): doc["message"] for doc in per_depth},
+            "overlap_timeline": {str(doc["D"]): doc["overlap_timeline"] for doc in per_depth},
+            "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "overlap": table_rows,
+            "overlap_ratios": ratio_rows, "targets": overlap_targets(table_rows)}
+
+
+def _control_key(r: dict) -> tuple:
+    """What a row and its control share: runtime, schedule without overlap, model, D, N and layout."""
+    return r["runtime"], r["schedule"].removesuffix(OVERLAP), model(r), r["D"], r["N"], kind(r)
+
+
+def _pairs(rows: list[dict]):
+    """(control, overlap row) of each overlap row that has its control."""
+    off = {_control_key(r): r for r in rows if not r.get("overlap")}
+    for r in rows:
+        if r.get("overlap") and _control_key(r) in off:
+            yield off[_control_key(r)], r
+
+
+def hidden_fractions(rows: list[dict]) -> None:
+    """On each overlap row, the share of its control's critical all-to-all (``a2a_critical_ms``) that
+    overlap hides, measured (``hidden``) and simulated (``predicted_hidden``)."""
+    for off, on in _pairs(rows):
+        critical = on["a2a_critical_ms"]
+        on["hidden"] = (off["ms"] - on["ms"]) / critical if critical else None
+        on["predicted_hidden"] = (off["predicted_ms"] - on["predicted_ms"]) / critical if critical else None
+
+
+def overlap_table(rows: list[dict]) -> list[dict]:
+    """Per schedule, D and N: its control's and its overlap row's times, hidden fractions, accuracy and
+    how much all-to-all ran inside the other micro-batch's compute."""
+    return [{"a2a_fraction": on["a2a_fraction"], "schedule": off["schedule"], "D": on["D"], "N": on["N"],
+             "off_ms": off["ms"], "on_ms": on["ms"], "a2a_critical_ms": on["a2a_critical_ms"], "hidden": on["hidden"],
+             "predicted_hidden": on["predicted_hidden"], "off_over_predicted": off["measured_over_predicted"],
+             "on_over_predicted": on["measured_over_predicted"], "off_share": off["a2a_overlapped_share"],
+             "on_share": on["a2a_overlapped_share"], "pairs": on.get("overlapped_actions")} for off, on in _pairs(rows)]
+
+
+def overlap_ratios(rows: list[dict]) -> list[dict]:
+    """Per D and N, the best (fastest) Chimera variant with overlap against our 1F1B and DualPipe with
+    overlap: the other's ms over Chimera's, per round too."""
+    out = []
+    for d, n in dict.fromkeys((r["D"], r["N"]) for r in rows if r.get("overlap")):
+        here = {r["schedule"]: r for r in rows if r.get("overlap") and (r["D"], r["N"]) == (d, n)}
+        chimera = [r for name, r in here.items() if name.startswith("chimera")]
+        if not chimera:
+            continue
+        best = min(chimera, key=lambda r: r["ms"])
+        for other in (here[name + OVERLAP] for name in ("1f1b", "dualpipe") if name + OVERLAP in here):
+            out.append({"ratio": f"{best['schedule']} / {other['schedule']}", "D": d, "N": n,
+                        "value": other["ms"] / best["ms"], "per_round": _per_round(best, other)})
+    return out
+
+
+def overlap_targets(table_rows: list[dict]) -> dict:
+    """Issue 35's targets at D=8, N=16, all-to-all at 50% of a MoE layer's compute: what holds, and the
+    rows (of ``overlap_table``) that measured it. The best Chimera variant is the fastest with overlap."""
+    d, n, fraction = OVERLAP_CASE
+    at = {t["schedule"]: t for t in table_rows if (t["D"], t["N"], t["a2a_fraction"]) == OVERLAP_CASE}
+    dual = at.get("dualpipe")
+    best = min((t for name, t in at.items() if name.startswith("chimera")), key=lambda t: t["on_ms"], default=None)
+    off = [f"{t['schedule']} overlap: {t['on_over_predicted']:.3f}" for t in at.values()
+           if abs(t["on_over_predicted"] - 1) > TOLERANCE_OVERLAP]
+    shares = [f"{t['schedule']}: {t['off_share']:.2f} without, {t['on_share']:.2f} with" for t in at.values()
+              if t["off_share"] > 0 or (t["on_share"] <= 0 and t["pairs"] != 0)]  # no pair paid: nothing to hide
+    case = f"D={d} N={n}, all-to-all {fraction:.0%} of a MoE layer's compute"
+    return {
+        f"dualpipe overlap hides >= {HIDDEN_DUALPIPE:.0%} of its critical all-to-all, {case}": {
+            "met": dual is not None and dual["hidden"] >= HIDDEN_DUALPIPE, "value": dual and dual["hidden"],
+            "note": dual and f"hidden {dual['hidden']:.3f} (predicted {dual['predicted_hidden']:.3f})",
+            "rows": [dual] if dual else []},
+        f"best chimera overlap hides >= its predicted share - {HIDDEN_SLACK}, {case}": {
+            "met": best is not None and best["hidden"] >= best["predicted_hidden"] - HIDDEN_SLACK,
+            "value": best and best["hidden"],
+            "note": best and (f"{best['schedule']}: hidden {best['hidden']:.3f}, predicted "
+                              f"{best['predicted_hidden']:.3f}" + (f"; dualpipe {dual['hidden']:.3f}" if dual else "")),
+            "rows": [best] if best else []},
+        f"overlap rows within {TOLERANCE_OVERLAP:.0%} of the simulator, {case}": {
+            "met": bool(at) and not off, "misses": off, "rows": list(at.values())},
+        f"all-to-all inside the other micro-batch's compute with overlap, never without, {case}": {
+            "met": bool(at) and not shares, "misses": shares, "rows": list(at.values())}}
+
+
 def _note(t: dict) -> str:
     """A target's misses, or its value and the layouts it was measured at; or that no row measured it."""
     if not t["met"] and not t.get("misses") and t.get("value") is None:
         return "not measured"
+    if t.get("note"):
+        return t["note"]
     if t.get("misses"):
         return "; ".join(t["misses"])
     value = f"{t['value']:.3f}x" if t.get("value") is not None else ""
@@ -191,9 +297,20 @@ def table(doc: dict) -> str:
     for f in doc.get("fair_ratios", []):
         lines.append(f"{f['chimera']} (balanced) / megatron-core 1f1b ({f['megatron_kind']}) D={f['D']} N={f['N']}: "
                      f"{f['value']:.3f}x ({min(f['per_round']):.3f}-{max(f['per_round']):.3f})")
+    for t in doc.get("overlap", []):
+        lines.append(f"{t['schedule']} D={t['D']} N={t['N']} a2a {t['a2a_fraction']:g}: {t['off_ms']:.0f} ms without "
+                     f"overlap, {t['on_ms']:.0f} with; hidden {_fraction(t['hidden'])} (predicted "
+                     f"{_fraction(t['predicted_hidden'])}) of {t['a2a_critical_ms']:.0f} ms")
+    for r in doc.get("overlap_ratios", []):
+        lines.append(f"{r['ratio']} D={r['D']} N={r['N']}: {r['value']:.3f}x "
+                     f"({min(r['per_round']):.3f}-{max(r['per_round']):.3f})")
     for name, t in doc["targets"].items():
         lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {_note(t)}")
     return "\n".join(lines)
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _layout_cell(r: dict) -> str:
@@ -249,6 +366,30 @@ def _comparisons(doc: dict) -> list[str]:
     return out + [""]
 
 
+def _overlap_section(doc: dict) -> list[str]:
+    """Issue 35's tables: each schedule without and with overlap, the best Chimera against our 1F1B and
+    DualPipe with overlap, and one overlapped action drawn per depth (none without --a2a-fraction)."""
+    if "overlap" not in doc:
+        return []
+    out = ["| a2a fraction | schedule | D | N | F&B actions | ms without overlap | ms with overlap | a2a critical ms | "
+           "hidden | predicted hidden | measured / predicted (without, with) | a2a inside the other's compute "
+           "(without, with) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in doc["overlap"]:
+        out.append(f"| {t['a2a_fraction']:g} | {t['schedule']} | {t['D']} | {t['N']} | {t.get('pairs', '-')} | "
+                   f"{t['off_ms']:.0f} | "
+                   f"{t['on_ms']:.0f} | {t['a2a_critical_ms']:.0f} | {_fraction(t['hidden'])} | "
+                   f"{_fraction(t['predicted_hidden'])} | {t['off_over_predicted']:.3f}, {t['on_over_predicted']:.3f} "
+                   f"| {t['off_share']:.2f}, {t['on_share']:.2f} |")
+    out += ["", "| with overlap | D | N | measured (per round) |", "|---|---|---|---|"]
+    for r in doc["overlap_ratios"]:
+        out.append(f"| {r['ratio']} | {r['D']} | {r['N']} | {r['value']:.3f}x ({min(r['per_round']):.3f}-"
+                   f"{max(r['per_round']):.3f}) |")
+    for d, drawn in doc["overlap_timeline"].items():
+        out += ["", f"One overlapped F&B action at D={d} (`chimera_schedules/ir/parts.py`), {drawn.splitlines()[0]}:",
+                "", "```", *drawn.splitlines()[1:], "```"]
+    return out + [""]
+
+
 def markdown(doc: dict) -> str:
     """Every row as a table per model, depth and layout kind; then the layouts compared, the ratios and
     the targets (the README quotes them)."""
@@ -256,7 +397,7 @@ def markdown(doc: dict) -> str:
     for m in dict.fromkeys(model(r) for r in doc["rows"]):
         for d in sorted({r["D"] for r in doc["rows"] if model(r) == m}):
             out += _depth_tables(doc, m, d)
-    out += _comparisons(doc)
+    out += _comparisons(doc) + _overlap_section(doc)
     out += ["| ratio (even layouts) | D | N | measured (per round) | memory, busiest rank |", "|---|---|---|---|---|"]
     for r in doc["ratios"]:
         out.append(f"| {r['ratio']} | {r['D']} | {r['N']} | {r['value']:.3f}x ({min(r['per_round']):.3f}-"
@@ -276,6 +417,9 @@ def plot(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "overlap" in doc:
+        _overlap_plot(plt, doc, path)
+        return
     depths = sorted({r["D"] for r in doc["rows"]})
     kinds = [k for k in KINDS if any(kind(r) == k for r in doc["rows"])]
     fig, axes = plt.subplots(len(depths), len(kinds) + 1, figsize=(8 * len(kinds) + 6, 7 * len(depths)),
@@ -338,3 +482,26 @@ def _accuracy_panel(ax, rows: list[dict], d: int) -> None:
     ax.set_ylabel("measured: ms per iteration")
     ax.set_title(f"D={d}: measured against predicted")
     ax.legend(fontsize=8)
+
+
+def _overlap_plot(plt, doc: dict, path: str) -> None:
+    """Per depth and N, each schedule's ms without and with overlap (bars), the simulator's (ticks)."""
+    groups = list(dict.fromkeys((t["D"], t["N"]) for t in doc["overlap"]))
+    fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(9 * max(len(groups), 1), 5), squeeze=False)
+    rows = {(r["schedule"], r["D"], r["N"]): r for r in doc["rows"]}
+    for ax, (d, n) in zip(axes[0], groups):
+        names = [t["schedule"] for t in doc["overlap"] if (t["D"], t["N"]) == (d, n)]
+        for k, suffix in enumerate(("", OVERLAP)):
+            here = [rows[(name + suffix, d, n)] for name in names]
+            xs = [i + (k - 0.5) * 0.4 for i in range(len(names))]
+            ax.bar(xs, [r["ms"] for r in here], 0.4, color=f"C{k}", label="with overlap" if k else "without")
+            ax.scatter(xs, [r["predicted_ms"] for r in here], marker="_", s=300, color="black",
+                       label="simulator" if k else None)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_ylabel("ms per iteration")
+        ax.set_title(f"D={d}, N={n}, all-to-all {doc['a2a_fraction']:g} of a MoE layer's compute")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"emulated device: {doc['model']} stages, expert all-to-all on a communication thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

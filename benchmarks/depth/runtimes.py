@@ -6,6 +6,10 @@ is one iteration on this rank. Its ``schedule`` is what the simulator replays fo
 
 Every message is an activation of ``Setup.seq`` rows of the hidden size (GPT-2 1.3B's 1280) in bf16:
 the rows are what sizes a message to cost what the profile's interconnect says (``__main__``).
+
+With ``Setup.a2a_fraction`` (``--a2a-fraction``) our executor's stages are MoE stages
+(benchmarks/depth/moe.py) run as schedule plans, overlap on (the registry's "... overlap" variants)
+and off alike, so the off control runs the very same parts one micro-batch at a time.
 """
 from __future__ import annotations
 
@@ -27,10 +31,17 @@ from chimera_schedules.tools.planner import MODELS, Profile
 
 from .costs import cost_model, from_torch, stage_times
 from .layouts import Chosen, even
+from .moe import MoEStage
 from .stage import EmulatedStage, forward_step, loss
 
 SEQ, HIDDEN, LAYERS, HEADS = 632, 1280, 64, 20  # GPT-2 1.3B, micro-batch 1: the messages' default shape
 DTYPE = torch.bfloat16
+OVERLAP = " overlap"  # the registry's variants that overlap forward and backward: the plain name and this
+
+
+def without_overlap(name: str) -> str:
+    """The variant an overlap variant overlaps (the name itself for one that does not)."""
+    return name.removesuffix(OVERLAP)
 
 
 @dataclass
@@ -45,6 +56,10 @@ class Case:
     first_input_in_weight: bool = False  # costs.cost_model's option
     release: Callable[[], bool] = lambda: False  # drop what the case holds between rounds; True if it did
 
+    @property
+    def overlap(self) -> bool:
+        return self.schedule_name.endswith(OVERLAP)
+
 
 @dataclass
 class Setup:
@@ -58,6 +73,7 @@ class Setup:
     p2p_ms: float = 0.0
     timeout: timedelta = timedelta(minutes=5)
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
+    a2a_fraction: float = 0.0  # of a MoE layer's forward compute, its all-to-all (0: none, no MoE stages)
 
     @property
     def shape(self):
@@ -65,7 +81,8 @@ class Setup:
 
     def times(self, virtual_stages: int, held=None):
         """Per model stage, its times under layout ``held`` (the even split by default)."""
-        return stage_times(self.shape, self.depth, virtual_stages, self.forward_ms, self.profile, held)
+        return stage_times(self.shape, self.depth, virtual_stages, self.forward_ms, self.profile, held,
+                           self.a2a_fraction)
 
     def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False):
         return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight)
@@ -137,14 +154,14 @@ def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen) ->
     lowered, worker = lower(schedule), dist.get_rank()
     times, scale = setup.times(schedule.virtual_stages, chosen.layout), schedule.microbatch_scale
     held = lowered.held(worker)
-    config = setup.config()
-    chunks = [EmulatedStage(times[s].scaled(scale), config, first=s == 0) for _, s in held]
+    config, moe = setup.config(), bool(setup.a2a_fraction)
+    chunks = [(MoEStage if moe else EmulatedStage)(times[s].scaled(scale), config, first=s == 0) for _, s in held]
     groups = {name: setup.groups[name] for name in P2P_GROUPS}
     groups.update({stage_group(s): setup.group([row[s] for row in schedule.placement])
                    for s in range(schedule.stages_per_pipeline)})
     transport = Transport(worker, list(range(setup.depth)), groups, torch.device("cpu"), DTYPE,
                           TorchP2P(setup.timeout))
-    step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))))
+    step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))), schedule_plans=moe)
     seq = max(1, round(setup.seq * scale))  # a half-size micro-batch of one sample: half the sequence
     data = sample((seq, 1, HIDDEN))
 

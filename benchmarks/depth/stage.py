@@ -25,13 +25,18 @@ SPANS: list[tuple[str, float, float]] = []  # (pass, start, end) of every wait t
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Seconds of one micro-batch's forward, input-gradient and weight-gradient pass in one model stage."""
+    """Seconds of one micro-batch's forward, input-gradient and weight-gradient pass in one model stage;
+    with mixture-of-experts layers (``--a2a-fraction``, benchmarks/depth/moe.py), ``a2a`` seconds of
+    all-to-all in each forward, I and whole backward, spread over its ``moe_layers``."""
     forward: float
     input: float
     weight: float
+    a2a: float = 0.0
+    moe_layers: int = 0
 
     def scaled(self, factor: float) -> StageTimes:
-        return StageTimes(self.forward * factor, self.input * factor, self.weight * factor)
+        return StageTimes(self.forward * factor, self.input * factor, self.weight * factor, self.a2a * factor,
+                          self.moe_layers)
 
 
 class Device:
@@ -160,13 +165,22 @@ def loss(output: torch.Tensor, _target=None) -> torch.Tensor:
     return _Loss.apply(output, output.grad_fn.device)
 
 
-def forward_step(data_iterator, model: EmulatedStage):
+def forward_step(data_iterator, model: EmulatedStage, return_schedule_plan: bool = False):
     """megatron-core's forward_step_func convention, for its schedules and our executor: a first stage
-    reads its sample, a later one the input the schedule set."""
+    reads its sample, a later one the input the schedule set. Asked for a schedule plan (our executor
+    with ``schedule_plans``: a MoE stage, benchmarks/depth/moe.py), the plan of the micro-batch's pass
+    instead of its output; its loss then reads a detached output, outside any stage's time."""
     x = next(data_iterator) if model.embedding is not None else model.input_tensor
+    if return_schedule_plan:
+        return model.schedule_plan(x), _plain_loss_report
     return model(x), _loss_report
 
 
 def _loss_report(output: torch.Tensor):
     value = loss(output)
+    return value, {"loss": value.detach()}
+
+
+def _plain_loss_report(output: torch.Tensor):
+    value = output.reshape(-1)[0].float()
     return value, {"loss": value.detach()}

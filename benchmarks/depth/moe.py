@@ -1,0 +1,219 @@
+"""An emulated mixture-of-experts stage: its forward and backward run as megatron-core's combined-1F1B
+schedule plan, part by part, so that our executor can overlap one micro-batch's all-to-all with
+another's compute (``--a2a-fraction``).
+
+Each pass is the parts of chimera_schedules/ir/parts.py at the stage's own times (``stage_parts``, the
+numbers the simulator prices): per MoE layer attention and experts (compute), dispatch and combine
+(the all-to-all). The all-to-all is a timed wait on a communication thread, not a gloo all-to-all of
+the tokens: this machine's two cores would make a real one cost what they are busy with, not what the
+profile's interconnect says. Compute parts are timed waits on the calling thread (the stream the
+executor drives), all-to-all parts timed waits on one communication thread per process (a queue
+worker). Each part starts when its stream is free and the previous part of its own micro-batch has
+ended, ``parts.timeline``'s rule in real time: a part's start is the later of those two recorded ends,
+its end the moment its wait returns, so a late wake-up delays what follows, and a thread's hand-off
+costs nothing as long as the part outlasts it. The executor gives the parts their order: a plan run
+alone is its pass's parts one after another, two plans run together (an overlapped F&B action) are
+``parts.interleave`` of both.
+
+Every compute part is recorded in ``stage.SPANS`` (the bubble counts them) and every part in ``PARTS``,
+from which ``a2a_overlap`` measures how much all-to-all ran inside the other micro-batch's compute.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+from chimera_schedules.ir import parts
+
+from . import stage
+from .stage import EmulatedStage, StageTimes
+
+ATTENTION_SHARE = 0.5  # of a layer's compute, its attention part (the rest its experts): the simulator's too
+PARTS: list[tuple[int, str, str, float, float]] = []  # (run, "F" or "B", stream, start, end) of every part
+_RUNS = itertools.count()
+_PR_SET_TIMERSLACK = 29
+
+
+def _precise_timers() -> None:
+    """Linux lets a sleeping thread wake up to 50 us late by default; a pass here is dozens of waits
+    (four parts per layer), and each one's lateness delays the next, so this thread's slack is set to
+    1 ns (about 40 us late instead of 90 here)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
+def stage_parts(times: StageTimes, role: str, compute: float) -> list[parts.Part]:
+    """A pass's parts through a stage: ``role`` "F" (forward) or "B" (a backward or an I) computing for
+    ``compute`` seconds. A stage without MoE layers (DeepSeek-V3's first, dense ones) is one layer whose
+    all-to-alls take no time."""
+    make = parts.forward_parts if role == "F" else parts.backward_parts
+    return make(compute, times.a2a, max(1, times.moe_layers), ATTENTION_SHARE)
+
+
+class _Job:
+    """One part issued in one run: it may start once ``after`` (its micro-batch's previous part) ended."""
+
+    def __init__(self, part: parts.Part, after: _Job | None, ready: float, run: int, label: str):
+        self.part, self.after, self.ready, self.run, self.label = part, after, ready, run, label
+        self.end, self.done = 0.0, threading.Event()
+
+    def execute(self, stream_free: float) -> float:
+        """Waits for its micro-batch's previous part, then is busy for its time after the later of that
+        part's end and its stream's; records itself and returns its end."""
+        if self.after is not None:
+            self.after.done.wait()
+        start = max(stream_free, self.after.end if self.after is not None else self.ready)
+        deadline = start + self.part.time
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)
+        self.end = time.perf_counter()
+        if self.part.stream == parts.COMPUTE:
+            stage.SPANS.append((self.label, start, self.end))
+        PARTS.append((self.run, self.part.role, self.part.stream, start, self.end))
+        self.done.set()
+        return self.end
+
+
+class _CommStream:
+    """The process's communication thread: runs the all-to-all parts in the order they are issued."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.free = 0.0
+        threading.Thread(target=self._serve, name="emulated-a2a", daemon=True).start()
+
+    def _serve(self) -> None:
+        _precise_timers()
+        while True:
+            job = self.jobs.get()
+            self.free = job.execute(self.free)
+
+
+_COMM: list[_CommStream] = []  # started at the first run
+
+
+def issue(order: list[parts.Part], labels: dict[str, str]) -> None:
+    """Runs the parts of one plan run in ``order`` (compute here, all-to-all on the communication
+    thread) and returns when all have ended. ``labels``: the pass each role's compute is recorded as
+    in ``stage.SPANS`` (F, B or I)."""
+    if not _COMM:
+        _precise_timers()
+        _COMM.append(_CommStream())
+    run = next(_RUNS)
+    base = compute_free = time.perf_counter()
+    last: dict[str, _Job | None] = {"F": None, "B": None}
+    for part in order:
+        if part.time <= 0:  # a dense stage's all-to-all
+            continue
+        job = last[part.role] = _Job(part, last[part.role], base, run, labels[part.role])
+        if part.stream == parts.COMM:
+            _COMM[0].jobs.put(job)
+        else:
+            compute_free = job.execute(compute_free)
+    for job in last.values():
+        if job is not None:
+            job.done.wait()
+
+
+def a2a_overlap() -> tuple[float, float]:
+    """Seconds of all-to-all in ``PARTS``, and how many of them lie inside a compute part of the other
+    micro-batch of the same run."""
+    by_run: dict[int, list[tuple]] = {}
+    for entry in PARTS:
+        by_run.setdefault(entry[0], []).append(entry)
+    total = inside = 0.0
+    for entries in by_run.values():
+        for _, role, stream, start, end in entries:
+            if stream != parts.COMM:
+                continue
+            total += end - start
+            inside += sum(max(0.0, min(end, e) - max(start, s)) for _, r, st, s, e in entries
+                          if st == parts.COMPUTE and r != role)
+    return total, inside
+
+
+def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+class WeightPass:
+    """A deferred weight-gradient pass (a split backward's W): the stage's W time on the calling
+    thread, then the weight gradients."""
+
+    def __init__(self, plan: SchedulePlan):
+        self.plan = plan
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        deadline = start + self.plan.stage.device.times.weight
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)
+        stage.SPANS.append(("W", start, time.perf_counter()))
+        self.plan.weight_gradients()
+
+
+class SchedulePlan:
+    """One micro-batch's pass through a MoE stage, megatron-core's combined-1F1B protocol: ``run`` with
+    a forward plan returns the stage's output; with a backward plan and the output's gradient it sets
+    the input's gradient (``x.grad``) and, unless ``defer_weight_gradients`` was called (a split
+    backward's I), the weights'."""
+
+    def __init__(self, owner: MoEStage, x: torch.Tensor):
+        self.stage, self.x, self.deferred, self.grad = owner, x, False, None
+
+    def defer_weight_gradients(self) -> WeightPass:
+        self.deferred = True
+        return WeightPass(self)
+
+    def forward_parts(self) -> list[parts.Part]:
+        return stage_parts(self.stage.device.times, "F", self.stage.device.times.forward)
+
+    def backward_parts(self) -> list[parts.Part]:
+        t = self.stage.device.times
+        return stage_parts(t, "B", t.input if self.deferred else t.input + t.weight)
+
+    @staticmethod
+    def run(f_plan: SchedulePlan | None, b_plan: SchedulePlan | None, b_grad: torch.Tensor | None = None, **_):
+        """The forward of ``f_plan`` and the backward of ``b_plan`` (either may be None), their parts
+        interleaved as megatron-core's combined 1F1B issues them."""
+        order = parts.interleave(f_plan.forward_parts() if f_plan else [], b_plan.backward_parts() if b_plan else [])
+        output = f_plan.output() if f_plan else None
+        issue(order, {"F": "F", "B": "I" if b_plan and b_plan.deferred else "B"})
+        if b_plan:
+            b_plan.input_gradient(b_grad)
+        return output
+
+    def output(self) -> torch.Tensor:
+        """The stage's output: the input (a first stage's sample through its embedding) plus its weight."""
+        with torch.no_grad():
+            x = self.x if self.stage.embedding is None else self.x + self.stage.embedding.weight
+            return x + self.stage.weight
+
+    def input_gradient(self, grad: torch.Tensor) -> None:
+        """The input's gradient is the output's (the stage adds a vector); the weights' follow now or
+        in the deferred weight pass."""
+        self.grad = grad
+        if self.x.requires_grad:
+            _accumulate(self.x, grad.detach().contiguous().clone())
+        if not self.deferred:
+            self.weight_gradients()
+
+    def weight_gradients(self) -> None:
+        g = self.grad.detach().reshape(-1, self.grad.shape[-1]).sum(0)
+        for p in self.stage.parameters():
+            _accumulate(p, g)
+        self.grad = None
+
+
+class MoEStage(EmulatedStage):
+    """An emulated stage whose MoE layers spend ``times.a2a`` in all-to-alls; our executor runs its
+    passes as schedule plans (``stage.forward_step`` with ``return_schedule_plan``)."""
+
+    def schedule_plan(self, x: torch.Tensor) -> SchedulePlan:
+        return SchedulePlan(self, x)

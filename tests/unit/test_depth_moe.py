@@ -1,0 +1,116 @@
+"""The depth benchmark's emulated MoE stage (``--a2a-fraction``): its schedule plans wait the parts the
+simulator prices, in ``parts.timeline``'s order, on two real streams; its costs are the simulator's;
+the report reads issue 35's targets off the rows."""
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.depth import moe, report, stage
+from benchmarks.depth.costs import cost_model, default_profile, stage_times
+from chimera_schedules.ir import parts
+from chimera_schedules.ir.actions import Action, Op, Overlapped
+from chimera_schedules.ir.schedule import Schedule
+from chimera_schedules.tools.planner import MODELS, Profile
+
+TIMES = stage.StageTimes(forward=0.020, input=0.020, weight=0.020, a2a=0.012, moe_layers=2)
+SLACK = 0.004  # seconds a part may start late on a loaded machine
+
+
+def _stage(first: bool = False) -> moe.MoEStage:
+    config = SimpleNamespace(hidden_size=8, pipeline_dtype=torch.bfloat16)
+    return moe.MoEStage(TIMES, config, first=first)
+
+
+def _x() -> torch.Tensor:
+    return torch.ones(4, 1, 8, dtype=torch.bfloat16).requires_grad_(True)
+
+
+def _recorded(order: list[parts.Part]) -> list[tuple[str, float, float]]:
+    """The parts the last run recorded, as (role and stream, start, end) from its first start."""
+    first = min(s for *_, s, _ in moe.PARTS)
+    return [(f"{role} {stream}", s - first, e - first) for _, role, stream, s, e in moe.PARTS]
+
+
+def test_an_overlapped_action_follows_the_timeline():
+    """Forward and whole backward of two micro-batches together: every part starts where
+    ``parts.timeline`` says (within SLACK), and the run takes the span the simulator prices."""
+    st = _stage()
+    f_plan, b_plan = st.schedule_plan(_x()), st.schedule_plan(_x())
+    type(b_plan).run(b_plan, None)
+    moe.PARTS.clear()
+    start = time.perf_counter()
+    out = type(f_plan).run(f_plan, b_plan, b_grad=torch.ones(4, 1, 8, dtype=torch.bfloat16))
+    took = time.perf_counter() - start
+    order = parts.interleave(f_plan.forward_parts(), b_plan.backward_parts())
+    want = sorted((f"{p.role} {p.stream}", s, e) for p, s, e in parts.timeline(order))
+    got = sorted(_recorded(order))
+    assert len(got) == len(want) == 16
+    assert all(g[0] == w[0] and abs(g[1] - w[1]) < SLACK * (1 + i / 4) for i, (g, w) in enumerate(zip(got, want)))
+    assert parts.span(order) <= took < parts.span(order) + 4 * SLACK
+    assert parts.span(order) < TIMES.forward + TIMES.input + TIMES.weight + 2 * TIMES.a2a - 0.010
+    total, inside = moe.a2a_overlap()
+    assert total == pytest.approx(2 * TIMES.a2a, abs=4 * SLACK) and inside > 0.5 * total
+    assert out.shape == (4, 1, 8) and b_plan.x.grad is not None and st.weight.grad is not None
+
+
+def test_one_pass_alone_and_a_deferred_weight_pass():
+    """A forward alone takes its compute and its all-to-all one after the other, none hidden; an I
+    leaves the weights to its weight pass, which waits W."""
+    st = _stage(first=True)
+    plan = st.schedule_plan(torch.zeros(4, 1, 8, dtype=torch.bfloat16))
+    moe.PARTS.clear()
+    start = time.perf_counter()
+    type(plan).run(plan, None)
+    assert TIMES.forward + TIMES.a2a <= time.perf_counter() - start < TIMES.forward + TIMES.a2a + 4 * SLACK
+    assert moe.a2a_overlap()[1] == 0
+    wpass = plan.defer_weight_gradients()
+    stage.SPANS.clear()
+    type(plan).run(None, plan, b_grad=torch.ones(4, 1, 8, dtype=torch.bfloat16))
+    assert st.weight.grad is None and {label for label, *_ in stage.SPANS} == {"I"}
+    wpass.run()
+    assert st.weight.grad is not None and st.embedding.weight.grad is not None
+    assert stage.SPANS[-1][0] == "W" and stage.SPANS[-1][2] - stage.SPANS[-1][1] >= TIMES.weight
+
+
+def test_the_stages_wait_what_the_simulator_prices():
+    """DeepSeek-V3 at D=4: the first stage's 3 dense layers spend no all-to-all, the last stage's MTP
+    layer does; an overlapped F&B costs the simulator what the emulated stage's parts span."""
+    shape, profile = MODELS["deepseek-v3"], Profile.load(default_profile("deepseek-v3"))
+    times = stage_times(shape, 4, 1, 50.0, profile, a2a_fraction=0.5)
+    assert [t.moe_layers for t in times] == [13, 15, 15, 16]
+    layer = times[1].a2a / 15
+    assert times[0].a2a == pytest.approx(13 * layer) and times[3].a2a == pytest.approx(16 * layer)
+    assert times[1].a2a == pytest.approx(0.5 * times[1].forward, rel=0.1)  # the MoE layers are most of a stage
+    model = cost_model(times, 1.0)
+    sch = Schedule("one", 4, 2, ((0, 1, 2, 3),), ((), (), (), ()))
+    action = Overlapped(Action(Op.FORWARD, 1, 0, 2), Action(Op.BACKWARD, 0, 0, 2))
+    t = times[2]
+    order = parts.interleave(moe.stage_parts(t, "F", t.forward), moe.stage_parts(t, "B", t.input + t.weight))
+    assert model.compute_time(sch, action) == pytest.approx(parts.span(order) * 1e3)
+    assert model.compute_time(sch, Action(Op.FORWARD, 0, 0, 2)) == pytest.approx((t.forward + t.a2a) * 1e3)
+
+
+def _row(schedule, ms, predicted, share, critical=100.0):
+    return {"model": "deepseek-v3", "runtime": "ours", "schedule": schedule, "layout_kind": "even", "D": 8, "N": 16,
+            "ms": ms, "samples_ms": [ms - 5, ms + 5], "predicted_ms": predicted, "measured_over_predicted":
+            ms / predicted, "overlap": schedule.endswith(" overlap"), "a2a_fraction": 0.5, "a2a_critical_ms": critical,
+            "a2a_overlapped_share": share}
+
+
+def test_overlap_targets_read_off_the_rows():
+    rows = [_row("dualpipe", 1000, 1000, 0.0), _row("dualpipe overlap", 920, 910, 0.8),
+            _row("chimera direct", 900, 900, 0.0), _row("chimera direct overlap", 860, 850, 0.6, critical=80.0),
+            _row("chimera split", 880, 880, 0.0), _row("chimera split overlap", 870, 800, 0.5),
+            _row("1f1b", 1100, 1100, 0.0), _row("1f1b overlap", 1050, 1040, 0.4)]
+    report.hidden_fractions(rows)
+    assert rows[1]["hidden"] == pytest.approx(0.8) and rows[1]["predicted_hidden"] == pytest.approx(0.9)
+    table = report.overlap_table(rows)
+    targets = report.overlap_targets(table)
+    met = {name.split(" ")[0]: t["met"] for name, t in targets.items()}
+    # chimera direct is the fastest with overlap: hidden 0.5, predicted 0.625; split is 8.75% off the simulator
+    assert met == {"dualpipe": True, "best": False, "overlap": False, "all-to-all": True}
+    ratios = {r["ratio"]: r["value"] for r in report.overlap_ratios(rows)}
+    assert ratios == {"chimera direct overlap / 1f1b overlap": pytest.approx(1050 / 860),
+                      "chimera direct overlap / dualpipe overlap": pytest.approx(920 / 860)}
