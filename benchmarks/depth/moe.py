@@ -157,6 +157,10 @@ class WeightPass:
         stage.SPANS.append(("W", start, time.perf_counter()))
         self.plan.weight_gradients()
 
+    def kept(self) -> list[torch.Tensor]:
+        """What it holds for W, as an observer counts it: nothing beyond the plan's own tensors."""
+        return []
+
 
 class SchedulePlan:
     """One micro-batch's pass through a MoE stage, megatron-core's combined-1F1B protocol: ``run`` with

@@ -29,9 +29,10 @@ class CostModel:
     micro-batch's forward through the stage's MoE layers spends in all-to-alls, dispatch and combine of
     all its layers together; a B or an I moves the same tokens back and spends it too, a W none. Alone,
     an action's time is its compute plus its ``a2a``. An overlapped F&B runs both as megatron-core's
-    combined 1F1B does (``ir/parts.py``): ``moe_layers`` layers (an int: every model stage's) share the
-    stage's compute and all-to-all, ``attention_share`` of a layer's compute is its attention, so one
-    micro-batch's all-to-alls hide behind the other's compute. With ``a2a`` = 0 it costs F + B."""
+    combined 1F1B does (``ir/parts.py``): ``moe_layers`` layers (one count for every model stage, or one
+    per model stage) share the stage's compute and all-to-all, ``attention_share`` of a layer's compute
+    is its attention, so one micro-batch's all-to-alls hide behind the other's compute. With ``a2a`` = 0
+    it costs F + B."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
@@ -55,12 +56,6 @@ class CostModel:
             return self._overlapped_time(schedule, action) * schedule.microbatch_scale
         compute, a2a = self._alone(schedule, action)
         return (compute + a2a) * schedule.microbatch_scale
-
-    def a2a_time(self, schedule: Schedule, action: Action | Overlapped) -> float:
-        """The all-to-all time inside an action run alone (an overlapped one's parts each alone)."""
-        if action.op is Op.OVERLAPPED:
-            return sum(self.a2a_time(schedule, part) for part in action.parts)
-        return self._alone(schedule, action)[1] * schedule.microbatch_scale
 
     def _alone(self, schedule: Schedule, action: Action) -> tuple[float, float]:
         """(compute, all-to-all) of one full-size plain compute action."""

@@ -23,7 +23,8 @@ return_schedule_plan=True)`` returns the micro-batch's plan instead of its outpu
 ``type(plan).run(f_plan, b_plan, b_grad=g)`` runs a forward, a backward, or an F&B with both, returning
 the forward's output; a backward's input gradient lands in the stage input's ``.grad``. A last stage's
 loss is computed from the plan's output detached (its gradient is what the plan's backward starts
-from). Before a backward that is an I, ``plan.defer_weight_gradients()`` returns the W that completes it.
+from). Before a backward that is an I, ``plan.defer_weight_gradients()`` returns the W that completes it:
+an object whose ``run()`` is the W and whose ``kept()`` lists the tensors it holds until then.
 A sent activation keeps its data there: the plan's nodes hold it for their backward.
 Each action runs inside a profiler range named ``PP:`` and its IR token (``PP:F3p1s2``, ``PP:sA3p0s1>1@down``),
 so a trace reads as the lowered list; with ``nvtx_ranges`` on a GPU, an NVTX range of the same name too.
@@ -122,15 +123,16 @@ class GradSync(Protocol):
 class Observer(Protocol):
     """What a benchmark or a memory measurement sees of a run (the trainer's hooks implement it)."""
 
-    def after_action(self, action: Action, held: Callable[[], list]) -> None:
+    def after_action(self, action: Action | Overlapped, held: Callable[[], list]) -> None:
         """``action`` was just posted or run on the host; ``held()`` gives the tensors the executor holds
         now, by why: "receive buffers", "unsent" outputs and gradients, sends "in flight", saved "stage
         inputs", and the gradients a split backward has "kept for W". autograd's saved tensors are not
         among them."""
 
-    def on_action(self, action: Action, start: float, end: float) -> None:
+    def on_action(self, action: Action | Overlapped, start: float, end: float) -> None:
         """A compute action ran from ``start`` to ``end`` (perf_counter seconds; device time on a GPU).
-        Called for every compute action of the iteration, in order, after its flush."""
+        Called for every compute action of the iteration, in order, after its flush; an overlapped F&B
+        whole, with one time for both its parts."""
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results)
     paired = {case: results[case]["overlapped"] for case in CASES}
     overlap = {case for case in CASES if "overlap" in case and "EP=2" in case}
     assert len(overlap) == 5 and paired[EVERY_PAIR].get("I", 0) > 0, paired
-    assert all(paired[f"mixtral overlap {name} D=2 EP=2"].get("B", 0) > 0 for name in ("1f1b", "dualpipe"))
+    names = ("1f1b", "chimera direct", "dualpipe", "dualpipev")
+    assert all(paired[f"mixtral overlap {name} D=2 EP=2"].get("B", 0) > 0 for name in names), paired
     assert all(not paired[case] for case in CASES if case not in overlap)
 
 

@@ -11,13 +11,15 @@ What megatron-core's plan lacks is a split backward: it has no I and W. ``defer_
 it one. Each node of a plan runs its backward on its own segment of the autograd graph (megatron-core
 detaches the tensors between nodes). In I, each segment's backward asks only for the gradients of its
 detached inputs, the tensors the next node up the backward needs, and keeps its graph; torch then skips
-every weight-gradient product. W runs each kept segment's backward again, asking only for the
-parameters: the weight gradients, accumulated into ``.grad`` by torch, hooks and all, exactly as one
-whole backward would. The price is that W repeats the input-gradient products that lie between a
-weight and its segment's output (within one node: attention, or the experts), and that every
-segment's graph lives from I until W, as in ``runtime/autograd_split.py``. The post-process node (the
-output layer and the loss) runs its whole backward in I: megatron-core's cross entropy works in place on
-what it saved, so its backward cannot run twice; the output layer's weight gradient comes in I.
+every weight-gradient product of local layers. W runs each kept segment's backward again, asking only
+for the parameters: the weight gradients, accumulated into ``.grad`` by torch, hooks and all, exactly as
+one whole backward would. The price is that W repeats the input-gradient products that lie between a
+weight and its segment's output (within one node: attention, or the experts), and that every segment's
+graph lives from I until W, as in ``runtime/autograd_split.py``. The post-process node (the output layer
+and the loss) runs its whole backward in I: megatron-core's cross entropy works in place on what it
+saved, so its backward cannot run twice; the output layer's weight gradient comes in I. Transformer
+Engine's layers compute their weight gradients in any backward: with them I is the whole backward and W
+has nothing left.
 """
 from __future__ import annotations
 
@@ -60,7 +62,12 @@ class PlanWeightPass:
 
 def defer_weight_gradients(plan, model) -> PlanWeightPass:
     """Make the plan's next backward an I (every node computes only its inputs' gradients, keeping its
-    graph); returns the W that completes it. Call after the plan's forward, before its backward."""
+    graph); returns the W that completes it. Call after the plan's forward, before its backward. With
+    Transformer Engine's layers the I stays the whole backward and the W has nothing to do: their fused
+    linears compute a weight gradient whatever autograd asks for (and with gradient-accumulation fusion
+    add it into ``main_grad`` there), so a W that ran the nodes again would add it twice."""
+    if model.config.transformer_impl == "transformer_engine":
+        return PlanWeightPass([])
     weight_pass = PlanWeightPass([p for p in model.parameters() if p.requires_grad])
     nodes = [n for n in _nodes(plan) if n is not plan.post_process]  # the loss's backward runs once: whole, in I
     leaves = _detached_leaves(plan, nodes)

@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 
 from chimera_schedules import Op
+from chimera_schedules.analysis.nccl_model import check
 from chimera_schedules.analysis.validator import validate
 from chimera_schedules.ir.actions import Overlapped
 from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
+from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 
@@ -463,7 +465,9 @@ def every_pair_fused(plan):
                     actions[i:i + 1] = kept
             i += 1
     fused = replace(schedule, workers=tuple(map(tuple, workers)))
-    return replace(plan, schedule=fused, lowered=lower(fused))
+    lowered = lower(fused)
+    check(lowered, PROOF_MODE)  # what make_run_plan proves of every schedule before it runs
+    return replace(plan, schedule=fused, lowered=lowered)
 
 
 def _overlapped(trainer) -> dict[str, int]:
