@@ -5,8 +5,10 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.model import cpu_compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,10 +26,6 @@ def pytest_collection_modifyitems(items):
 def one_process_group():
     """A one-process gloo group with megatron-core's parallel state and the CPU layer, for tests that
     build megatron-core models inside the test process."""
-    from megatron.core import parallel_state
-
-    from megatron.chimera.model import cpu_compat
-
     port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cpu_compat.apply()
@@ -63,7 +61,7 @@ def corpus(tmp_path_factory):
 def gpt2_files(tmp_path_factory):
     """A small GPT-2 byte-level BPE (vocab.json, merges.txt) and the same tokenizer saved as a local
     HuggingFace directory."""
-    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers import ByteLevelBPETokenizer  # with transformers, seconds to import: the tokenizer tests' alone
     from transformers import PreTrainedTokenizerFast
 
     out = tmp_path_factory.mktemp("gpt2")

@@ -6,9 +6,13 @@ per rank), and no hang on an empty split.
 The one-process runs share one launch (megatron.chimera.testing.cases): each is pretrain_gpt.py's
 flags, run in turn, with its own output and exit code, as a launch of its own would print them."""
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.loop import _ExitPolicy
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import losses, run, train_args
 
@@ -96,8 +100,6 @@ def test_load_elsewhere_without_a_checkpoint_is_still_an_error(runs):
 
 
 def test_exit_on_missing_checkpoint_makes_a_first_launch_an_error(tmp_path, capsys):
-    from megatron.chimera.config.arguments import parse_args
-
     same = ["--save", str(tmp_path / "a"), "--save-interval", "2", "--load", str(tmp_path / "a")]
     assert parse_args(MODEL[1:] + same, world_size=1).fresh_start == str(tmp_path / "a")
     with pytest.raises(SystemExit):
@@ -144,12 +146,6 @@ def test_resuming_with_another_lr_schedule_asserts_unless_told_which_wins(runs):
 
 def test_exit_duration_in_mins_stops_once_that_long_has_passed():
     """Megatron-LM's --exit-duration-in-mins takes whole minutes: the policy is shown a start an hour ago."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from megatron.chimera.loop import _ExitPolicy
-
     args = SimpleNamespace(exit_interval=None, exit_signal_handler=False, exit_duration_in_mins=59)
     policy = _ExitPolicy(args)
     rt = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda tensor: None)

@@ -1,14 +1,21 @@
 """The CPU compatibility layer: megatron-core's GPT runs forward and backward on the CPU once it is
 applied, and the RNG tracker it installs behaves like megatron-core's (fork restores the caller's state)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.chimera.model import cpu_compat
 
 
 def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     tracker = get_cuda_rng_tracker()
     assert isinstance(tracker, cpu_compat.CpuRNGStatesTracker)
     tracker.reset()
@@ -24,10 +31,6 @@ def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):
 
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
 def test_gpt_forward_and_backward_on_cpu(one_process_group, positions):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                                hidden_dropout=0.1, attention_dropout=0.1, gradient_accumulation_fusion=False)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
@@ -36,7 +39,8 @@ def test_gpt_forward_and_backward_on_cpu(one_process_group, positions):
     losses = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)  # no mask: default causal
     losses.mean().backward()
     assert losses.shape == (2, 16) and torch.isfinite(losses).all()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    bad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert bad == [], f"parameters without a finite gradient: {bad}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
@@ -45,11 +49,6 @@ def test_every_redirection_is_still_needed_by_megatron_core():
     """Each shim undone in turn breaks the megatron-core code it exists for
     (megatron/chimera/testing/cpu_shim_probe.py): when a megatron-core release stops needing one, this names it,
     and it should go."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-m", "megatron.chimera.testing.cpu_shim_probe"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,7 +21,7 @@ def test_every_runtime_completes_on_the_emulated_device(tmp_path):
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert {r["runtime"] for r in rows} == {"ours", "megatron-core", "torch"}
-    assert all(COLUMNS <= set(r) for r in rows)
+    assert all(COLUMNS <= set(r) for r in rows), f"columns missing per row: {[sorted(COLUMNS - set(r)) for r in rows]}"
     cases = {(r["runtime"], r["schedule"]) for r in rows}
     assert {("megatron-core", "1f1b"), ("megatron-core", "interleaved v=2"), ("torch", "zbv"),
             ("torch", "dualpipev"), ("torch", "interleaved zero bubble v=2"), ("ours", "chimera split"),

@@ -11,10 +11,13 @@ import time
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
+from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.distributed.process_groups import setup_parallel
 from megatron.chimera.testing.launch import ROOT
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -24,8 +27,6 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 def fake_checkpoint(root, hidden: int):
     """A torch_dist checkpoint directory whose common state describes a model of another hidden size."""
-    from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
-
     folder = root / "iter_0000001"
     folder.mkdir(parents=True)
     ours = parse_args(MODEL, world_size=1)
@@ -187,10 +188,6 @@ def test_a_forward_that_raises_is_named_on_its_rank_and_ends_the_peer():
 
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
-    from megatron.core import parallel_state
-
-    from megatron.chimera.distributed.process_groups import setup_parallel
-
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
     rt = setup_parallel(args, make_run_plan(args), "gloo", torch.device("cpu"))
     groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
@@ -248,11 +245,11 @@ def test_corrupted_and_truncated_checkpoint_files_are_named(tmp_path):
     shard.write_bytes(bytes(data))
     procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
     errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode != 0 for p in procs)
+    assert all(p.returncode != 0 for p in procs), f"exit codes: {[p.returncode for p in procs]}"
     assert any("__1_0.distcp" in e and "is corrupted (its sha256 does not match manifest.json)" in e
                for e in errs), errs
     shard.write_bytes(bytes(data[: len(data) // 3]))  # truncated: caught before any process group exists
     procs = ranks(*CHIMERA2, "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--load", str(save))
     errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode == 2 for p in procs)
+    assert all(p.returncode == 2 for p in procs), f"exit codes, 2 expected: {[p.returncode for p in procs]}"
     assert ["is truncated or missing" in e for e in errs] == [True, False], errs  # printed once, by rank 0

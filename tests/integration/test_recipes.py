@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import LOSS, ROOT, VALID
 
@@ -98,8 +99,6 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(recipes):
 
 @pytest.mark.parametrize("length", [[], ["--train-samples", "32", "--lr-decay-samples", "32"]])
 def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path, length):
-    from megatron.chimera.config.arguments import parse_args
-
     flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), "--mock-data", str(tmp_path))
     flags = [f for f in flags if f != "--data-path"]
     if length:  # the GPT-3 script's length in samples, as Megatron-LM demands with a rampup

@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 import pytest
+import sentencepiece
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.data.tokenizer import build_tokenizer
@@ -32,8 +34,6 @@ def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):
     assert tp2.padded_vocab_size == 768  # a multiple of --make-vocab-size-divisible-by x TP
     eod = build_tokenizer(parse_args(MODEL + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                                               model], world_size=1)).eod
-    import sentencepiece
-
     assert eod == sentencepiece.SentencePieceProcessor(model_file=model).eos_id() == 1
 
 
@@ -47,8 +47,6 @@ def test_null_tokenizer_keeps_its_size_and_ends_documents_with_the_last_id():
 
 @pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
 def test_gpt2_bpe_and_huggingface_tokenizers_preprocess_and_size(gpt2_files, tmp_path, kind):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     files = (["--vocab-file", str(gpt2_files / "vocab.json"), "--merge-file", str(gpt2_files / "merges.txt")]
              if kind == "GPT2BPETokenizer" else ["--tokenizer-model", str(gpt2_files / "hf")])
     args = parse_args(MODEL + ["--tokenizer-type", kind, *files], world_size=1)

@@ -1,8 +1,10 @@
 """Impossible layouts fail before any process group exists: one line naming the flag, exit code 2."""
 import pytest
+import torch
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.model import chunk
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
@@ -123,10 +125,6 @@ def test_valid_chimera_configuration_builds_its_schedule():
 def test_split_backward_with_transformer_engine_layers_is_refused_on_a_gpu(monkeypatch, capsys):
     """Where the layers would be Transformer Engine's (a GPU with TE installed, Megatron-LM's default
     --transformer-impl), --split-backward is refused in one line naming --transformer-impl."""
-    import torch
-
-    from megatron.chimera.model import chunk
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
     split = MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--split-backward"]

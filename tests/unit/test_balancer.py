@@ -27,8 +27,8 @@ def test_megatron_options_are_the_splits_its_flags_allow():
     options = dict((str(held), flags) for held, flags in megatron_options(dataclasses.replace(GPT2_1_3B, layers=8), 4))
     assert options["Ett|tt|tt|ttL"] == ""
     assert options["Et|tt|tt|tttL"] == "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3"
-    assert not any("account-for" in flags for flags in options.values())  # 8 + 1 or 8 + 2 does not divide by 4
-    assert all(sum(layout.parse(s).layer_counts()) == 8 for s in options)
+    assert not any("account-for" in flags for flags in options.values()), options  # 8 + 1 or 8 + 2 does not divide by 4
+    assert all(sum(layout.parse(s).layer_counts()) == 8 for s in options), list(options)
 
 
 @pytest.mark.parametrize("model,name", [("gpt2-1.3b", "chimera direct"), ("llama3-8b", "1f1b"),

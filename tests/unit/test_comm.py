@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from chimera_schedules import InvalidSchedule, build, simulate
 from chimera_schedules.analysis.nccl_model import MODES, check, shared_groups
@@ -19,6 +21,8 @@ from chimera_schedules.ir.schedule import Schedule
 from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
 from chimera_schedules.runtime.executor import Transport, make_forward_backward
 from chimera_schedules.tools.cli import main
+from megatron.chimera.distributed.group_guard import UnwarmedGroup, guard_communicators
+from megatron.chimera.distributed.warmup import WarmedUp, megatron_group_names
 from megatron.chimera.testing.legacy_lowering import legacy_lower
 
 # The classic deadlock (NCCL_MODEL.md): 1F1B on two workers, one group carrying activations down and
@@ -146,9 +150,11 @@ def test_lowering_names_channels_per_direction_and_bounds_posted_receives():
     lowered = lower(build("chimera", 4, 8))
     groups = {a.group for w in lowered.workers for a in w if a.op in (Op.SEND, Op.RECV)}
     assert groups == {"down", "up"}
-    assert all(a.group == ("down" if (a.peer > w) == (a.op is Op.SEND) else "up")
-               for w, actions in enumerate(lowered.workers) for a in actions if a.op in (Op.SEND, Op.RECV))
-    assert all(a.group == f"stage{a.stage}" for w in lowered.workers for a in w if a.op is Op.ALLREDUCE)
+    wrong = [(w, a) for w, actions in enumerate(lowered.workers) for a in actions
+             if a.op in (Op.SEND, Op.RECV) and a.group != ("down" if (a.peer > w) == (a.op is Op.SEND) else "up")]
+    assert wrong == [], f"(worker, message) on the other direction's channel: {wrong}"
+    wrong = [a for w in lowered.workers for a in w if a.op is Op.ALLREDUCE and a.group != f"stage{a.stage}"]
+    assert wrong == [], f"all-reduces outside their stage's group: {wrong}"
     lowered = lower(build("gpipe", 4, 16))  # every receive could be posted at once without the bound
     for actions in lowered.workers:
         posted = set()
@@ -242,12 +248,6 @@ def test_a_group_the_warm_up_did_not_walk_fails_at_once_with_one_line_naming_it(
     """The guard the trainer installs under NCCL and --emulate-nccl, over a warm-up that walked only the
     world: megatron-core's expert-parallel group, used on purpose, is refused before it communicates;
     so is a send to a pair never walked. Uninstalled, the group works again."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron.chimera.distributed.group_guard import UnwarmedGroup, guard_communicators
-    from megatron.chimera.distributed.warmup import WarmedUp, megatron_group_names
-
     world, experts = dist.group.WORLD, parallel_state.get_expert_model_parallel_group()
     names = {**megatron_group_names(), world: "world group [0]"}
     guard = guard_communicators(WarmedUp({world: names[world]}, frozenset(), 1, names))

@@ -47,7 +47,8 @@ def test_an_overlapped_action_follows_the_timeline():
     want = sorted((f"{p.role} {p.stream}", s, e) for p, s, e in parts.timeline(order))
     got = sorted(_recorded(order))
     assert len(got) == len(want) == 16
-    assert all(g[0] == w[0] and abs(g[1] - w[1]) < SLACK * (1 + i / 4) for i, (g, w) in enumerate(zip(got, want)))
+    assert all(g[0] == w[0] and abs(g[1] - w[1]) < SLACK * (1 + i / 4) for i, (g, w) in enumerate(zip(got, want))), \
+        f"recorded parts {got}, expected {want}"
     assert parts.span(order) <= took < parts.span(order) + 4 * SLACK
     assert parts.span(order) < TIMES.forward + TIMES.input + TIMES.weight + 2 * TIMES.a2a - 0.010
     total, inside = moe.a2a_overlap()

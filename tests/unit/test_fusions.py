@@ -8,6 +8,11 @@ import types
 
 import pytest
 import torch
+from megatron.core import utils
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.tensor_parallel import layers
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.training.argument_utils import core_transformer_config_from_args
 from packaging.version import Version
 
 from chimera_schedules.runtime.autograd_split import backward_input
@@ -15,6 +20,7 @@ from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.process_groups import Runtime
 from megatron.chimera.model import chunk
+from megatron.chimera.observability.startup import print_building
 from megatron.chimera.optim.distributed_optimizer import ShardedMainParams, _accumulate
 from megatron.chimera.optim.gradients import ReplicaGradSync
 from megatron.chimera.optim.precision import MainParams
@@ -28,9 +34,6 @@ FUSIONS = tuple(chunk.megatron_fusions(parse_args(BASE)))
 @pytest.fixture
 def gpu_kernels(monkeypatch):
     """A GPU with apex and Transformer Engine (at ``version``) as far as the config builder asks."""
-    from megatron.core import utils
-    from megatron.core.models.common.embeddings import rope_utils
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
     monkeypatch.setattr(chunk, "_kernel_installed", lambda module: True)
@@ -51,8 +54,6 @@ def gpu_kernels(monkeypatch):
 def test_fusion_fields_on_a_gpu_are_megatron_lms(gpu_kernels, extra):
     """Each chunk's config, Transformer Engine's and local layers', against Megatron-LM 0.19's own
     core_transformer_config_from_args for the same flags (RoPE, so that its fusion applies)."""
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     args = parse_args(BASE + ["--position-embedding-type", "rope"] + extra, world_size=1)
     megatron = core_transformer_config_from_args(args)
     for impl in ("transformer_engine", "local"):
@@ -64,11 +65,9 @@ def test_fusion_fields_on_a_gpu_are_megatron_lms(gpu_kernels, extra):
 
 
 def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process_group, capsys):
-    from megatron.chimera.observability.startup import print_building
-
     args = parse_args(BASE + ["--no-rope-fusion"], world_size=1)
     config = chunk.transformer_config(args, 2, 0, "cpu")
-    assert not any(getattr(config, f) for f in FUSIONS)
+    assert not any(getattr(config, f) for f in FUSIONS), f"fusions on: {[f for f in FUSIONS if getattr(config, f)]}"
     capsys.readouterr()
     print_building(args, False)
     lines = capsys.readouterr().out.splitlines()
@@ -80,8 +79,6 @@ def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process
 def test_missing_gpu_kernels_and_a_split_backward_keep_their_fusions_off(gpu_kernels, monkeypatch):
     """Where Megatron-LM would fail (apex or Transformer Engine's fused RoPE not installed), the fusion
     stays off; local linears under a split backward multiply with torch's ops, without the fusion."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     args = parse_args(BASE + ["--position-embedding-type", "rope", "--transformer-impl", "local"], world_size=1)
     assert chunk.transformer_config(args, 2, 0, "cuda").gradient_accumulation_fusion
     assert "gradient_accumulation_fusion" in chunk.fusions_off(args, "cuda", split_backward=True)
@@ -139,8 +136,6 @@ def apex_kernel(monkeypatch):
     """apex's fused_weight_gradient_mlp_cuda as megatron-core's local linear calls it: the weight
     gradient added into ``main_grad``, autograd handed a placeholder (NaN, as an uninitialised one may
     be; zeros where megatron-core asks for them). Returns the calls made."""
-    from megatron.core.tensor_parallel import layers
-
     calls = []
 
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
@@ -162,15 +157,14 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     """Stages 0 and 1 in this process, the tied word embedding a copy in each (the distributed
     optimizer's tied bucket sums the two into one buffer), two micro-batches: the fp32 gradients the
     optimizer steps."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
     with monkeypatch.context() as m:
         if fused:
             m.setattr(chunk, "fusions_off", lambda *a, **k: {})
         chunks = {(0, s): chunk.build_chunk(args, plan, s, torch.device("cpu")) for s in (0, 1)}
-    assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values())
+    assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values()), \
+        [c.config.gradient_accumulation_fusion for c in chunks.values()]
     rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
                  placement=plan.placement, held=list(chunks), embedding_stages=(0, 1))
     if distributed:
@@ -290,7 +284,8 @@ def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
         x = x.clone().requires_grad_()
         reference(x).square().sum().backward()
         expected.append(x.grad)
-    assert all(torch.allclose(a, b) for a, b in zip(sent, expected))
-    assert all(torch.allclose(b, r.weight.grad) for b, r in zip(buffers, reference))
+    assert all(torch.allclose(a, b) for a, b in zip(sent, expected)), f"sent {sent}, expected {expected}"
+    assert all(torch.allclose(b, r.weight.grad) for b, r in zip(buffers, reference)), \
+        f"buffers {buffers}, reference gradients {[r.weight.grad for r in reference]}"
     if gradients == "persistent":
-        assert all(p.grad is b for p, b in zip(params, buffers))
+        assert all(p.grad is b for p, b in zip(params, buffers)), "a parameter's .grad is not its main_grad buffer"

@@ -34,15 +34,16 @@ def test_memory_growth_and_flush_are_named():
     marks = [[f"before iteration {it}", 0, 100 * MIB] for it in range(1, 7)] + \
         [[f"after backward {it}", 0, (103 if it == 5 else 100) * MIB] for it in range(1, 7)]
     found = _memory_problems({"actions": rows, "memory": marks}, cuda=True)["problems"]
-    assert any("iteration 4's peak" in p for p in found)
-    assert any("after iteration 5's flush" in p for p in found)
+    assert any("iteration 4's peak" in p for p in found), found
+    assert any("after iteration 5's flush" in p for p in found), found
 
 
 def test_clock_problems():
     assert _clock_problems([("F0", 0.0, 1.0), ("B0", 1.0, 2.0)], wall=2.5) == []
     found = _clock_problems([("F0", 0.0, 1.0), ("B0", 0.5, 0.4)], wall=1.0)
     assert any("ends before it starts" in p for p in found) and any("before F0 ends" in p for p in found)
-    assert any("more than the iteration" in p for p in _clock_problems([("F0", 0.0, 3.0)], wall=1.0))
+    found = _clock_problems([("F0", 0.0, 3.0)], wall=1.0)
+    assert any("more than the iteration" in p for p in found), found
 
 
 def test_verdict_incomplete_without_transformer_engine():
@@ -59,6 +60,8 @@ def test_every_check_is_listed_under_cpu_smoke():
     gpu_check = _script()
     smoke, gpu = Machine(True, 0, False, "/tmp"), Machine(False, 8, True, "/tmp")
     assert len(gpu_check.checks(smoke)) == len(gpu_check.checks(gpu))
-    assert all("--emulate-nccl" not in c.flags for c in cases(smoke))  # added at launch, for the CPU half only
-    assert all(c.not_on_cpu is None or c.not_on_cpu.startswith("cpu-smoke: ") for c in cases(smoke))
+    # --emulate-nccl is added at launch, for the CPU half only
+    assert all("--emulate-nccl" not in c.flags for c in cases(smoke)), [c.flags for c in cases(smoke)]
+    assert all(c.not_on_cpu is None or c.not_on_cpu.startswith("cpu-smoke: ") for c in cases(smoke)), \
+        [c.not_on_cpu for c in cases(smoke)]
     assert [c.name for c in cases(gpu) if c.name.startswith("nccl chimera D=2 DP=2")]  # DP > 1 with 8 GPUs

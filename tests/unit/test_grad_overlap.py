@@ -117,7 +117,7 @@ def test_the_tied_embedding_is_summed_in_place():
     ReplicaGradSync({(0, 0): copies[:1], (1, 1): copies[1:]}, rt).finish()
     group, reduced, _ = next(call for call in rt.calls if call[0] == "embedding")
     assert reduced.data_ptr() == copies[0].grad.data_ptr()
-    assert all(torch.equal(p.grad, torch.full((5, 3), 6.0)) for p in copies)
+    assert all(torch.equal(p.grad, torch.full((5, 3), 6.0)) for p in copies), [p.grad for p in copies]
 
 
 def test_the_norm_of_large_cpu_gradients_stays_within_fp32_rounding_of_fp64():

@@ -1,11 +1,14 @@
 """Megatron-LM's model-architecture flags reach megatron-core's TransformerConfig, with Megatron-LM's
 derived settings; impossible values fail in one line."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from megatron.training.training import num_floating_point_operations
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.model.chunk import transformer_config
+from megatron.chimera.model.chunk import mark_tensor_parallel_sums, transformer_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -60,8 +63,6 @@ def test_sequence_parallel_needs_a_sequence_tp_can_split_and_is_off_at_tp1(capsy
 def test_log_throughput_flops_follow_the_standard_gpt_formula():
     """--log-throughput counts Megatron-LM's own num_floating_point_operations, which for a GPT-3-style
     layer is 72 b s L h^2 (1 + s / 12h + V / 12Lh): causal attention scores counted half, as 0.19 does."""
-    from megatron.training.training import num_floating_point_operations
-
     gpt3 = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
             "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "8",
             "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "51200"]
@@ -82,10 +83,6 @@ def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
 def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_layer_spec():
     """Transformer Engine's layout: its input norm fused into linear_qkv (marked sequence_parallel by TE),
     its own q/k norms (unmarked: megatron-core matches them by name), a row-parallel bias."""
-    from types import SimpleNamespace
-
-    from megatron.chimera.model.chunk import mark_tensor_parallel_sums
-
     marked_by_te = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": True,
                     "decoder.layers.0.self_attention.linear_proj.bias": True,
                     "decoder.layers.0.self_attention.q_layernorm.weight": False,

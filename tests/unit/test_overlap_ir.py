@@ -57,9 +57,9 @@ def test_the_pass_fuses_pairs_and_keeps_each_workers_order(name, schedules):
     validate(s)
     assert bool(fused(s)) == (name != "chimera split overlap")
     assert s == overlap_forward_backward(plain) == overlap_forward_backward(plain, REFERENCE)
-    assert all(a.op is not Op.BACKWARD_WEIGHT for o in fused(s) for a in o.parts)
+    assert all(a.op is not Op.BACKWARD_WEIGHT for o in fused(s) for a in o.parts), f"{name}: a W paired: {fused(s)}"
     assert all(o.forward.op is Op.FORWARD and o.backward.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and
-               o.forward.mb != o.backward.mb for o in fused(s))
+               o.forward.mb != o.backward.mb for o in fused(s)), f"{name}: pairs {fused(s)}"
     for w in range(s.depth):
         position = {a: i for i, a in enumerate(plain.workers[w])}
         order = [p for a in s.workers[w] for p in sorted(parts(a), key=position.__getitem__)
@@ -68,7 +68,8 @@ def test_the_pass_fuses_pairs_and_keeps_each_workers_order(name, schedules):
         assert {a for a in s.workers[w] if a.op is Op.REDUCE_GRADS} == {a for a in plain.workers[w]
                                                                           if a.op is Op.REDUCE_GRADS}
     assert s.split_backward == plain.split_backward
-    assert all(o <= p + 1 for o, p in zip(peak_activations(s), peak_activations(plain)))  # a pair's F counts first
+    assert all(o <= p + 1 for o, p in zip(peak_activations(s), peak_activations(plain))), \
+        f"{name}: peaks {peak_activations(s)}, unpaired {peak_activations(plain)}"  # a pair's F counts first
 
 
 def test_validator_rejects_two_forwards_one_micro_batch_and_a_cross_worker_cycle():
@@ -117,7 +118,7 @@ def test_lowered_overlapped_schedules_pass_the_nccl_checker(name, schedules):
     assert communicators(lowered) == communicators(lower(build_spec(dataclasses.replace(variant(name, 4, 8),
                                                                                         overlap=None))))
     evaluation = forward_only(lowered)
-    assert all(a.op in (Op.FORWARD, Op.SEND, Op.RECV) for w in evaluation.workers for a in w)
+    assert all(a.op in (Op.FORWARD, Op.SEND, Op.RECV) for w in evaluation.workers for a in w), evaluation.workers
     check(evaluation, "nccl")
 
 

@@ -5,7 +5,7 @@ import pytest
 from chimera_schedules import Action, build
 from chimera_schedules.analysis.measure import measured_result
 from chimera_schedules.ir.costs import Event
-from chimera_schedules.tools.planner import Candidate, ModelShape, Profile, evaluate, plan
+from chimera_schedules.tools.planner import Candidate, Experts, ModelShape, Profile, costs, evaluate, plan
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0)  # no logits: equal stages
 
@@ -55,8 +55,6 @@ def test_bubble_measurement_on_a_synthetic_trace():
 
 
 def test_moe_costs_count_routed_and_shared_experts_and_the_all_to_all():
-    from chimera_schedules.tools.planner import Experts, costs
-
     # 2 layers, the second MoE: 4 experts of width 8, top-2, a shared one of width 8; SwiGLU (3 matrices)
     shape = ModelShape(layers=2, hidden=16, heads=2, seq=4, vocab=0, ffn=32, gated=True,
                        experts=Experts(count=4, topk=2, ffn=8, moe_layers=1, shared_ffn=8))
@@ -74,8 +72,6 @@ def test_moe_costs_count_routed_and_shared_experts_and_the_all_to_all():
 
 
 def test_planner_counts_expert_memory_per_expert_parallel_rank():
-    from chimera_schedules.tools.planner import Experts
-
     shape = ModelShape(layers=2, hidden=16, heads=2, seq=4, vocab=0, ffn=32, gated=True,
                        experts=Experts(count=64, topk=2, ffn=64, moe_layers=2))
     one, eight = (evaluate(shape, profile(1e12), 8, Candidate("1f1b", 2, 8, 1, 1, ep)) for ep in (1, 8))

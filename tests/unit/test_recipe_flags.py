@@ -6,10 +6,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core.config import is_experimental_enabled
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
+from megatron.chimera.checkpoint.sharded_state import model_state
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
+from megatron.chimera.optim.gradients import is_expert
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -22,8 +29,6 @@ SINK = "self_attention.core_attention.softmax_offset"
 
 
 def _chunk(flags: list[str], stage: int = 0, world_size: int = 1):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     args = parse_args(BASE + flags, world_size=world_size)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
@@ -31,15 +36,11 @@ def _chunk(flags: list[str], stage: int = 0, world_size: int = 1):
 
 
 def _megatron_config(args):
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     return core_transformer_config_from_args(args)
 
 
 def _windowed(config, first: int = 0) -> list[bool]:
     """Which of the config's layers megatron-core gives a sliding window, read as it reads them."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
     return [is_layer_window_attention(config.window_size, config.window_attn_skip_freq, first + i + 1)
             for i in range(config.num_layers)]
 
@@ -69,9 +70,6 @@ def test_disable_bf16_reduced_precision_matmul_sets_torchs_flag_as_megatron_core
 
 
 def test_rope_scaling_and_vocab_reach_gpt_model_as_megatron_lms_builder_passes_them(one_process_group):
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.training.argument_utils import gpt_config_from_args
-
     flags = ["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "8",
              "--rotary-seq-len-interpolation-factor", "2", "--rotary-base", "500000", "--padded-vocab-size", "160"]
     args, _, model = _chunk(flags)
@@ -89,8 +87,6 @@ def test_rope_scaling_and_vocab_reach_gpt_model_as_megatron_lms_builder_passes_t
 
 
 def test_enable_experimental_sets_megatron_cores_switch(one_process_group):
-    from megatron.core.config import is_experimental_enabled
-
     _chunk(["--enable-experimental"])
     assert is_experimental_enabled()
     _chunk([])
@@ -98,9 +94,6 @@ def test_enable_experimental_sets_megatron_cores_switch(one_process_group):
 
 
 def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_group):
-    from megatron.chimera.checkpoint.sharded_state import model_state
-    from megatron.chimera.optim.gradients import is_expert
-
     args, plan, stage1 = _chunk(GPT_OSS + ["--pipeline-model-parallel-size", "2"], stage=1, world_size=2)
     first = plan.layout.first_layer(1)
     sinks = {name: p for name, p in stage1.named_parameters() if name.endswith(SINK)}
@@ -121,7 +114,8 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     tokens = torch.arange(16).view(1, 16)
     stage1.set_input_tensor(torch.randn(16, 1, 32))
     stage1(None, None, None, labels=tokens).sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks.values())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks.values()), \
+        f"sinks without a gradient: {[n for n, p in sinks.items() if p.grad is None or p.grad.abs().sum() == 0]}"
 
 
 def test_the_attention_sink_starts_equal_in_every_copy_and_splits_over_tp_like_heads(one_process_group,
@@ -131,15 +125,16 @@ def test_the_attention_sink_starts_equal_in_every_copy_and_splits_over_tp_like_h
 
     reference = sinks(_chunk(GPT_OSS)[2])  # one process: layers 0-3
     assert len(reference) == 4
-    assert all(map(torch.equal, reference, sinks(_chunk(GPT_OSS)[2])))
+    assert all(map(torch.equal, reference, sinks(_chunk(GPT_OSS)[2]))), "a second build initialised other sinks"
     stage1 = _chunk(GPT_OSS + ["--pipeline-model-parallel-size", "2"], stage=1, world_size=2)[2]
-    assert all(map(torch.equal, sinks(stage1), reference[2:]))
+    assert all(map(torch.equal, sinks(stage1), reference[2:])), "stage 1's sinks are not layers 2-3's of one process"
     whole = sinks(_chunk(GPT_OSS + ["--num-attention-heads", "8"])[2])  # 8 heads, as one process holds them
     halves = []
     for rank in (0, 1):  # a TP=2 rank holds 4 of the 8 heads
         monkeypatch.setattr(chunk, "_tensor_parallel", lambda gname, rank=rank: (2, rank))
         halves.append(sinks(_chunk(GPT_OSS)[2]))
-    assert all(torch.equal(torch.cat(pair), w) for *pair, w in zip(*halves, whole))
+    assert all(torch.equal(torch.cat(pair), w) for *pair, w in zip(*halves, whole)), \
+        "the two TP ranks' sinks, joined, are not the whole layer's"
 
 
 @pytest.mark.parametrize("extra, world_size, needle", [

@@ -5,11 +5,19 @@ import contextlib
 
 import pytest
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_parallel_cuda_manual_seed
 
+from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.loop import Trainer, TrainingStopped, _Board, _Progress
+from megatron.chimera.model import recompute
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
+from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.hooks import Hooks
+from megatron.chimera.observability.startup import print_building
 from megatron.chimera.testing.one_step import forward_backward_once
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -37,17 +45,14 @@ def test_selective_recompute_modules_keep_the_gradients_and_save_memory(one_proc
         == modules
     plain, plain_bytes = gradients(MOE)
     recomputed, recomputed_bytes = gradients(MOE + SELECTIVE + modules)
-    assert all(torch.equal(plain[n], recomputed[n]) for n in plain)
+    assert all(torch.equal(plain[n], recomputed[n]) for n in plain), \
+        f"gradients that differ: {[n for n in plain if not torch.equal(plain[n], recomputed[n])]}"
     assert recomputed_bytes < plain_bytes
 
 
 def test_megatron_cores_layernorm_checkpoint_still_asks_for_fp8_without_it():
     """Why model/recompute.py exists: megatron-core 0.19 reads CheckpointWithoutOutput's default fp8=False as fp8
     on (``fp8 is not None``). When a release fixes that, this fails and the module can go."""
-    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
-
-    from megatron.chimera.model import recompute
-
     recompute.apply()
     checkpoint = object.__new__(CheckpointWithoutOutput)
     getattr(CheckpointWithoutOutput.__init__, "__wrapped__", CheckpointWithoutOutput.__init__)(checkpoint)
@@ -55,8 +60,6 @@ def test_megatron_cores_layernorm_checkpoint_still_asks_for_fp8_without_it():
 
 
 def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_group, capsys):
-    from megatron.chimera.observability.startup import print_building
-
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
     assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
     capsys.readouterr()
@@ -68,8 +71,6 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
 
 
 def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process_group, capsys):
-    from megatron.chimera.observability.startup import print_building
-
     args = parse_args(TINY + MOE + ["--moe-shared-expert-overlap"], world_size=1)
     assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
     assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
@@ -81,8 +82,6 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process
 
 def routes(flags: list[str]) -> list[torch.Tensor]:
     """The MoE layer's routing maps of two random inputs, each routed from the same RNG states."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     args = parse_args(TINY + MOE + flags, world_size=1)
     router = build_chunk(args, make_run_plan(args), 0, torch.device("cpu")).decoder.layers[1].mlp.router
     maps = []
@@ -134,11 +133,6 @@ class _NaNWeights(Hooks):
 def trainer(flags: list[str], hooks: Hooks = Hooks()):
     """A one-process Trainer in the test process; after it, the one_process_group fixture's parallel state,
     which the Trainer's own replaced and released."""
-    from megatron.core import parallel_state
-
-    from megatron.chimera.loop import Trainer
-    from megatron.chimera.model.gpt_step import forward_step
-
     args = parse_args(TINY + flags, world_size=1)
     built = Trainer(args, make_run_plan(args), forward_step, hooks)
     try:
@@ -152,8 +146,6 @@ def trainer(flags: list[str], hooks: Hooks = Hooks()):
 def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, checked):
     """On (Megatron-LM's default) a NaN step is skipped, counted, and --max-consecutive-nan-iterations of them
     stop the run; with --no-check-for-nan-in-loss-and-grad nothing checks: the step is taken, as in Megatron-LM."""
-    from megatron.chimera.loop import TrainingStopped, _Board, _Progress
-
     flags = ["--max-consecutive-nan-iterations", "1"] + ([] if checked else ["--no-check-for-nan-in-loss-and-grad"])
     with trainer(flags, _NaNWeights()) as t:
         stats = t.train_step(0)
@@ -169,9 +161,6 @@ def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, capl
     """Our own checkpoint loads under raise_all (the _extra_state objects this loader leaves out on purpose are
     not reported); without the optimizer (--no-load-optim) its keys are missing: raise_all fails, log_all logs
     them and loads."""
-    from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.chimera.checkpoint.format import CheckpointError
-
     with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
         save_checkpoint(t, 1, 2)
     load = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
@@ -186,7 +175,7 @@ def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, capl
 
 
 def test_trust_remote_code_reaches_huggingfaces_auto_tokenizer(gpt2_files, monkeypatch):
-    from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
+    from megatron.core.tokenizers.text.libraries import huggingface_tokenizer  # imports transformers: seconds
 
     asked = []
     real = huggingface_tokenizer.AutoTokenizer.from_pretrained

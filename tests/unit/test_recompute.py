@@ -20,5 +20,6 @@ def test_recomputation_saves_memory_and_keeps_results(one_process_group):
     loss_r, grads_r, recompute_bytes = step(["--recompute-granularity", "full", "--recompute-method", "uniform",
                                              "--recompute-num-layers", "1"])
     assert loss_r == loss
-    assert all(torch.equal(grads[n], grads_r[n]) for n in grads)
+    assert all(torch.equal(grads[n], grads_r[n]) for n in grads), \
+        f"gradients that differ: {[n for n in grads if not torch.equal(grads[n], grads_r[n])]}"
     assert recompute_bytes < 0.5 * plain_bytes, (recompute_bytes, plain_bytes)

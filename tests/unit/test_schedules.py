@@ -3,8 +3,10 @@ generates is valid."""
 import pytest
 
 from chimera_schedules import CostModel, ScheduleSpec, build, build_spec, simulate, validate, variant
+from chimera_schedules.analysis.simulator import peak_activations
 from chimera_schedules.generators.chimera import chimera
 from chimera_schedules.generators.search import best_order
+from chimera_schedules.ir.errors import ConfigError, InvalidSchedule
 
 UNIT = CostModel(forward=1, backward=1)
 PAPER = CostModel(forward=1, backward=2)
@@ -26,8 +28,13 @@ def test_every_generated_schedule_is_valid(d, n):
     names += ["chimera doubling"] if (n // d) % 2 == 0 else []
     specs = [variant(name, d, n) for name in names] + [ScheduleSpec("interleaved", d, n, virtual_stages=3)]
     specs += [ScheduleSpec("chimera", d, n, pipelines=p) for p in (4, 8) if (d // 2) % (p // 2) == 0]
+    invalid = {}
     for spec in specs:
-        validate(build_spec(spec))  # build_spec validates too; be explicit
+        try:
+            validate(build_spec(spec))  # build_spec validates too; be explicit
+        except InvalidSchedule as error:
+            invalid[str(spec)] = str(error)
+    assert invalid == {}, f"D={d}, N={n}: invalid schedules (spec: the rule broken): {invalid}"
 
 
 def test_figure_one_makespans():
@@ -94,15 +101,14 @@ def test_activation_peaks_and_weight_copies():
 
 def test_activation_peaks_in_bytes_count_what_i_keeps_for_w():
     """Per-stage sizes replace the unit; a split backward's I adds what it keeps, freed with W."""
-    from chimera_schedules.analysis.simulator import peak_activations
-
     plain = build("1f1b", 2, 4)
     assert peak_activations(plain, [10, 30]) == [20, 30]
     split = build_spec(variant("1f1b split", 2, 4))
     units = peak_activations(split)
     assert peak_activations(split, [10, 10]) == [10 * u for u in units]
     kept = peak_activations(split, [10, 10], [4, 4])
-    assert all(k > b for k, b in zip(kept, peak_activations(split, [10, 10])))
+    assert all(k > b for k, b in zip(kept, peak_activations(split, [10, 10]))), \
+        f"bytes with W's inputs {kept}, without {peak_activations(split, [10, 10])}"
 
 
 def test_four_pipelines_leave_d_over_f_minus_two_bubbles():
@@ -179,8 +185,6 @@ def test_dualpipe_worker_orders_at_four_stages():
 
 
 def test_dualpipe_rules_name_the_option():
-    from chimera_schedules import ConfigError
-
     for d, n, option in ((3, 6, "stages"), (4, 6, "microbatches"), (4, 9, "microbatches")):
         with pytest.raises(ConfigError, match=option):
             build("dualpipe", d, n)

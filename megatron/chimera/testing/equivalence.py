@@ -5,9 +5,11 @@
 
 Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
-the reference in losses and in final weights, whether every copy of every stage (and of the tied
-embedding) was bitwise identical after every step, and evaluation checks. The one-process launch
-writes the references (losses, evaluation loss, final weights) per model variant.
+the reference in losses and in final weights, which copies of a stage (or of the tied embedding) were
+not bitwise identical after a step, what evaluation changed, what the hooks saw and what each chunk
+holds, each beside what was expected: the harness reports, the tests (tests/integration/test_training.py)
+assert. The one-process launch writes the references (losses, evaluation loss, final weights) per model
+variant.
 """
 from __future__ import annotations
 
@@ -183,28 +185,7 @@ MOE_OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 
 
 LAYOUT = "--pipeline-model-parallel-layout"
-
-
-def layout_cases(d: int) -> dict[str, tuple[str, list[str]]]:
-    """Uneven stages (Megatron-LM's layout flags, stages holding only E or only L) and multi-token
-    prediction, on the last stage or on a stage of its own, under Chimera, DualPipe(V), split backward
-    and megatron-core's 1F1B."""
-    c = schedule_cases(d)
-    if d == 2:
-        return {
-            "layout E|ttt|tttt|tL dualpipev D=2": ("tied-learned", c["dualpipev D=2"] + [LAYOUT, "E|ttt|tttt|tL"]),
-            "mtp-untied first=3 chimera split D=2": (
-                "mtp-untied", c["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "3"]),
-            "mtp layout Ettttt|tttmL distributed optimizer chimera D=2": (
-                "mtp", c["chimera direct D=2"] + [LAYOUT, "Ettttt|tttmL"] + DISTOPT),
-            "mtp megatron-1f1b D=2": ("mtp", c["megatron-1f1b D=2"]),
-            "mixtral-mtp chimera D=2": ("mixtral-mtp", c["chimera direct D=2"]),
-        }
-    return {
-        "layout E|tttt|tttt|L chimera D=4": ("tied-learned", c["chimera direct D=4"] + [LAYOUT, "E|tttt|tttt|L"]),
-        "mtp layout Ett|ttt|tttm|L chimera D=4": ("mtp", c["chimera direct D=4"] + [LAYOUT, "Ett|ttt|tttm|L"]),
-        "mtp layout Ettt|t|tt|ttmL dualpipe D=4": ("mtp", c["dualpipe D=4"] + [LAYOUT, "Ettt|t|tt|ttmL"]),
-    }
+TP2 = ["--tensor-model-parallel-size", "2"]
 
 
 def schedule_cases(d: int) -> dict[str, list[str]]:
@@ -224,60 +205,75 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
     } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {})
 
 
-def cases(world: int) -> dict[str, tuple[str, list[str]]]:
-    """name -> (reference variant, flags), for the cases that fill ``world`` processes."""
-    if world == 1:
-        return {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS}
-    if world == 2:
-        out = {k: ("tied-learned", v) for k, v in schedule_cases(2).items()}
-        out["1f1b D=2 emulated NCCL"] = ("tied-learned", schedule_cases(2)["1f1b D=2"] + ["--emulate-nccl"])
-        out["chimera fp16 D=2"] = ("fp16", schedule_cases(2)["chimera direct D=2"])
-        out["chimera bf16 D=2"] = ("bf16", schedule_cases(2)["chimera direct D=2"])
-        out["chimera halving D=2"] = (
-            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
-                             "--pipeline-schedule", "chimera", "--chimera-concat", "halving"])
-        out["mixtral chimera D=2"] = ("mixtral", schedule_cases(2)["chimera direct D=2"])
-        out[DROPPED_EXPERT] = ("mixtral", schedule_cases(2)["chimera direct D=2"])
-        out["mixtral 1f1b split D=2"] = ("mixtral", schedule_cases(2)["1f1b split D=2"])
-        out["mixtral capacity chimera D=2"] = ("mixtral-capacity", schedule_cases(2)["chimera direct D=2"])
-        out["deepseek-style chimera split D=2"] = ("deepseek-style", schedule_cases(2)["chimera split D=2"])
-        out["qwen3 chimera D=2"] = ("qwen3", schedule_cases(2)["chimera direct D=2"])
-        out.update(layout_cases(2))
-        return out
-    chimera4 = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
-    chimera2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--pipeline-schedule", "chimera"]
-    out = {k: ("tied-learned", v) for k, v in schedule_cases(4).items()}
-    out.update({
-        "chimera direct D=4 emulated NCCL overlapped reduce": (
-            "tied-learned", chimera4 + ["--emulate-nccl"] + OVERLAP),
-        "chimera best D=4 emulated NCCL": ("tied-learned", chimera4 + ["--chimera-order", "best", "--emulate-nccl"]),
-        "chimera 4 pipelines D=4": ("tied-learned", chimera4 + ["--chimera-pipelines", "4"]),
-        "chimera D=2 DP=2 overlapped reduce": ("tied-learned", chimera2 + OVERLAP),
-        "chimera D=2 TP=2": ("tied-learned", chimera2 + ["--tensor-model-parallel-size", "2"]),
-        "chimera split D=2 DP=2": ("tied-learned", chimera2 + ["--split-backward"]),
-        "chimera split D=2 TP=2": ("tied-learned", chimera2 + ["--split-backward",
-                                                                "--tensor-model-parallel-size", "2"]),
-        "chimera untied D=4": ("untied", chimera4),
-        "chimera rope D=4": ("rope", chimera4),
-        "chimera llama D=4": ("llama", chimera4),
-        "chimera fp16 D=2 TP=2": ("fp16", chimera2 + ["--tensor-model-parallel-size", "2"]),
-        "chimera qk-layernorm D=2 TP=2": ("qk-layernorm", chimera2 + ["--tensor-model-parallel-size", "2"]),
-        "chimera llama D=2 TP=2": ("llama", chimera2 + ["--tensor-model-parallel-size", "2"]),
-        "chimera llama D=2 TP=2 sequence parallel": ("llama", chimera2 + ["--tensor-model-parallel-size", "2",
-                                                                          "--sequence-parallel"]),
-        "chimera distributed optimizer D=4": ("tied-learned", chimera4 + DISTOPT),
-        "chimera distributed optimizer D=2 DP=2": ("tied-learned", chimera2 + DISTOPT),
-        "chimera distributed optimizer overlapped gather D=4": ("tied-learned", chimera4 + DISTOPT
-                                                                 + OVERLAP + ["--overlap-param-gather"]),
-        "chimera distributed optimizer D=2 TP=2": (
-            "tied-learned", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2"]),
-        "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", chimera2 + DISTOPT),
-        "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", chimera2 + DISTOPT),
+D2, D4 = schedule_cases(2), schedule_cases(4)
+CHIMERA2, CHIMERA4 = D2["chimera direct D=2"], D4["chimera direct D=4"]
+
+# Uneven stages (Megatron-LM's layout flags, stages holding only E or only L) and multi-token prediction,
+# on the last stage or on a stage of its own, under Chimera, DualPipe(V), split backward and megatron-core's
+# 1F1B: name -> (reference variant, flags)
+LAYOUT_CASES = {
+    2: {"layout E|ttt|tttt|tL dualpipev D=2": ("tied-learned", D2["dualpipev D=2"] + [LAYOUT, "E|ttt|tttt|tL"]),
+        "mtp-untied first=3 chimera split D=2": (
+            "mtp-untied", D2["chimera split D=2"] + ["--decoder-first-pipeline-num-layers", "3"]),
+        "mtp layout Ettttt|tttmL distributed optimizer chimera D=2": (
+            "mtp", CHIMERA2 + [LAYOUT, "Ettttt|tttmL"] + DISTOPT),
+        "mtp megatron-1f1b D=2": ("mtp", D2["megatron-1f1b D=2"]),
+        "mixtral-mtp chimera D=2": ("mixtral-mtp", CHIMERA2)},
+    4: {"layout E|tttt|tttt|L chimera D=4": ("tied-learned", CHIMERA4 + [LAYOUT, "E|tttt|tttt|L"]),
+        "mtp layout Ett|ttt|tttm|L chimera D=4": ("mtp", CHIMERA4 + [LAYOUT, "Ett|ttt|tttm|L"]),
+        "mtp layout Ettt|t|tt|ttmL dualpipe D=4": ("mtp", D4["dualpipe D=4"] + [LAYOUT, "Ettt|t|tt|ttmL"])},
+}
+
+# The overlap pass keeps only the pairs that pay (passes/overlap.py), and at D=2 no forward sits next to
+# another micro-batch's I under Chimera split: this case fuses every adjacent independent pair of 1F1B
+# split instead, so that the executor's F&I (a forward beside an I, its W later) runs on a real model.
+EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
+
+# A planted bug, to show the fp32 weight bounds catch one: global expert 0 of layer 3 never updates (its
+# gradient is zeroed in every backward, on every copy). test_training checks that it fails them.
+DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
+
+# Every case, by the number of processes that runs it: name -> (reference variant, flags)
+CASES = {
+    1: {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS},
+    2: {name: ("tied-learned", flags) for name, flags in D2.items()} | {
+        "1f1b D=2 emulated NCCL": ("tied-learned", D2["1f1b D=2"] + ["--emulate-nccl"]),
+        "chimera fp16 D=2": ("fp16", CHIMERA2),
+        "chimera bf16 D=2": ("bf16", CHIMERA2),
+        "chimera halving D=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                                                 "--pipeline-schedule", "chimera", "--chimera-concat", "halving"]),
+        "mixtral chimera D=2": ("mixtral", CHIMERA2),
+        DROPPED_EXPERT: ("mixtral", CHIMERA2),
+        "mixtral 1f1b split D=2": ("mixtral", D2["1f1b split D=2"]),
+        "mixtral capacity chimera D=2": ("mixtral-capacity", CHIMERA2),
+        "deepseek-style chimera split D=2": ("deepseek-style", D2["chimera split D=2"]),
+        "qwen3 chimera D=2": ("qwen3", CHIMERA2),
+    } | LAYOUT_CASES[2],
+    4: {name: ("tied-learned", flags) for name, flags in D4.items()} | {
+        "chimera direct D=4 emulated NCCL overlapped reduce": ("tied-learned", CHIMERA4 + ["--emulate-nccl"] + OVERLAP),
+        "chimera best D=4 emulated NCCL": ("tied-learned", CHIMERA4 + ["--chimera-order", "best", "--emulate-nccl"]),
+        "chimera 4 pipelines D=4": ("tied-learned", CHIMERA4 + ["--chimera-pipelines", "4"]),
+        "chimera D=2 DP=2 overlapped reduce": ("tied-learned", CHIMERA2 + OVERLAP),
+        "chimera D=2 TP=2": ("tied-learned", CHIMERA2 + TP2),
+        "chimera split D=2 DP=2": ("tied-learned", CHIMERA2 + ["--split-backward"]),
+        "chimera split D=2 TP=2": ("tied-learned", CHIMERA2 + ["--split-backward"] + TP2),
+        "chimera untied D=4": ("untied", CHIMERA4),
+        "chimera rope D=4": ("rope", CHIMERA4),
+        "chimera llama D=4": ("llama", CHIMERA4),
+        "chimera fp16 D=2 TP=2": ("fp16", CHIMERA2 + TP2),
+        "chimera qk-layernorm D=2 TP=2": ("qk-layernorm", CHIMERA2 + TP2),
+        "chimera llama D=2 TP=2": ("llama", CHIMERA2 + TP2),
+        "chimera llama D=2 TP=2 sequence parallel": ("llama", CHIMERA2 + TP2 + ["--sequence-parallel"]),
+        "chimera distributed optimizer D=4": ("tied-learned", CHIMERA4 + DISTOPT),
+        "chimera distributed optimizer D=2 DP=2": ("tied-learned", CHIMERA2 + DISTOPT),
+        "chimera distributed optimizer overlapped gather D=4": (
+            "tied-learned", CHIMERA4 + DISTOPT + OVERLAP + ["--overlap-param-gather"]),
+        "chimera distributed optimizer D=2 TP=2": ("tied-learned", CHIMERA2 + DISTOPT + TP2),
+        "chimera fp16 distributed optimizer D=2 DP=2": ("fp16", CHIMERA2 + DISTOPT),
+        "chimera bf16 distributed optimizer D=2 DP=2": ("bf16", CHIMERA2 + DISTOPT),
         "chimera llama distributed optimizer D=2 TP=2 sequence parallel": (
-            "llama", chimera2 + DISTOPT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        "1f1b distributed optimizer D=2 DP=2": (
-            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-                             "--pipeline-schedule", "1f1b"] + DISTOPT),
+            "llama", CHIMERA2 + DISTOPT + TP2 + ["--sequence-parallel"]),
+        "1f1b distributed optimizer D=2 DP=2": ("tied-learned", D2["1f1b D=2"] + DISTOPT),
         # megatron-core's schedules with Megatron-LM's overlap hooks (its interleaved one needs PP > 2: at
         # 4 processes no replicas to reduce over, but the hooks' calls are counted; 1F1B has a DP=2 replica)
         "megatron-interleaved v=2 D=4 distributed optimizer overlapped reduce and gather": (
@@ -285,30 +281,30 @@ def cases(world: int) -> dict[str, tuple[str, list[str]]]:
                              "--pipeline-schedule", "megatron-interleaved",
                              "--num-layers-per-virtual-pipeline-stage", "1"] + DISTOPT + OVERLAP
             + ["--overlap-param-gather"]),
-        "megatron-1f1b D=2 DP=2 overlapped reduce": (
-            "tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-                             "--pipeline-schedule", "megatron-1f1b"] + OVERLAP),
-        "mixtral chimera D=4": ("mixtral", chimera4),
-        "mixtral dualpipe D=4": ("mixtral", schedule_cases(4)["dualpipe D=4"]),
-        "mixtral alltoall chimera D=2 EP=2": ("mixtral", chimera2 + EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
-        "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", chimera2 + EP2 + DISTOPT),
-        "deepseek-style chimera D=4": ("deepseek-style", chimera4),
-        "deepseek-style chimera split D=2 EP=2": ("deepseek-style", chimera2 + EP2 + ["--split-backward"]),
-    })
+        "megatron-1f1b D=2 DP=2 overlapped reduce": ("tied-learned", D2["megatron-1f1b D=2"] + OVERLAP),
+        "mixtral chimera D=4": ("mixtral", CHIMERA4),
+        "mixtral dualpipe D=4": ("mixtral", D4["dualpipe D=4"]),
+        "mixtral alltoall chimera D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + ALLTOALL),
+        "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + DISTOPT),
+        "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
+        "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
-    # the pass leaves unpaired at D=2, as EVERY_PAIR below: 1F1B split with its I passes paired)
-    d2 = schedule_cases(2)
-    out.update({f"mixtral overlap {name} EP=2": ("mixtral", d2[name] + EP2 + ALLTOALL + MOE_OVERLAP)
-                for name in ("1f1b D=2", "chimera direct D=2", "dualpipe D=2", "dualpipev D=2")})
-    out[EVERY_PAIR] = ("mixtral", d2["1f1b split D=2"] + EP2 + ALLTOALL + MOE_OVERLAP)
+    # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
+    } | {f"mixtral overlap {name} EP=2": ("mixtral", D2[name] + EP2 + ALLTOALL + MOE_OVERLAP)
+         for name in ("1f1b D=2", "chimera direct D=2", "dualpipe D=2", "dualpipev D=2")} | {
+        EVERY_PAIR: ("mixtral", D2["1f1b split D=2"] + EP2 + ALLTOALL + MOE_OVERLAP),
     # the MoE families; gpt-oss with an odd first stage, so that each stage's slice of its window pattern
     # (every other layer) matters
-    odd = {"gpt-oss": ["--decoder-first-pipeline-num-layers", "3"]}
-    out.update({f"{family} chimera D=2 EP=2": (family, chimera2 + EP2 + odd.get(family, []))
-                for family in FAMILIES if family != "qwen3"})
-    out.update(layout_cases(4))
-    return out
+    } | {f"{family} chimera D=2 EP=2": (family, CHIMERA2 + EP2 + (
+        ["--decoder-first-pipeline-num-layers", "3"] if family == "gpt-oss" else []))
+         for family in FAMILIES if family != "qwen3"} | LAYOUT_CASES[4],
+}
+
+
+def cases(world: int) -> dict[str, tuple[str, list[str]]]:
+    """name -> (reference variant, flags), for the cases that fill ``world`` processes."""
+    return dict(CASES[world])
 
 
 def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
@@ -323,40 +319,48 @@ def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
     return out
 
 
-def holds_its_layout(trainer) -> bool:
-    """Every chunk on every rank holds what the plan's layout names, read from its parameters' names:
-    exactly its transformer layers (by their number in the model), the embedding where E is (or MTP,
-    which embeds the next tokens), the output layer where L is (tied at the first stage, it is the
-    embedding itself, and so is MTP's embedding beside it), its MTP layers, and the final norm after the
-    model's last layer. A layout that
-    was silently ignored would still train like one process; this would fail."""
-    held, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
-    ok = True
-    for m in trainer.models:
-        st, first = held.stages[m.stage], held.first_layer(m.stage)
+def layout_held(trainer) -> dict[str, dict[str, dict]]:
+    """What every chunk on every rank holds, read from its parameters' names, beside what the plan's layout
+    names: its transformer layers (by their number in the model), the embedding where E is (or MTP, which
+    embeds the next tokens), the output layer where L is (tied at the first stage, it is the embedding
+    itself, and so is MTP's embedding beside it), its MTP layers, and the final norm after the model's
+    last layer. A layout that was silently ignored would still train like one process; this would show it.
+    Returns {"rank r chunk i (stage s)": {"held": ..., "expected": ...}} over every rank."""
+    layout, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
+    mine = {}
+    for i, m in enumerate(trainer.models):
+        st, first = layout.stages[m.stage], layout.first_layer(m.stage)
         names = [p.global_name for p in m.parameters()]
         local = [n for n, _ in m.named_parameters()]
-        layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")})
-        depths = {n.split(".")[2] for n in local if n.startswith("mtp.layers.")}
-        norm_after_last = held.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss
-        ok &= (layers == list(range(first, first + st.layers))
-               and any(n.startswith("embedding.") for n in local) == (st.embedding or st.mtp > 0)
-               and ("output_layer.weight" in local) == (st.loss and not ((st.embedding or st.mtp) and tied))
-               and len(depths) == st.mtp
-               and any(n.startswith("decoder.final_layernorm.") for n in local) == norm_after_last)
+        held = {"layers": sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}),
+                "embedding": any(n.startswith("embedding.") for n in local),
+                "output layer": "output_layer.weight" in local,
+                "mtp layers": len({n.split(".")[2] for n in local if n.startswith("mtp.layers.")}),
+                "final norm": any(n.startswith("decoder.final_layernorm.") for n in local)}
+        expected = {"layers": list(range(first, first + st.layers)),
+                    "embedding": bool(st.embedding or st.mtp > 0),
+                    "output layer": bool(st.loss and not ((st.embedding or st.mtp) and tied)),
+                    "mtp layers": st.mtp,
+                    "final norm": bool(layout.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss)}
+        mine[f"rank {dist.get_rank()} chunk {i} (stage {m.stage})"] = {"held": held, "expected": expected}
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, ok)
-    return all(every)
+    dist.all_gather_object(every, mine)
+    return {chunk: v for per_rank in every for chunk, v in per_rank.items()}
 
 
-def copies_identical(trainer) -> bool:
-    """Every copy of every parameter (same global name and TP shard), on every rank, bitwise equal."""
+def copies_differing(trainer) -> list[str]:
+    """The parameters (global name and TP shard) whose copies on different ranks are not bitwise equal;
+    none should be."""
     digests = {k: hashlib.sha1(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                for k, v in local_weights(trainer).items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, digests)
-    seen: dict = {}
-    return all(seen.setdefault(k, d) == d for per_rank in gathered for k, d in per_rank.items())
+    seen, differing = {}, set()
+    for per_rank in gathered:
+        for (name, tp_rank), digest in per_rank.items():
+            if seen.setdefault((name, tp_rank), digest) != digest:
+                differing.add(f"{name} (TP rank {tp_rank})")
+    return sorted(differing)
 
 
 def compare_weights(weights: dict, reference: dict, tp: int, args, lr_sum: float) -> dict[str, float]:
@@ -380,23 +384,26 @@ def compare_weights(weights: dict, reference: dict, tp: int, args, lr_sum: float
             "tensor_steps": max((d / c) ** 0.5 / lr_sum for d, _, c in merged)}
 
 
-def evaluation_is_side_effect_free(trainer) -> bool:
-    """Evaluation changes no gradient, the model's or the main ones the optimizer steps (the
-    distributed optimizer's live only there), and no optimizer state. With no gradient there to change
-    the check would prove nothing, so that fails too."""
-    before = [t.clone() for t in _training_state(trainer)]
-    has_grads = any(p.grad is not None for p in trainer.main.all())
+def what_evaluation_changed(trainer) -> dict:
+    """Evaluation must change no gradient, the model's or the main ones the optimizer steps (the
+    distributed optimizer's live only there), and no optimizer state; with no gradient there to change
+    the check would prove nothing. Returns the gradients there were, the training-state tensors before and
+    after, and the names of those that changed."""
+    before = {name: t.clone() for name, t in _training_state(trainer).items()}
+    gradients = sum(p.grad is not None for p in trainer.main.all())
     trainer.evaluate(0)
     after = _training_state(trainer)
-    return has_grads and len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    changed = sorted(name for name in before.keys() & after.keys() if not torch.equal(before[name], after[name]))
+    return {"gradients": gradients, "tensors before": len(before), "tensors after": len(after), "changed": changed}
 
 
-def _training_state(trainer) -> list[torch.Tensor]:
-    """Every gradient and optimizer-state tensor, in a fixed order."""
+def _training_state(trainer) -> dict[str, torch.Tensor]:
+    """Every gradient and optimizer-state tensor, by a name that says which."""
     params = [p for m in trainer.models for p in m.parameters()] + list(trainer.main.all())
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return grads + state
+    grads = {f"gradient {i}": p.grad for i, p in enumerate(params) if p.grad is not None}
+    state = {f"optimizer state {i} {key}": v for i, s in enumerate(trainer.optimizer.state.values())
+             for key, v in s.items() if torch.is_tensor(v)}
+    return grads | state
 
 
 def condition_number(trainer, loss: float) -> float | None:
@@ -453,18 +460,21 @@ class HookRecorder(Hooks):
         self.posted += 1
         self.kinds.update(held())
 
-    def saw_everything(self, plan, worker: int) -> bool:
+    def observed(self) -> dict:
+        """What the hooks saw, in the form ``expected`` gives (and JSON keeps)."""
+        return {"iterations": [list(s) for s in self.seen], "actions": self.actions, "posted": self.posted,
+                "kinds": sorted(self.kinds)}
+
+    @staticmethod
+    def expected(plan, worker: int) -> dict:
+        """What they should see on ``worker`` over ITERS iterations: every iteration begun and its backward
+        finished, in order; every compute action and every posted action of our executor (none under
+        megatron-core's schedules); every kind of tensor the executor holds, where it posts actions."""
         actions = len(plan.schedule.compute(worker)) * ITERS if plan.schedule is not None else 0
         posted = len(plan.lowered.workers[worker]) * ITERS if plan.lowered is not None else 0
         kinds = {"receive buffers", "unsent", "in flight", "stage inputs", "kept for W"} if posted else set()
-        return self.seen == [(when, i + 1) for i in range(ITERS) for when in ("before", "after")] and \
-            self.actions == actions and self.posted == posted and self.kinds == kinds
-
-
-# The overlap pass keeps only the pairs that pay (passes/overlap.py), and at D=2 no forward sits next to
-# another micro-batch's I under Chimera split: this case fuses every adjacent independent pair of 1F1B
-# split instead, so that the executor's F&I (a forward beside an I, its W later) runs on a real model.
-EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
+        return {"iterations": [[when, i + 1] for i in range(ITERS) for when in ("before", "after")],
+                "actions": actions, "posted": posted, "kinds": sorted(kinds)}
 
 
 def every_pair_fused(plan):
@@ -498,11 +508,6 @@ def _overlapped(trainer) -> dict[str, int]:
     return {op: pairs.count(op) for op in set(pairs)}
 
 
-# A planted bug, to show the per-tensor bound catches one: global expert 0 of layer 3 never updates
-# (its gradient is zeroed in every backward, on every copy). Not a layout: test_training expects it to fail.
-DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
-
-
 def drop_expert_gradient(trainer, prefix: str = "decoder.layers.3.mlp.experts.local_experts.0.") -> None:
     """Zero every gradient of the expert whose global names start with ``prefix``, wherever it is held."""
     for m in trainer.models:
@@ -512,6 +517,8 @@ def drop_expert_gradient(trainer, prefix: str = "decoder.layers.3.mlp.experts.lo
 
 
 def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, drop_expert: bool = False):
+    """Train one case; return the trainer and what was observed of it (the checks' values, which the
+    tests assert on)."""
     # Megatron-LM's --data-cache-path: the first case builds the mock dataset's indices (4 million
     # samples, about a third of a small case's time), every later case and launch loads them
     args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
@@ -521,21 +528,45 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
-    losses, kappas, consistent, trainer.moe_fields, lrs = [], [], True, [], []
+    losses, kappas, differing, moe_fields, lrs = [], [], [], [], []
     for i in range(ITERS):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])  # the learning rate this step takes
         stats = trainer.train_step(i)
         losses.append(stats["lm loss"])
-        trainer.moe_fields.append(stats["moe"])  # the iteration line's MoE fields
+        moe_fields.append(stats["moe"])  # the iteration line's MoE fields
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
-        consistent &= copies_identical(trainer)
-    trainer.hooks_saw_everything = hooks.saw_everything(trainer.plan, trainer.rt.worker)
-    trainer.holds_its_layout = holds_its_layout(trainer)
-    trainer.reductions_before_flush = reductions_before_flush(early)
-    untouched = evaluation_is_side_effect_free(trainer)
-    eval_loss = trainer.evaluate(0)
-    kappa = None if None in kappas else max(kappas)
-    return trainer, losses, kappa, consistent, untouched, eval_loss, sum(lrs)
+        differing += [f"iteration {i + 1}: {tensor}" for tensor in copies_differing(trainer)]
+    return trainer, {  # in this order: the checks on the trained state before evaluation runs
+        "losses": losses, "kappa": None if None in kappas else max(kappas), "moe_fields": moe_fields,
+        "lr_sum": sum(lrs),
+        "copies_differing": differing,
+        "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
+        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
+        "evaluation": what_evaluation_changed(trainer), "eval": trainer.evaluate(0)}
+
+
+def compared(run: dict, trainer, ref: dict) -> dict:
+    """A multi-process case's result against its one-process reference ``ref``."""
+    losses, moe = run["losses"], run["moe_fields"]
+    weight = compare_weights(local_weights(trainer), ref["weights"], trainer.rt.tp, trainer.args, run["lr_sum"])
+    return {
+        "losses": losses, "reference": ref["losses"],
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+        "first_loss_rel": abs(losses[0] - ref["losses"][0]) / abs(ref["losses"][0]), "tp": trainer.rt.tp,
+        "weight_rel": weight["model_rel"], "worst_tensor_rel": weight["tensor_rel"],
+        "weight_steps": weight["model_steps"], "worst_tensor_steps": weight["tensor_steps"],
+        "copies_differing": run["copies_differing"],
+        "evaluation": run["evaluation"], "eval_rel": abs(run["eval"] - ref["eval"]) / abs(ref["eval"]),
+        "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
+        "hooks": run["hooks"], "layout_held": run["layout_held"],
+        "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
+        "overlapped": _overlapped(trainer),
+        "reductions_before_flush": run["reductions_before_flush"],
+        "moe_fields": sorted({name for f in moe for name in f}),
+        "mtp_loss": moe[-1].get("mtp_1 loss"),
+        "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k]) for f, r in zip(moe, ref["moe"]) for k in r), default=0.0)
+                    if [set(f) for f in moe] == [set(r) for r in ref["moe"]] else 1.0),
+    }
 
 
 def main() -> None:
@@ -549,41 +580,21 @@ def main() -> None:
     for name, (variant, flags) in cases(world).items():
         if options.only not in name:
             continue
-        trainer, losses, kappa, consistent, untouched, eval_loss, lr_sum = run_case(
-            VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR, drop_expert=name == DROPPED_EXPERT)
-        weights = local_weights(trainer)
+        trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR,
+                                drop_expert=name == DROPPED_EXPERT)
         if world == 1:
-            torch.save({"losses": losses, "eval": eval_loss, "weights": {k[0]: v for k, v in weights.items()},
-                        "moe": trainer.moe_fields}, os.path.join(out, f"ref_{variant}.pt"))
-            results[name] = {"losses": losses, "eval": eval_loss, "kappa": kappa}
+            weights = {k[0]: v for k, v in local_weights(trainer).items()}
+            torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"]},
+                       os.path.join(out, f"ref_{variant}.pt"))
+            results[name] = {"losses": run["losses"], "eval": run["eval"], "kappa": run["kappa"]}
             trainer.close()
             continue
-        ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
-        weight = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.args, lr_sum)
-        results[name] = {
-            "losses": losses, "reference": ref["losses"],
-            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
-            "first_loss_rel": abs(losses[0] - ref["losses"][0]) / abs(ref["losses"][0]), "tp": trainer.rt.tp,
-            "weight_rel": weight["model_rel"], "worst_tensor_rel": weight["tensor_rel"],
-            "weight_steps": weight["model_steps"], "worst_tensor_steps": weight["tensor_steps"],
-            "copies_identical": consistent,
-            "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
-            "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
-            "hooks_saw_everything": trainer.hooks_saw_everything, "holds_its_layout": trainer.holds_its_layout,
-            "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
-            "overlapped": _overlapped(trainer),
-            "reductions_before_flush": trainer.reductions_before_flush,
-            "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
-            "mtp_loss": trainer.moe_fields[-1].get("mtp_1 loss"),
-            "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k])
-                             for f, r in zip(trainer.moe_fields, ref["moe"]) for k in r), default=0.0)
-                        if [set(f) for f in trainer.moe_fields] == [set(r) for r in ref["moe"]] else 1.0),
-        }
+        results[name] = compared(run, trainer, torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True))
         trainer.close()
         if dist.get_rank() == 0:
-            print(f"{name}: loss_rel {results[name]['loss_rel']:.2e} weight_rel {weight['model_rel']:.2e} "
-                  f"({weight['model_steps']:.2e} steps) worst tensor {weight['tensor_rel']:.2e} "
-                  f"({weight['tensor_steps']:.2e} steps)", flush=True)
+            r = results[name]
+            print(f"{name}: loss_rel {r['loss_rel']:.2e} weight_rel {r['weight_rel']:.2e} ({r['weight_steps']:.2e} "
+                  f"steps) worst tensor {r['worst_tensor_rel']:.2e} ({r['worst_tensor_steps']:.2e} steps)", flush=True)
     if dist.get_rank() == 0:
         with open(os.path.join(out, f"cases_w{world}.json"), "w") as f:
             json.dump(results, f, indent=1)
