@@ -2,7 +2,6 @@
 Llama 3.1's RoPE scaling and --padded-vocab-size as its GPT builder passes them to GPTModel, gpt-oss's
 attention and MLP as its core_transformer_config_from_args sets them; the learnable attention sink is an
 ordinary parameter of its stage. Impossible values fail in one line."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,8 +97,9 @@ def test_enable_experimental_sets_megatron_cores_switch(one_process_group):
 
 
 def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_group):
-    from megatron.chimera.checkpoint.sharded_state import model_state
+    from megatron.chimera.checkpoint.states import ModelChunks
     from megatron.chimera.optim.gradients import is_expert
+    from megatron.chimera.optim.precision import MainParams
 
     args, plan, stage1 = _chunk(GPT_OSS + ["--pipeline-model-parallel-size", "2"], stage=1, world_size=2)
     first = plan.layout.first_layer(1)
@@ -113,8 +113,8 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in stage1.decoder.layers]
     assert windows == [(4, 0), None]
     # megatron-core's checkpoint key (its head axis split over TP), the layers stacked over the whole model
-    trainer = SimpleNamespace(args=args, plan=plan, rt=SimpleNamespace(held=[(0, 1)]), chunks={(0, 1): stage1})
-    saved = model_state(trainer)["model0"]
+    saved = ModelChunks.of({(0, 1): stage1}, [(0, 1)], plan.layout, MainParams({(0, 1): stage1})).sharded_state_dict()
+    saved = saved["model0"]
     for i, name in enumerate(sinks):
         item = saved[name]
         assert (item.key, item.global_shape, item.global_offset) == (f"decoder.layers.{SINK}", (4, 4), (first + i, 0))
