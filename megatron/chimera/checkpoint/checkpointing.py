@@ -9,7 +9,9 @@
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
 checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
 and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
-files are read too (legacy.py).
+files are read too (legacy.py). What is saved and loaded is a mapping of named states (states.py), placed
+where Megatron-LM's checkpoints keep them; these functions see the states, a CheckpointSpec and the
+process-group runtime, never the trainer.
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
