@@ -25,7 +25,10 @@ from chimera_schedules.ir.channels import stage_group
 from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Transport, unattributed_fault
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
+from .checkpoint.checkpointing import load_checkpoint, save_checkpoint
+from .checkpoint.states import DataPosition, ModelChunks, OptimizerState, RNGState, State
 from .config.arguments import lr_increment, lr_schedule
+from .config.checkpoint_spec import CheckpointSpec
 from .config.run_plan import make_run_plan, resolved_schedule
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .distributed.group_guard import guard_communicators
@@ -278,6 +281,15 @@ class Trainer:
         steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
         return max(steps, default=0)
 
+    def states(self) -> dict[str, State]:
+        """What a checkpoint holds of this trainer, by name (checkpoint/states.py); the loop adds the data position."""
+        states = {"model": ModelChunks.of(self.chunks, self.rt.held, self.plan.layout, self.main),
+                  "optimizer": OptimizerState(self.optimizer, self.main, self.models),
+                  "lr_scheduler": self.scheduler, "rng": RNGState(self.rt.rank, self.rt.world)}
+        if self.scaler:
+            states["grad_scaler"] = self.scaler
+        return states
+
     def evaluate(self, eval_round: int) -> float:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
@@ -412,27 +424,25 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
 
 def _resume(trainer) -> int:
     """The iteration to start from: the loaded checkpoint's, or 0."""
-    from .checkpoint.checkpointing import load_checkpoint
-
-    args = trainer.args
-    if args.fresh_start:
-        print_rank_last(f" no checkpoint in {args.fresh_start} yet (--load = --save): starting from scratch")
-    if not args.load:
+    spec = CheckpointSpec.from_args(trainer.args)
+    if spec.fresh_start:
+        print_rank_last(f" no checkpoint in {spec.fresh_start} yet (--load = --save): starting from scratch")
+    if not spec.load:
         return 0
-    first = load_checkpoint(trainer)[0]
-    print_rank_last(f" loaded checkpoint from {args.load} at iteration {first}")
-    return first
+    position = DataPosition(trainer.args.global_batch_size)
+    load_checkpoint({**trainer.states(), "data": position}, spec, trainer.rt)
+    print_rank_last(f" loaded checkpoint from {spec.load} at iteration {position.iteration}")
+    return position.iteration
 
 
 def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
     check, never the state of a NaN iteration."""
-    from .checkpoint.checkpointing import save_checkpoint
-
-    args = trainer.args
+    args, spec = trainer.args, CheckpointSpec.from_args(trainer.args)
     kept = not (stats["nan"] and args.check_for_nan_in_loss_and_grad)
-    if args.save and kept and (done % args.save_interval == 0 or done == args.train_iters or stop):
-        folder = save_checkpoint(trainer, done, done * args.global_batch_size)
+    if spec.save and kept and (done % spec.save_interval == 0 or done == args.train_iters or stop):
+        states = {**trainer.states(), "data": DataPosition.after(done, args.global_batch_size)}
+        folder = save_checkpoint(states, spec, trainer.rt, args, lambda: trainer.hooks.during_save(trainer, done))
         progress.last_saved = done
         print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
 

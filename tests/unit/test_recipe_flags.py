@@ -2,7 +2,6 @@
 Llama 3.1's RoPE scaling and --padded-vocab-size as its GPT builder passes them to GPTModel, gpt-oss's
 attention and MLP as its core_transformer_config_from_args sets them; the learnable attention sink is an
 ordinary parameter of its stage. Impossible values fail in one line."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,11 +11,12 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
-from megatron.chimera.checkpoint.sharded_state import model_state
+from megatron.chimera.checkpoint.states import ModelChunks
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
 from megatron.chimera.optim.gradients import is_expert
+from megatron.chimera.optim.precision import MainParams
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -106,8 +106,8 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in stage1.decoder.layers]
     assert windows == [(4, 0), None]
     # megatron-core's checkpoint key (its head axis split over TP), the layers stacked over the whole model
-    trainer = SimpleNamespace(args=args, plan=plan, rt=SimpleNamespace(held=[(0, 1)]), chunks={(0, 1): stage1})
-    saved = model_state(trainer)["model0"]
+    saved = ModelChunks.of({(0, 1): stage1}, [(0, 1)], plan.layout, MainParams({(0, 1): stage1})).sharded_state_dict()
+    saved = saved["model0"]
     for i, name in enumerate(sinks):
         item = saved[name]
         assert (item.key, item.global_shape, item.global_offset) == (f"decoder.layers.{SINK}", (4, 4), (first + i, 0))

@@ -10,7 +10,9 @@ from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_
 
 from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron.chimera.checkpoint.format import CheckpointError
+from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.checkpoint_spec import CheckpointSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import Trainer, TrainingStopped, _Board, _Progress
 from megatron.chimera.model import recompute
@@ -161,17 +163,23 @@ def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, capl
     """Our own checkpoint loads under raise_all (the _extra_state objects this loader leaves out on purpose are
     not reported); without the optimizer (--no-load-optim) its keys are missing: raise_all fails, log_all logs
     them and loads."""
+
+    def load(t) -> tuple[int, int]:
+        position = DataPosition(t.args.global_batch_size)
+        load_checkpoint({**t.states(), "data": position}, CheckpointSpec.from_args(t.args), t.rt)
+        return position.iteration, position.consumed_samples
+
     with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
-        save_checkpoint(t, 1, 2)
-    load = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
-    with trainer(load + ["raise_all"]) as t:
-        assert load_checkpoint(t) == (1, 2)
-    with trainer(load + ["raise_all", "--no-load-optim"]) as t, pytest.raises(CheckpointError, match="missing"):
-        load_checkpoint(t)
-    with trainer(load + ["log_all", "--no-load-optim"]) as t:
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, CheckpointSpec.from_args(t.args), t.rt, t.args)
+    flags = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
+    with trainer(flags + ["raise_all"]) as t:
+        assert load(t) == (1, 2), "our own checkpoint loads under raise_all at its iteration and samples"
+    with trainer(flags + ["raise_all", "--no-load-optim"]) as t, pytest.raises(CheckpointError, match="missing"):
+        load(t)
+    with trainer(flags + ["log_all", "--no-load-optim"]) as t:
         caplog.clear()
-        assert load_checkpoint(t) == (1, 2)
-        assert "optimizer.state.exp_avg" in caplog.text and "_extra_state" not in caplog.text
+        assert load(t) == (1, 2), "log_all loads despite the optimizer's keys, missing from the request"
+        assert "optimizer.state.exp_avg" in caplog.text and "_extra_state" not in caplog.text, caplog.text
 
 
 def test_trust_remote_code_reaches_huggingfaces_auto_tokenizer(gpt2_files, monkeypatch):

@@ -9,7 +9,9 @@
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
 checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
 and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
-files are read too (legacy.py).
+files are read too (legacy.py). What is saved and loaded is a mapping of named states (states.py), placed
+where Megatron-LM's checkpoints keep them; these functions see the states, a CheckpointSpec and the
+process-group runtime, never the trainer.
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
@@ -24,16 +26,23 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import warnings
+from collections.abc import Callable, Mapping
 
-import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
+from megatron.training.training import preprocess_common_state_dict
 
-from . import sharded_state
+from ..config.checkpoint_spec import CheckpointSpec
 from .format import CheckpointError, safe_globals
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
+from .states import State, StateMismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -136,8 +145,6 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
     """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
     if fmt == "torch":
         return legacy_common(folder, root)
-    from megatron.core import dist_checkpointing
-
     manifest = _manifest(folder, root)
     holders = [name for name in COMMON_FILES if manifest and name in manifest["files"]]
     for name in holders:  # checked before anything in them is unpickled
@@ -153,7 +160,7 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
         raise CheckpointError(root, f"{where} in {folder} is unreadable ({str(e).splitlines()[0][:200]})") from None
 
 
-def _shape(namespace, key: str):
+def _shape(namespace: argparse.Namespace, key: str):
     """A shape setting as it acts: without grouped-query attention every head is its own group, however
     a run stored --num-query-groups (ours None, Megatron-LM's its default 1)."""
     if key == "num_query_groups" and not getattr(namespace, "group_query_attention", False):
@@ -161,59 +168,67 @@ def _shape(namespace, key: str):
     return getattr(namespace, key)
 
 
-def check_shape(args, common: dict, root: str) -> None:
+def check_shape(megatron_args: argparse.Namespace, common: dict, root: str) -> None:
+    """The model shape of this run's Megatron-LM namespace against the one the checkpoint's ``args`` saved."""
     saved = common.get("args")
     for key in SHAPE_KEYS:
-        if saved is not None and hasattr(saved, key) and _shape(saved, key) != _shape(args, key):
+        if saved is not None and hasattr(saved, key) and _shape(saved, key) != _shape(megatron_args, key):
             flag = SHAPE_FLAGS.get(key, "--" + key.replace("_", "-"))
             raise CheckpointError(root, f"checkpoint has {flag}={_shape(saved, key)}, this run "
-                                        f"{_shape(args, key)}: model shapes must match")
+                                        f"{_shape(megatron_args, key)}: model shapes must match")
 
 
 # --- save ----------------------------------------------------------------------------------------
 
-def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
+def _saved_args(megatron_args: argparse.Namespace, consumed_samples: int) -> argparse.Namespace:
     """The run's flags as Megatron-LM stores them, plain values only (so loading them runs no code)."""
     plain = (int, float, str, bool, type(None))
-    kept = {k: v for k, v in vars(args).items()
+    kept = {k: v for k, v in vars(megatron_args).items()
             if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
     kept.update(consumed_train_samples=consumed_samples, consumed_valid_samples=0)
     return argparse.Namespace(**kept)
 
 
-def save_checkpoint(trainer, iteration: int, consumed_samples: int) -> str:
-    """Collective. Returns the final directory."""
-    from megatron.core import dist_checkpointing
-    from megatron.training.training import preprocess_common_state_dict  # already imported by the loop
-
-    args, rt = trainer.args, trainer.rt
-    final = iteration_dir(args.save, iteration)
+def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args: argparse.Namespace,
+                    on_written: Callable[[], None] = lambda: None) -> str:
+    """Collective: ``states`` (named as states.py lists them) into ``spec.save``, as iteration
+    the data position's iteration, with Megatron-LM's ``megatron_args`` written as its checkpoints hold them;
+    ``rt`` gives this rank's place. ``on_written`` runs once every rank has written its part, before the
+    checkpoint is published. Returns the final directory."""
+    iteration = states["data"].state_dict()["iteration"]
+    final = iteration_dir(spec.save, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    trainer.main.flush()  # --overlap-param-gather: the last step's weights
-    models = sharded_state.model_state(trainer)
-    state = {**models, "optimizer": sharded_state.optimizer_state(trainer, models, loading=False,
-                                                                  main_weights=trainer.main.half),
-             "rng_state": sharded_state.rng_state(rt.rank, rt.world),
-             "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-             "args": _saved_args(args, consumed_samples),
-             "opt_param_scheduler": trainer.scheduler.state_dict(),
-             "layout": {"schedule": args.pipeline_schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
+    state = _megatron_layout(states, spec, rt, megatron_args)
     _synchronous_writer()
     # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
     # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
     # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
     # unchanged state, args included.
     dist_checkpointing.save(state, tmp, preprocess_common_before_consistancy_check=preprocess_common_state_dict)
-    trainer.hooks.during_save(trainer, iteration)
+    on_written()
     dist.barrier()
     if dist.get_rank() == 0:
-        _publish(tmp, final, args.save, iteration)
+        _publish(tmp, final, spec.save, iteration)
     dist.barrier()
     return final
+
+
+def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args) -> dict:
+    """The named states where Megatron-LM's checkpoints keep them, with its metadata and our layout."""
+    models = states["model"].sharded_state_dict()
+    optimizer = states["optimizer"].sharded_state_dict(models)
+    if "grad_scaler" in states:
+        optimizer["grad_scaler"] = states["grad_scaler"].state_dict()
+    position = states["data"].state_dict()
+    return {**models, "optimizer": optimizer, "rng_state": states["rng"].sharded_state_dict(),
+            "iteration": position["iteration"], "checkpoint_version": CHECKPOINT_VERSION,
+            "args": _saved_args(megatron_args, position["consumed_samples"]),
+            "opt_param_scheduler": states["lr_scheduler"].state_dict(),
+            "layout": {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
 
 
 class _NotAsync(logging.Filter):
@@ -232,10 +247,6 @@ def _synchronous_writer() -> None:
     process, made for asynchronous saves. Ours are synchronous: the queue is filled and read by this
     process, so a plain one does. No helper process re-imports the launch script (5 s here) or outlives
     a killed rank while holding its output open."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
 
@@ -264,29 +275,29 @@ def _write_durably(path: str, text: str) -> None:
 
 # --- load ----------------------------------------------------------------------------------------
 
-def load_checkpoint(trainer) -> tuple[int, int]:
-    """Load weights and, unless --finetune / --no-load-optim / --no-load-rng say otherwise, the
-    optimizer, the LR scheduler and (same layout only) the RNG states; returns (iteration, consumed
-    samples), both 0 with --finetune. Collective."""
-    args = trainer.args
-    folder, fmt = find_checkpoint(args.load)
+def load_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt) -> None:
+    """Collective: ``spec.load`` into ``states`` (named as states.py lists them; ``rt`` gives this rank's
+    place): the weights; unless --finetune / --no-load-optim / --no-load-rng say otherwise, the optimizer,
+    loss scale and LR scheduler and (same layout only) the RNG states; the data position, 0 with --finetune."""
+    folder, fmt = find_checkpoint(spec.load)
     if fmt == "torch":
-        common = load_legacy(trainer, folder, args.load)
-        trainer.main.copy_from_model()
+        common = load_legacy(states["model"].chunks, rt.tp, rt.tp_rank, folder, spec.load)
+        states["model"].weights_loaded()
     else:
-        _verified_by_rank0(folder, args.load)
-        common = _load_dist(trainer, folder)
-    if _loads_optimizer(args) and "opt_param_scheduler" in common:
-        trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
-    if args.finetune:
-        return 0, 0
-    iteration = common.get("iteration", 0)
+        _verified_by_rank0(folder, spec.load)
+        common = _load_dist(states, spec, rt, folder)
+    if spec.load_optimizer and "opt_param_scheduler" in common:
+        states["lr_scheduler"].load_state_dict(common["opt_param_scheduler"])
+    states["data"].load_state_dict({"iteration": 0, "consumed_samples": 0} if spec.finetune else _position(common))
+
+
+def _position(common: dict) -> dict:
+    """The data position a checkpoint records: its iteration, and the samples consumed where its args say."""
+    position = {"iteration": common.get("iteration", 0)}
     saved = common.get("args")
-    return iteration, getattr(saved, "consumed_train_samples", iteration * args.global_batch_size)
-
-
-def _loads_optimizer(args) -> bool:
-    return not (args.finetune or args.no_load_optim)
+    if hasattr(saved, "consumed_train_samples"):
+        position["consumed_samples"] = saved.consumed_train_samples
+    return position
 
 
 def _same_layout(common: dict, rt) -> bool:
@@ -294,28 +305,32 @@ def _same_layout(common: dict, rt) -> bool:
     return (layout.get("world"), layout.get("tp"), layout.get("pp")) == (rt.world, rt.tp, rt.pp)
 
 
-def _load_dist(trainer, folder: str) -> dict:
-    args, rt = trainer.args, trainer.rt
-    common = read_common(folder, "torch_dist", args.load)
-    models = sharded_state.model_state(trainer)
+def _load_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, folder: str) -> dict:
+    """Every state the checkpoint fills, in one dist_checkpointing.load; returns its common state."""
+    common = read_common(folder, "torch_dist", spec.load)
+    models = states["model"].sharded_state_dict()
     request = {k: _tensors_only(v) for k, v in models.items()}
-    if _loads_optimizer(args):  # that the checkpoint has one was checked before start
-        request["optimizer"] = sharded_state.optimizer_state(trainer, models, loading=True,
-                                                             main_weights=common["optimizer"].get("fp32_param", False))
-    rng = not (args.finetune or args.no_load_rng) and _same_layout(common, rt)
+    if spec.load_optimizer:  # that the checkpoint has one was checked before start
+        request["optimizer"] = states["optimizer"].sharded_state_dict(
+            models, is_loading=True, main_weights=common["optimizer"].get("fp32_param", False))
+    rng = spec.load_rng and _same_layout(common, rt)
     if rng:
-        request["rng_state"] = sharded_state.rng_state(rt.rank, rt.world)
+        request["rng_state"] = states["rng"].sharded_state_dict()
     try:
         with safe_globals():
-            loaded = _load_strictly(request, folder, args.dist_ckpt_strictness, _objects(models))
+            loaded = _load_strictly(request, folder, spec.strictness, _objects(models))
     except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
-        raise CheckpointError(args.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
-    _restore_models(trainer, loaded, args.load)
-    trainer.main.copy_from_model()  # --fp16's main weights, unless the optimizer state has them
-    if _loads_optimizer(args):
-        sharded_state.restore_optimizer(trainer, loaded["optimizer"], common["optimizer"])
+        raise CheckpointError(spec.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
+    try:
+        states["model"].load_state_dict({k: loaded[k] for k in models})
+    except StateMismatch as e:
+        raise CheckpointError(spec.load, str(e)) from None
+    if spec.load_optimizer:
+        states["optimizer"].load_state_dict(loaded["optimizer"])
+        if "grad_scaler" in states and "grad_scaler" in common["optimizer"]:
+            states["grad_scaler"].load_state_dict(common["optimizer"]["grad_scaler"])
     if rng:
-        sharded_state.restore_rng(loaded["rng_state"])
+        states["rng"].load_state_dict(loaded["rng_state"])
     return common
 
 
@@ -325,9 +340,6 @@ def _load_strictly(request: dict, folder: str, strictness: str, skipped: set[str
     checkpoint nobody requested (log_all, raise_all) do not count the ``skipped`` ones, which this loader leaves
     out on purpose (``_tensors_only``) and Megatron-LM requests: megatron-core returns the mismatches
     (return_all), and they are raised or logged as the flag says, in megatron-core's words."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
-
     if strictness not in (StrictHandling.LOG_ALL.value, StrictHandling.RAISE_ALL.value):
         return dist_checkpointing.load(request, folder, strict=strictness)
     loaded, missing, unexpected = dist_checkpointing.load(request, folder, strict=StrictHandling.RETURN_ALL)
@@ -338,23 +350,10 @@ def _load_strictly(request: dict, folder: str, strictness: str, skipped: set[str
 
 def _objects(models: dict) -> set[str]:
     """The keys of the ShardedObjects in the models' sharded state (what ``_tensors_only`` leaves out)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     return {v.key for tree in models.values() for v in tree.values() if isinstance(v, ShardedObject)}
 
 
 def _tensors_only(tree: dict) -> dict:
     """A model's sharded state without its ShardedObjects (``_extra_state``: empty on the local spec,
     fp8 scales on Transformer Engine's, which we do not run), so loading unpickles nothing."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     return {k: v for k, v in tree.items() if not isinstance(v, ShardedObject)}
-
-
-def _restore_models(trainer, loaded: dict, root: str) -> None:
-    for i, chunk in enumerate(trainer.models):
-        state = {k: v for k, v in loaded[f"model{i}"].items() if torch.is_tensor(v)}
-        missing, _ = chunk.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing:
-            raise CheckpointError(root, f"the checkpoint has no {missing[0]}")

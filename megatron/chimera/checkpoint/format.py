@@ -3,9 +3,11 @@ the classes Megatron-LM's checkpoints pickle."""
 from __future__ import annotations
 
 import argparse
-import contextlib
+import io
 
 import torch
+from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+from megatron.core.transformer.enums import AttnBackend, ModelType
 
 from chimera_schedules import ConfigError
 
@@ -20,15 +22,5 @@ class CheckpointError(ConfigError):
 def safe_globals():
     """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
     weights_only unpickler (which runs no code)."""
-    import io
-
-    allowed = [argparse.Namespace, io.BytesIO]
-    with contextlib.suppress(ImportError):
-        from megatron.core.transformer.enums import AttnBackend, ModelType
-
-        allowed += [AttnBackend, ModelType]
-    with contextlib.suppress(ImportError):
-        from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
-
-        allowed += [RerunDiagnostic, RerunMode, RerunState]
-    return torch.serialization.safe_globals(allowed)
+    return torch.serialization.safe_globals([argparse.Namespace, io.BytesIO, AttnBackend, ModelType,
+                                             RerunDiagnostic, RerunMode, RerunState])

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
+from ..model.chunk import LAYER, TIED_NAME, tp_shard
 from .format import CheckpointError, safe_globals
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -90,18 +90,23 @@ def _joined(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def load_legacy(trainer, folder: str, root: str) -> dict:
-    """Copy every parameter's slice from a legacy checkpoint; returns its common state."""
-    args, rt = trainer.args, trainer.rt
+def load_legacy(chunks: list, tp: int, tp_rank: int, folder: str, root: str) -> dict:
+    """Copy every parameter's slice of this tensor-parallel rank (``tp_rank`` of ``tp``) from a legacy
+    checkpoint into ``chunks``; returns its common state."""
     shards = _shards(folder, root)
     with torch.no_grad():
-        for chunk in trainer.models:
+        for chunk in chunks:
             for param in chunk.parameters():
                 name = param.global_name
                 parts = shards.get(name) or (shards.get("output_layer.weight") if name == TIED_NAME else None)
                 if parts is None:
                     raise CheckpointError(root, f"{folder} has no {name}")
                 dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
-                full = _joined(parts, dim, is_gated(args, name))
-                param.copy_(tp_shard(full, dim, rt.tp, rt.tp_rank, is_gated(args, name)))
+                gated = _is_gated(chunk, name)
+                param.copy_(tp_shard(_joined(parts, dim, gated), dim, tp, tp_rank, gated))
     return read_common(folder, root)
+
+
+def _is_gated(chunk, name: str) -> bool:
+    """model/chunk.py's is_gated, read from the chunk's config: --swiglu and --quick-geglu gate its MLPs."""
+    return chunk.config.gated_linear_unit and name.endswith("linear_fc1.weight")

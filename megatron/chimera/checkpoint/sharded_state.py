@@ -19,22 +19,18 @@ import re
 from dataclasses import replace
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 LAYERS = "decoder.layers."
 NUMBERED = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, saved as Megatron-LM names it
 
 
-def _sharded_classes():
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    return ShardedTensor, ShardedObject, ShardedTensorFactory
-
-
 def _placed(item, offset: int, total: int, pipeline: int | None):
     """One sharded item moved from the chunk's layer numbering to the whole model's, its replica id
     extended by the pipeline index (None: already extended, as the items a factory builds are)."""
-    ShardedTensor, _, ShardedTensorFactory = _sharded_classes()
     changes = {}
     if pipeline is not None:
         rid = item.replica_id if isinstance(item.replica_id, tuple) else (item.replica_id,)
@@ -62,41 +58,29 @@ def _map(tree, fn):
     return fn(tree)
 
 
-def model_state(trainer) -> dict:
-    """``{"model0": ..., "model1": ...}``, one entry per chunk this rank holds, as Megatron-LM names
-    the chunks of an interleaved model."""
-    args, held = trainer.args, trainer.plan.layout
-    out = {}
-    for i, (pipeline, stage) in enumerate(trainer.rt.held):
-        chunk, first = trainer.chunks[(pipeline, stage)], held.first_layer(stage)
-        out[f"model{i}"] = _map(chunk.sharded_state_dict(),
-                                lambda x, first=first, pipeline=pipeline: _placed(x, first, args.num_layers, pipeline))
-    return out
+def chunk_state(chunk, first_layer: int, num_layers: int, pipeline: int) -> dict:
+    """A chunk's megatron-core sharded state, placed in the whole model of ``num_layers`` layers: its
+    layers from ``first_layer`` on, its replica id extended by the index of the pipeline that holds it."""
+    return _map(chunk.sharded_state_dict(), lambda x: _placed(x, first_layer, num_layers, pipeline))
 
 
 def _by_parameter(models: dict) -> dict:
     """id(parameter) -> its sharded item (tensor or factory) in the model state."""
-    ShardedTensor, _, ShardedTensorFactory = _sharded_classes()
     found = {}
     _map(models, lambda x: found.setdefault(id(x.data), x) if isinstance(x, (ShardedTensor, ShardedTensorFactory))
          else None)
     return found
 
 
-def optimizer_state(trainer, models: dict, loading: bool, main_weights: bool) -> dict:
-    """AdamW's moments (and, ``main_weights``, the fp32 main weights of --fp16 and --bf16) under
-    Megatron-LM's keys (``optimizer.state.exp_avg.<parameter key>``, ``optimizer.state.fp32_param.<key>``),
-    sharded like their parameters; zeros to be filled when loading. Whole tensors either way: the
-    distributed optimizer gathers its shards first (Megatron's fully reshardable format), so a
-    checkpoint loads with or without it. The step count (one number for all parameters), whether
-    main weights are there and the loss scale go to the common state. Collective when saving."""
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
+def optimizer_tensors(chunks: list, models: dict, full: dict, names: tuple[str, ...]) -> dict:
+    """The optimizer's per-parameter states ``names`` under Megatron-LM's keys (``optimizer.state.exp_avg.
+    <parameter key>``), sharded like their parameters in ``models`` (the chunks' placed sharded states):
+    ``full[id(parameter)][name]``, whole tensors, or zeros to be filled by a load. Whole either way: the
+    distributed optimizer gathers its shards first (Megatron's fully reshardable format), so a checkpoint
+    loads with or without it. Keyed ``"<chunk index>.<parameter name>"`` per name."""
     sharded = _by_parameter(models)
-    names = MOMENTS + (("fp32_param",) if main_weights else ())
-    full = {} if loading else trainer.main.full_state(trainer.optimizer, names)
     state = {name: {} for name in names}
-    for i, chunk in enumerate(trainer.models):
+    for i, chunk in enumerate(chunks):
         for pname, param in chunk.named_parameters():
             kept = full.get(id(param), {})
             for name in names:
@@ -105,29 +89,20 @@ def optimizer_state(trainer, models: dict, loading: bool, main_weights: bool) ->
                     value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
                                                                             f"optimizer.state.{name}")
-    out = {"state": state, "step": trainer.optimizer_steps(), "fp32_param": main_weights}
-    if trainer.scaler:
-        out["grad_scaler"] = trainer.scaler.state_dict()
-    return out
+    return state
 
 
-def restore_optimizer(trainer, loaded: dict, common: dict) -> None:
-    """The moments, the fp32 main weights when the checkpoint has them (else they stay the loaded
-    model weights), and the loss scale."""
+def loaded_by_parameter(chunks: list, loaded: dict) -> dict[int, dict[str, torch.Tensor]]:
+    """What ``optimizer_tensors`` keyed, loaded: id(parameter) -> its states, on the parameter's device."""
     states = {}
-    for i, chunk in enumerate(trainer.models):
+    for i, chunk in enumerate(chunks):
         for pname, param in chunk.named_parameters():
-            states[id(param)] = {name: loaded["state"][name][f"{i}.{pname}"].to(param.device)
-                                 for name in loaded["state"]}
-    trainer.main.load_full_state(trainer.optimizer, states, common["step"])
-    if trainer.scaler and "grad_scaler" in common:
-        trainer.scaler.load_state_dict(common["grad_scaler"])
+            states[id(param)] = {name: loaded[name][f"{i}.{pname}"].to(param.device) for name in loaded}
+    return states
 
 
 def _rng_tensors() -> dict:
     """This rank's RNG states as tensors, so loading them unpickles nothing."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     version, words, gauss = random.getstate()
     out = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
            "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)}
@@ -138,14 +113,11 @@ def _rng_tensors() -> dict:
 
 
 def rng_state(rank: int, world: int) -> dict:
-    ShardedTensor = _sharded_classes()[0]
     return {name: ShardedTensor.from_rank_offsets(f"rng_state.{name}", t.unsqueeze(0), (0, rank, world), replica_id=0)
             for name, t in _rng_tensors().items()}
 
 
 def restore_rng(loaded: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     states = {name: t[0] for name, t in loaded.items()}
     torch.set_rng_state(states.pop("torch"))
     gauss = states.pop("python_gauss").item()

@@ -7,8 +7,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """Checkpointing: where and when to save and load, and in which format."""
+    """Checkpointing: where and when to save and load, and in which format.
+
+    ``save``/``save_interval``: where and every how many iterations to save (--save, --save-interval).
+    ``load``: the checkpoint to resume from; None when there is none, including a first launch with
+    --load = --save, whose directory ``fresh_start`` then names. What a load restores besides the weights:
+    the optimizer, LR scheduler and loss scale (``load_optimizer``: neither --finetune nor --no-load-optim),
+    the RNG states (``load_rng``: neither --finetune nor --no-load-rng), the iteration (not with
+    ``finetune``). ``strictness``: --dist-ckpt-strictness, megatron-core's handling of keys the checkpoint
+    and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout."""
+
+    save: str | None
+    save_interval: int | None
+    load: str | None
+    fresh_start: str | None
+    finetune: bool
+    load_optimizer: bool
+    load_rng: bool
+    strictness: str
+    schedule: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSpec:
-        return cls()
+        return cls(save=args.save, save_interval=args.save_interval, load=args.load, fresh_start=args.fresh_start,
+                   finetune=args.finetune, load_optimizer=not (args.finetune or args.no_load_optim),
+                   load_rng=not (args.finetune or args.no_load_rng), strictness=args.dist_ckpt_strictness,
+                   schedule=args.pipeline_schedule)

@@ -1,0 +1,146 @@
+"""The named states a checkpoint holds, each an object that saves and loads itself, as torchtitan's
+CheckpointManager takes them: ``state_dict``/``load_state_dict`` (torch's ``Stateful``), or, for tensors
+sharded over ranks, megatron-core's ``sharded_state_dict`` with ``load_state_dict`` of what it filled.
+``Trainer.states()`` names the trainer's, the loop adds the data position; checkpointing.py writes and
+reads them in Megatron-LM's layout of a checkpoint, never seeing the trainer:
+
+    "model"         ModelChunks                -> model0, model1, ...  (the whole model's sharded keys)
+    "optimizer"     OptimizerState             -> optimizer            (moments, fp32 main weights, step)
+    "grad_scaler"   LossScaler (--fp16 only)   -> optimizer.grad_scaler
+    "lr_scheduler"  OptimizerParamScheduler    -> opt_param_scheduler
+    "rng"           RNGState                   -> rng_state            (sharded by rank)
+    "data"          DataPosition               -> iteration, args.consumed_train_samples
+
+The classes here give the protocol to what lacks it: the held chunks with the main weights that shadow
+them, AdamW with those main weights, the process's random generators, and how far the data was read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .sharded_state import MOMENTS, chunk_state, loaded_by_parameter, optimizer_tensors, restore_rng, rng_state
+
+
+class ShardedStateful(Protocol):
+    """megatron-core's protocol for state sharded over ranks: ``sharded_state_dict`` gives the sharded
+    tensors to write, or to fill at a load; ``load_state_dict`` takes them filled."""
+
+    def sharded_state_dict(self, *args, **kwargs) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+State = Stateful | ShardedStateful
+
+
+class StateMismatch(Exception):
+    """A state the checkpoint cannot fill, and why (checkpointing.py names the --load directory)."""
+
+
+class ModelChunks:
+    """The model chunks this rank holds, ``model<i>`` in placement order, each placed in the whole model of
+    ``num_layers`` layers (sharded_state.py), with the main weights that shadow them (``main``: precision.py's
+    or the distributed optimizer's). A save reads the weights once the last step's pending gathers have
+    finished (--overlap-param-gather); a load copies them into the main weights (--fp16, --bf16), which
+    the optimizer's state may then replace."""
+
+    def __init__(self, placed: list[tuple[torch.nn.Module, int, int]], num_layers: int, main):
+        self.placed, self.num_layers, self.main = placed, num_layers, main  # (chunk, pipeline, first layer)
+
+    @classmethod
+    def of(cls, chunks: dict, held: list[tuple[int, int]], layout, main) -> ModelChunks:
+        """``chunks[(pipeline, stage)]`` of the ``held`` keys, placed by the run plan's ``layout``."""
+        return cls([(chunks[key], key[0], layout.first_layer(key[1])) for key in held], layout.num_layers, main)
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        return [chunk for chunk, _, _ in self.placed]
+
+    def sharded_state_dict(self) -> dict:
+        self.main.flush()
+        return {f"model{i}": chunk_state(chunk, first, self.num_layers, pipeline)
+                for i, (chunk, pipeline, first) in enumerate(self.placed)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Every tensor of ``model<i>`` into chunk i (``_extra_state`` objects, left unloaded, excepted)."""
+        for i, chunk in enumerate(self.chunks):
+            state = {k: v for k, v in state_dict[f"model{i}"].items() if torch.is_tensor(v)}
+            missing, _ = chunk.load_state_dict(state, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing:
+                raise StateMismatch(f"the checkpoint has no {missing[0]}")
+        self.weights_loaded()
+
+    def weights_loaded(self) -> None:
+        """After the model's weights were loaded, without their fp32 main copies: the main weights take them."""
+        self.main.copy_from_model()
+
+
+class OptimizerState:
+    """AdamW and the main weights it steps (``main``), as Megatron-LM's optimizer state: the moments and,
+    in half precision, the fp32 main weights, sharded like the parameters of ``chunks`` (ModelChunks'
+    order); the step count (one for all parameters) and whether main weights are there."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, main, chunks: list[torch.nn.Module]):
+        self.optimizer, self.main, self.chunks = optimizer, main, chunks
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           main_weights: bool | None = None) -> dict:
+        """megatron-core's optimizer protocol, over the model's sharded state. ``main_weights``: whether the
+        fp32 main weights are in it; by default whether this run has them, at a load whether the checkpoint
+        does. Zeros to be filled at a load. Collective when saving (the distributed optimizer gathers)."""
+        main_weights = self.main.half if main_weights is None else main_weights
+        names = MOMENTS + (("fp32_param",) if main_weights else ())
+        full = {} if is_loading else self.main.full_state(self.optimizer, names)
+        return {"state": optimizer_tensors(self.chunks, model_sharded_state_dict, full, names),
+                "step": self.steps(), "fp32_param": main_weights}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The moments and the step; the fp32 main weights when the checkpoint has them (else they stay the
+        loaded model weights)."""
+        states = loaded_by_parameter(self.chunks, state_dict["state"])
+        self.main.load_full_state(self.optimizer, states, state_dict["step"])
+
+    def steps(self) -> int:
+        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return max(steps, default=0)
+
+
+@dataclass(frozen=True)
+class RNGState:
+    """This process's random generators (Python's, torch's, CUDA's, megatron-core's tracker), saved as rank
+    ``rank`` of ``world``: a load restores them only in the same layout, where each rank is the same."""
+
+    rank: int
+    world: int
+
+    def sharded_state_dict(self) -> dict:
+        return rng_state(self.rank, self.world)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        restore_rng(state_dict)
+
+
+@dataclass
+class DataPosition:
+    """How far the run has read its data: ``iteration`` iterations, ``consumed_samples`` samples (without
+    a record of them, ``global_batch_size`` per iteration)."""
+
+    global_batch_size: int
+    iteration: int = 0
+    consumed_samples: int = 0
+
+    @classmethod
+    def after(cls, iteration: int, global_batch_size: int) -> DataPosition:
+        return cls(global_batch_size, iteration, iteration * global_batch_size)
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.iteration = state_dict["iteration"]
+        self.consumed_samples = state_dict.get("consumed_samples", self.iteration * self.global_batch_size)
