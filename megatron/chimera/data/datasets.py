@@ -29,8 +29,8 @@ def evaluation_index(data: DataSpec, iteration: int) -> int:
 
 
 def build_datasets(data: DataSpec, tokenizer, train_samples: int, valid_samples: int):
-    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset, of documents
-    ``tokenizer`` (``tokenizer.build_tokenizer``'s) made."""
+    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset. ``tokenizer``
+    is ``tokenizer.build_tokenizer``'s: the datasets read its vocabulary size and end-of-document and padding ids."""
     blend = get_blend_from_list(None if data.data_path is None else list(data.data_path))
     config = GPTDatasetConfig(random_seed=data.seed, sequence_length=data.seq_length, blend=blend, split=data.split,
                               tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,

@@ -46,9 +46,9 @@ def check_arguments(spec: TokenizerSpec, require) -> None:
 
 
 def build_tokenizer(spec: TokenizerSpec, megatron_args: argparse.Namespace):
-    """The tokenizer ``spec`` names; ``megatron_args`` (Megatron-LM's namespace) goes to megatron-core's
-    builder, which reads it for every type but GPT2BPETokenizer. Validation gives the namespace its
-    padded vocabulary size first (``padded_vocab_size``), so the builder finds it set and writes nothing."""
+    """The tokenizer ``spec`` names. ``megatron_args``, Megatron-LM's namespace, goes only to megatron-core's
+    builder (every type but GPT2BPETokenizer), which pads the namespace's vocabulary when none is padded yet;
+    validation (config/arguments.py) builds the tokenizer first, so afterwards the builder writes nothing."""
     if spec.kind != "GPT2BPETokenizer":
         return megatron_build(megatron_args)
     return GPT2BPE(spec.vocab_file, spec.merge_file)
