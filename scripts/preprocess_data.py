@@ -23,9 +23,10 @@ class Encoder:
 
     @classmethod
     def initializer(cls, args):
+        from megatron.chimera.config.data_spec import TokenizerSpec
         from megatron.chimera.data.tokenizer import build_tokenizer
 
-        cls.args, cls.tokenizer = args, build_tokenizer(args)
+        cls.args, cls.tokenizer = args, build_tokenizer(TokenizerSpec.from_args(args), args)
 
     @classmethod
     def encode(cls, line: str):
@@ -46,7 +47,8 @@ def main(argv=None):
     p.add_argument("--json-keys", nargs="+", default=["text"])
     from megatron.training.arguments import _add_tokenizer_args
 
-    from megatron.chimera.data.tokenizer import check_arguments
+    from megatron.chimera.config.data_spec import TokenizerSpec
+    from megatron.chimera.data.tokenizer import check_arguments, default_type
 
     _add_tokenizer_args(p)  # Megatron-LM's tokenizer flags, as its tools/preprocess_data.py adds them
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
@@ -62,7 +64,8 @@ def main(argv=None):
         if not ok:
             p.exit(2, f"preprocess_data.py: error: {flag}={value}: {rule}\n")
 
-    check_arguments(args, require)
+    args.tokenizer_type = args.tokenizer_type or default_type(args.vocab_file, args.merge_file)
+    check_arguments(TokenizerSpec.from_args(args), require)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

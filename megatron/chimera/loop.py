@@ -29,8 +29,10 @@ from .checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from .checkpoint.states import DataPosition, ModelChunks, OptimizerState, RNGState, State
 from .config.arguments import lr_increment, lr_schedule
 from .config.checkpoint_spec import CheckpointSpec
+from .config.data_spec import DataSpec
 from .config.run_plan import make_run_plan, resolved_schedule
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
+from .data.tokenizer import build_tokenizer
 from .distributed.group_guard import guard_communicators
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
@@ -133,9 +135,10 @@ class Trainer:
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        train, valid = build_datasets(args, *dataset_sizes(args))
-        self.train_data = MicrobatchSource(train, args, plan, self.rt.dp_rank)
-        self.valid_data = MicrobatchSource(valid, args, plan, self.rt.dp_rank)
+        data = DataSpec.from_args(args)
+        train, valid = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
+        self.train_data = MicrobatchSource(train, data, plan, self.rt.dp_rank)
+        self.valid_data = MicrobatchSource(valid, data, plan, self.rt.dp_rank)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
         # NCCL, or its emulation: from here a group or pair the warm-up missed fails at once, naming it. Last,
@@ -533,7 +536,7 @@ def _tflops(args, seconds: float) -> str:
 
 
 def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
-    loss = trainer.evaluate(evaluation_index(trainer.args, iteration))
+    loss = trainer.evaluate(evaluation_index(DataSpec.from_args(trainer.args), iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                     f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
     board.add({"lm loss validation": loss}, iteration)

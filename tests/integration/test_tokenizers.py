@@ -10,12 +10,18 @@ import sentencepiece
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.data.tokenizer import build_tokenizer
+from megatron.chimera.config.data_spec import TokenizerSpec
+from megatron.chimera.data.tokenizer import build_tokenizer as build_from_spec
 from megatron.chimera.testing.launch import ROOT
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
          "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
+
+
+def build_tokenizer(args):
+    """The tokenizer of a validated namespace, as the trainer builds it."""
+    return build_from_spec(TokenizerSpec.from_args(args), args)
 
 
 def test_sentencepiece_types_pad_the_vocabulary_as_megatron_lm(corpus):

@@ -12,13 +12,14 @@ import sys
 from functools import partial
 
 import torch
+from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
 from chimera_schedules import ConfigError, ScheduleSpec, check
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import build_spec, check_options
 
-from ..data.tokenizer import build_tokenizer, check_padded_vocab
+from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
     delayed_wgrad_te,
@@ -27,6 +28,7 @@ from ..model.chunk import (
     uses_transformer_engine,
 )
 from .balanced_layout import balanced_layout
+from .data_spec import TokenizerSpec
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .run_plan import (
     INTERLEAVED,
@@ -104,8 +106,18 @@ def _validate(args) -> None:
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
-    check_padded_vocab(args, build_tokenizer(args), require)  # it sets args.padded_vocab_size, as in Megatron-LM
+    _pad_vocabulary(args)
     _validate_layout(args)
+
+
+def _pad_vocabulary(args) -> None:
+    """Megatron-LM's padded vocabulary, decided here once: --padded-vocab-size as given, else the tokenizer's
+    ids rounded up to a multiple of --make-vocab-size-divisible-by x TP (megatron-core's builder sets it so
+    for its tokenizers; GPT2BPETokenizer is ours)."""
+    tokenizer = build_tokenizer(TokenizerSpec.from_args(args), args)
+    if args.pad_vocab_size and args.padded_vocab_size is None:
+        args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
+    check_padded_vocab(args.padded_vocab_size, args.tensor_model_parallel_size, tokenizer, require)
 
 
 def _expert_layout(args) -> None:
@@ -598,7 +610,9 @@ def _validate_data(args) -> None:
         require(0 < len(splits) <= 3 and splits[0] > 0, "--split", args.split, "train,valid,test with train > 0")
         for prefix in prefixes:
             _require_documents(args, prefix)
-    check_tokenizer_arguments(args, require)
+    if args.tokenizer_type is None:
+        args.tokenizer_type = default_type(args.vocab_file, args.merge_file)
+    check_tokenizer_arguments(TokenizerSpec.from_args(args), require)
 
 
 def _check_request(args, request: ScheduleSpec) -> None:

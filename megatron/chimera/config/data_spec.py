@@ -6,9 +6,47 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer flags our code reads (megatron-core's builder reads Megatron-LM's namespace itself).
+    Built from any namespace with Megatron-LM's tokenizer flags: the trainer's and preprocess_data.py's."""
+
+    kind: str | None  # --tokenizer-type; None only before validation gives Megatron-LM's default
+    model: str | None  # --tokenizer-model
+    vocab_file: str | None
+    merge_file: str | None
+    vocab_size: int | None  # the NullTokenizer's
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TokenizerSpec:
+        return cls(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+
+
+@dataclass(frozen=True)
 class DataSpec:
-    """Data: paths, split, tokenizer and the dataset builder's settings."""
+    """Data: paths, split, tokenizer and the dataset builder's settings, and the batch sizes and run
+    lengths that say which samples each iteration and evaluation reads."""
+
+    data_path: tuple[str, ...] | None  # --data-path: prefixes, or a blend of WEIGHT PREFIX pairs
+    split: str | None
+    mock_data: bool
+    cache_path: str | None  # --data-cache-path
+    mmap_bin_files: bool
+    seq_length: int
+    reset_position_ids: bool
+    eod_mask_loss: bool
+    seed: int
+    global_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+    train_iters: int
+    eval_iters: int
+    eval_interval: int | None
+    tokenizer: TokenizerSpec
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataSpec:
-        return cls()
+        return cls(None if args.data_path is None else tuple(args.data_path), args.split, args.mock_data,
+                   args.data_cache_path, args.mmap_bin_files, args.seq_length, args.reset_position_ids,
+                   args.eod_mask_loss, args.seed, args.global_batch_size, args.micro_batch_size,
+                   args.data_parallel_size, args.train_iters, args.eval_iters, args.eval_interval,
+                   TokenizerSpec.from_args(args))

@@ -9,38 +9,38 @@ gets an iterator over its micro-batches in the order its schedule runs their for
 from __future__ import annotations
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
 
-from .tokenizer import build_tokenizer
+from ..config.data_spec import DataSpec
 
 
-def dataset_sizes(args) -> tuple[int, int]:
+def dataset_sizes(data: DataSpec) -> tuple[int, int]:
     """Samples the run asks of its train and validation parts (their shuffles depend on it)."""
-    evals = (evaluation_index(args, args.train_iters) + 1) * args.eval_iters if args.eval_iters else 0
-    return args.train_iters * args.global_batch_size, evals * args.global_batch_size
+    evals = (evaluation_index(data, data.train_iters) + 1) * data.eval_iters if data.eval_iters else 0
+    return data.train_iters * data.global_batch_size, evals * data.global_batch_size
 
 
-def evaluation_index(args, iteration: int) -> int:
+def evaluation_index(data: DataSpec, iteration: int) -> int:
     """Which evaluation runs after ``iteration``: every --eval-interval, and one at the end (the only
     one when --eval-interval is not given, Megatron-LM 0.19's default)."""
-    return iteration // args.eval_interval if args.eval_interval else 0
+    return iteration // data.eval_interval if data.eval_interval else 0
 
 
-def build_datasets(args, train_samples: int, valid_samples: int):
-    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
-                              blend=get_blend_from_list(args.data_path), split=args.split,
-                              tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
-                              reset_attention_mask=False, eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
-                              path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files)
+def build_datasets(data: DataSpec, tokenizer, train_samples: int, valid_samples: int):
+    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset. ``tokenizer``
+    is ``tokenizer.build_tokenizer``'s: the datasets read its vocabulary size and end-of-document and padding ids."""
+    blend = get_blend_from_list(None if data.data_path is None else list(data.data_path))
+    config = GPTDatasetConfig(random_seed=data.seed, sequence_length=data.seq_length, blend=blend, split=data.split,
+                              tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
+                              reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss, create_attention_mask=False,
+                              path_to_cache=data.cache_path, mmap_bin_files=data.mmap_bin_files)
     sizes = [train_samples, valid_samples, 0]
     # A part asked for no samples is not built: a part with no documents would make megatron-core loop
     # until the process-group timeout. The other parts keep Megatron-LM's document ranges.
     config.split_matrix = [bookends if size else None for bookends, size in zip(config.split_matrix, sizes)]
-    kind = MockGPTDataset if args.mock_data else GPTDataset
+    kind = MockGPTDataset if data.mock_data else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
     return train, valid
 
@@ -48,9 +48,9 @@ def build_datasets(args, train_samples: int, valid_samples: int):
 class MicrobatchSource:
     """Turns (iteration, micro-batch) into the right samples of a dataset for this data-parallel rank."""
 
-    def __init__(self, dataset, args, plan, dp_rank: int):
+    def __init__(self, dataset, data: DataSpec, plan, dp_rank: int):
         self.dataset, self.dp_rank = dataset, dp_rank
-        self.G, self.mbs, self.W = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+        self.G, self.mbs, self.W = data.global_batch_size, data.micro_batch_size, data.data_parallel_size
         self.parts = int(round(1 / plan.microbatch_scale))  # halving: each micro-batch in two halves
         self.size = self.mbs // self.parts
 

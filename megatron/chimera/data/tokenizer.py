@@ -8,53 +8,58 @@ read offline by HuggingFace's byte-level BPE, the same algorithm, ending documen
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
+
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
+
+from ..config.data_spec import TokenizerSpec
+
 NEEDS_TRANSFORMERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
-def check_arguments(args, require) -> None:
-    """The files each type reads exist; ``require(ok, flag, value, rule)`` reports the first that does not."""
-    import importlib.util
-    import os
+def default_type(vocab_file: str | None, merge_file: str | None) -> str:
+    """Megatron-LM's --tokenizer-type when none is given: GPT-2's BPE with both of its files, else the
+    NullTokenizer."""
+    return "GPT2BPETokenizer" if vocab_file and merge_file else "NullTokenizer"
 
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
-    kind = args.tokenizer_type
+
+def check_arguments(spec: TokenizerSpec, require) -> None:
+    """The files each type reads exist; ``require(ok, flag, value, rule)`` reports the first that does not."""
+    kind = spec.kind
     if kind in SENTENCEPIECE_TYPES:
-        require(bool(args.tokenizer_model) and os.path.isfile(args.tokenizer_model or ""), "--tokenizer-model",
-                args.tokenizer_model, "must name an existing SentencePiece model file")
+        require(bool(spec.model) and os.path.isfile(spec.model or ""), "--tokenizer-model", spec.model,
+                "must name an existing SentencePiece model file")
     elif kind == "HuggingFaceTokenizer":
-        require(bool(args.tokenizer_model) and os.path.isdir(args.tokenizer_model or ""), "--tokenizer-model",
-                args.tokenizer_model, "must name a local HuggingFace tokenizer directory (no hub downloads)")
+        require(bool(spec.model) and os.path.isdir(spec.model or ""), "--tokenizer-model", spec.model,
+                "must name a local HuggingFace tokenizer directory (no hub downloads)")
     elif kind == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        for flag, path in (("--vocab-file", spec.vocab_file), ("--merge-file", spec.merge_file)):
             require(bool(path) and os.path.isfile(path or ""), flag, path, "must name an existing file")
     else:
-        require(args.vocab_size is not None and args.vocab_size > 0, "--vocab-size", args.vocab_size,
+        require(spec.vocab_size is not None and spec.vocab_size > 0, "--vocab-size", spec.vocab_size,
                 "must be positive with the NullTokenizer")
     require(kind not in NEEDS_TRANSFORMERS or importlib.util.find_spec("transformers") is not None,
             "--tokenizer-type", kind, "needs the transformers package (pip install transformers)")
 
 
-def build_tokenizer(args):
-    """megatron-core's tokenizer for ``args`` (Megatron-LM's namespace); sets ``args.padded_vocab_size``
-    as Megatron-LM does, to a multiple of --make-vocab-size-divisible-by x TP."""
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
-    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-
-    if args.tokenizer_type != "GPT2BPETokenizer":
-        return megatron_build(args)
-    tokenizer = GPT2BPE(args.vocab_file, args.merge_file)
-    if args.pad_vocab_size and getattr(args, "padded_vocab_size", None) is None:
-        args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
-    return tokenizer
+def build_tokenizer(spec: TokenizerSpec, megatron_args: argparse.Namespace):
+    """The tokenizer ``spec`` names. ``megatron_args``, Megatron-LM's namespace, goes only to megatron-core's
+    builder (every type but GPT2BPETokenizer), which pads the namespace's vocabulary when none is padded yet;
+    validation (config/arguments.py) builds the tokenizer first, so afterwards the builder writes nothing."""
+    if spec.kind != "GPT2BPETokenizer":
+        return megatron_build(megatron_args)
+    return GPT2BPE(spec.vocab_file, spec.merge_file)
 
 
-def check_padded_vocab(args, tokenizer, require) -> None:
+def check_padded_vocab(size: int, tp: int, tokenizer, require) -> None:
     """--padded-vocab-size is taken as given, as Megatron-LM takes it (its tokenizer pads only without
     it): it must hold every id the tokenizer makes, and megatron-core's vocab-parallel embedding and
-    output layer split it evenly over tensor parallelism (Megatron-LM fails on either only once running)."""
-    size, tp, ids = args.padded_vocab_size, args.tensor_model_parallel_size, tokenizer.vocab_size
+    output layer split it evenly over ``tp`` tensor-parallel ranks (Megatron-LM fails on either only
+    once running)."""
+    ids = tokenizer.vocab_size
     require(size >= ids, "--padded-vocab-size", size, f"must hold the tokenizer's {ids} ids")
     require(size % tp == 0, "--padded-vocab-size", size,
             f"must be a multiple of --tensor-model-parallel-size ({tp}): megatron-core splits the vocabulary evenly")
@@ -65,7 +70,7 @@ class GPT2BPE:
     preprocess_data ask of a tokenizer."""
 
     def __init__(self, vocab_file: str, merge_file: str):
-        from tokenizers import ByteLevelBPETokenizer  # HuggingFace's, installed with transformers
+        from tokenizers import ByteLevelBPETokenizer  # here: HuggingFace's, installed with the optional transformers
 
         self.bpe = ByteLevelBPETokenizer(vocab_file, merge_file)
         vocab = self.bpe.get_vocab()

@@ -23,7 +23,9 @@ import sys
 import torch
 
 from megatron.chimera import make_run_plan, parse_args
+from megatron.chimera.config.data_spec import DataSpec
 from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes
+from megatron.chimera.data.tokenizer import build_tokenizer
 from megatron.chimera.distributed.process_groups import init_distributed
 from megatron.chimera.model.chunk import transformer_config
 
@@ -47,8 +49,9 @@ def gpt_model(args):
 
 @torch.no_grad()
 def batch_loss(model, args, index: int) -> float:
-    train, _ = build_datasets(args, *dataset_sizes(args))
-    source = MicrobatchSource(train, args, make_run_plan(args), dp_rank=0)
+    data = DataSpec.from_args(args)
+    train, _ = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
+    source = MicrobatchSource(train, data, make_run_plan(args), dp_rank=0)
     total = count = 0.0
     model.eval()
     for mb in range(args.num_microbatches):
