@@ -1,20 +1,22 @@
 """Profiler ranges on every action, and faults placed in the lowered list, in one process.
 
 With a stand-in transport (a receive gets zeros at once), the executor runs every kind of action (F,
-B, I, W, sends, receives, all-reduces) under the profiler, one ``PP:`` range each in list order; and
-a PipelineFault's message shows the list around where the worker was.
+B, I, W, sends, receives, all-reduces) under the profiler, one ``PP:`` range each in list order; a
+PipelineFault's message shows the list around where the worker was, and says whose fault it was: a
+forward's own error or a communication call's.
 """
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from chimera_schedules import build
 from chimera_schedules.ir.actions import Op
 from chimera_schedules.passes.lowering import lower
-from chimera_schedules.runtime.executor import PipelineFault, Transport, make_forward_backward
+from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Transport, make_forward_backward
 
 
 def pp_ranges(events) -> list[str]:
@@ -130,3 +132,41 @@ def test_a_send_that_fails_at_the_flush_is_marked_in_the_list(one_process_group)
                                "stage 1 to worker 1")
     assert lines[1] == "the worker's lowered list (19 actions), at the flush, waiting for action 1:"
     assert lines[2:] == ["    0 F0p0s0", ">>  1 sA0p0s1>1@down", "    2 rA2p1s1<1@up", "    3 F2p1s1", "    4 F1p0s0"]
+
+
+def test_a_forward_that_raises_is_a_compute_fault_naming_the_action(one_process_group):
+    """Not a communication call's failure: a ComputeFault, this worker's own, naming the action it was
+    at (F2p1s1, action 3, the first forward of a stage 1) and keeping the original as its cause."""
+    forward_backward, call = worker0(StandInPeer())
+
+    def raising(data, chunk):
+        if chunk.input is not None:
+            raise ValueError("a bug in the forward\nmore detail")
+        return forward_step(data, chunk)
+
+    with pytest.raises(ComputeFault) as fault:
+        forward_backward(**call | {"forward_step_func": raising})
+    lines = str(fault.value).splitlines()
+    assert lines[0] == ("rank 0 (worker 0): the forward of micro-batch 2, pipeline 1, stage 1 (F2p1s1) raised "
+                        "ValueError: a bug in the forward"), lines[0]
+    assert lines[1] == "the worker's lowered list (19 actions), at action 3:", lines[1]
+    assert isinstance(fault.value.__cause__, ValueError) and "in raising" in fault.value.trace(), fault.value.trace()
+
+
+class PostingFails(StandInPeer):
+    """Posting a receive fails with torch.distributed's own error, as NCCL's do."""
+
+    def irecv(self, tensor, rank, group):
+        raise dist.DistError("NCCL error: remote process exited\nmore detail")
+
+
+def test_a_post_that_fails_with_a_distributed_error_is_a_collective_failure(one_process_group):
+    forward_backward, call = worker0(PostingFails())
+    with pytest.raises(PipelineFault) as fault:
+        forward_backward(**call)
+    assert not isinstance(fault.value, ComputeFault), str(fault.value)
+    headline = fault.value.headline
+    assert headline == ("rank 0 (worker 0): a collective failed in posting the receive of the activation of "
+                        "micro-batch 2, pipeline 1, stage 1 from worker 1 (rank 1) on group up for F2p1s1: NCCL error: "
+                        "remote process exited"), headline
+    assert str(fault.value).splitlines()[1] == "the worker's lowered list (19 actions), at action 2:", str(fault.value)

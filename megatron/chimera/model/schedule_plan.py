@@ -5,7 +5,7 @@
 ``TransformerModelChunkSchedulePlan.run(f_plan, b_plan, b_grad)`` runs one micro-batch's forward beside
 another's backward, layer by layer, each all-to-all on the communication stream while the other
 micro-batch computes. The executor runs every forward and backward of an overlapped schedule this way
-(``chimera_schedules/runtime/executor.py``), alone or paired.
+(``chimera_schedules/runtime/stage.py``, ``PlanStage``), alone or paired.
 
 What megatron-core's plan lacks is a split backward: it has no I and W. ``defer_weight_gradients`` gives
 it one. Each node of a plan runs its backward on its own segment of the autograd graph (megatron-core

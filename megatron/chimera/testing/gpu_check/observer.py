@@ -31,7 +31,7 @@ import torch
 
 from megatron.chimera import Hooks
 
-STAGING = {"process_groups.py": None, "executor.py": {"send", "take"}}  # file -> functions (None: any)
+STAGING = {"process_groups.py": None, "messages.py": {"send", "take"}}  # file -> functions (None: any)
 # where a sync's call site is not: the standard library (warnings' own frames), torch, installed packages
 _LIBRARIES = tuple(os.path.dirname(m.__file__) for m in (os, torch))
 
