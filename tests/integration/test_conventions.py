@@ -148,10 +148,10 @@ def test_exit_duration_in_mins_stops_once_that_long_has_passed():
 
     import torch
 
+    from megatron.chimera.config.train_spec import ExitSpec
     from megatron.chimera.loop import _ExitPolicy
 
-    args = SimpleNamespace(exit_interval=None, exit_signal_handler=False, exit_duration_in_mins=59)
-    policy = _ExitPolicy(args)
+    policy = _ExitPolicy(ExitSpec(interval=None, signal_handler=False, signal=15, duration_in_mins=59))
     rt = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda tensor: None)
     assert policy.reason(1, rt) is None
     policy.start -= 3600

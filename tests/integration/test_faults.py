@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.parallel_dims import ParallelDims
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.testing.launch import ROOT
@@ -192,7 +193,7 @@ def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     from megatron.chimera.distributed.process_groups import setup_parallel
 
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
-    rt = setup_parallel(args, make_run_plan(args), "gloo", torch.device("cpu"))
+    rt = setup_parallel(ParallelDims.from_args(args), make_run_plan(args), "gloo", torch.device("cpu"))
     groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
               parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
               parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.job import job_config
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
 from megatron.chimera.observability.hooks import Hooks
@@ -60,7 +61,7 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
     assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--recompute-modules") == 1
     assert (" > --recompute-modules: moe_act only in Transformer Engine's layers (no effect with megatron-core's "
@@ -74,7 +75,7 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process
     assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
     assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--moe-shared-expert-overlap") == 1 and "off on the CPU" in out
 
@@ -140,7 +141,7 @@ def trainer(flags: list[str], hooks: Hooks = Hooks()):
     from megatron.chimera.model.gpt_step import forward_step
 
     args = parse_args(TINY + flags, world_size=1)
-    built = Trainer(args, make_run_plan(args), forward_step, hooks)
+    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
     try:
         yield built
     finally:
@@ -160,7 +161,7 @@ def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, ch
         assert stats["lm loss"] != stats["lm loss"]  # NaN
         expected = (True, True, 0) if checked else (False, False, 1)
         assert (stats["skipped"], stats["nan"], t.optimizer_steps()) == expected
-        progress = _Progress(t.args, 0, _Board(None), t.timers)
+        progress = _Progress(t.job.train, t.job.log, 0, _Board(None), t.timers)
         with pytest.raises(TrainingStopped) if checked else contextlib.nullcontext():
             progress.record(stats, 1, 1e-3, None)
 

@@ -186,7 +186,7 @@ def save_checkpoint(trainer, iteration: int, consumed_samples: int) -> str:
     from megatron.core import dist_checkpointing
     from megatron.training.training import preprocess_common_state_dict  # already imported by the loop
 
-    args, rt = trainer.args, trainer.rt
+    args, rt = trainer.job.megatron_args, trainer.rt
     final = iteration_dir(args.save, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -268,7 +268,7 @@ def load_checkpoint(trainer) -> tuple[int, int]:
     """Load weights and, unless --finetune / --no-load-optim / --no-load-rng say otherwise, the
     optimizer, the LR scheduler and (same layout only) the RNG states; returns (iteration, consumed
     samples), both 0 with --finetune. Collective."""
-    args = trainer.args
+    args = trainer.job.megatron_args
     folder, fmt = find_checkpoint(args.load)
     if fmt == "torch":
         common = load_legacy(trainer, folder, args.load)
@@ -295,7 +295,7 @@ def _same_layout(common: dict, rt) -> bool:
 
 
 def _load_dist(trainer, folder: str) -> dict:
-    args, rt = trainer.args, trainer.rt
+    args, rt = trainer.job.megatron_args, trainer.rt
     common = read_common(folder, "torch_dist", args.load)
     models = sharded_state.model_state(trainer)
     request = {k: _tensors_only(v) for k, v in models.items()}

@@ -92,7 +92,7 @@ def _joined(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
 
 def load_legacy(trainer, folder: str, root: str) -> dict:
     """Copy every parameter's slice from a legacy checkpoint; returns its common state."""
-    args, rt = trainer.args, trainer.rt
+    args, rt = trainer.job.megatron_args, trainer.rt
     shards = _shards(folder, root)
     with torch.no_grad():
         for chunk in trainer.models:

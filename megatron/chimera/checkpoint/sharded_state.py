@@ -65,9 +65,9 @@ def _map(tree, fn):
 def model_state(trainer) -> dict:
     """``{"model0": ..., "model1": ...}``, one entry per chunk this rank holds, as Megatron-LM names
     the chunks of an interleaved model."""
-    args, held = trainer.args, trainer.plan.layout
+    args, held = trainer.job.megatron_args, trainer.plan.layout
     out = {}
-    for i, (pipeline, stage) in enumerate(trainer.rt.held):
+    for i, (pipeline, stage) in enumerate(trainer.held):
         chunk, first = trainer.chunks[(pipeline, stage)], held.first_layer(stage)
         out[f"model{i}"] = _map(chunk.sharded_state_dict(),
                                 lambda x, first=first, pipeline=pipeline: _placed(x, first, args.num_layers, pipeline))

@@ -27,6 +27,7 @@ from chimera_schedules.ir.actions import Overlapped
 from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
+from megatron.chimera.config.job import job_config
 from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
@@ -311,7 +312,7 @@ def holds_its_layout(trainer) -> bool:
     embedding itself, and so is MTP's embedding beside it), its MTP layers, and the final norm after the
     model's last layer. A layout that
     was silently ignored would still train like one process; this would fail."""
-    held, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
+    held, tied = trainer.plan.layout, trainer.job.parallel.tied_embeddings
     ok = True
     for m in trainer.models:
         st, first = held.stages[m.stage], held.first_layer(m.stage)
@@ -319,7 +320,7 @@ def holds_its_layout(trainer) -> bool:
         local = [n for n, _ in m.named_parameters()]
         layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")})
         depths = {n.split(".")[2] for n in local if n.startswith("mtp.layers.")}
-        norm_after_last = held.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss
+        norm_after_last = held.holds_last_layer(m.stage) if trainer.job.megatron_args.mtp_num_layers else st.loss
         ok &= (layers == list(range(first, first + st.layers))
                and any(n.startswith("embedding.") for n in local) == (st.embedding or st.mtp > 0)
                and ("output_layer.weight" in local) == (st.loss and not ((st.embedding or st.mtp) and tied))
@@ -483,7 +484,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False):
     args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
     hooks = HookRecorder()
     plan = make_run_plan(args)
-    trainer = Trainer(args, every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
+    trainer = Trainer(job_config(args), every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     losses, kappas, consistent, trainer.moe_fields = [], [], True, []
     for i in range(ITERS):
@@ -522,16 +523,17 @@ def main() -> None:
             trainer.close()
             continue
         ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
-        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.args)
+        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.job.megatron_args)
+        precision = trainer.job.train.precision
         results[name] = {
             "losses": losses, "reference": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "first_loss_rel": abs(losses[0] - ref["losses"][0]) / abs(ref["losses"][0]), "tp": trainer.rt.tp,
             "weight_rel": model_rel, "worst_tensor_rel": tensor_rel, "copies_identical": consistent,
             "eval_untouched": untouched, "eval_rel": abs(eval_loss - ref["eval"]) / abs(ref["eval"]),
-            "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
+            "precision": "fp16" if precision.fp16 else "bf16" if precision.bf16 else "fp32",
             "hooks_saw_everything": trainer.hooks_saw_everything, "holds_its_layout": trainer.holds_its_layout,
-            "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
+            "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.job.train.optimizer.overlap_grad_reduce,
             "overlapped": _overlapped(trainer),
             "reductions_before_flush": trainer.reductions_before_flush,
             "moe_fields": sorted({name for f in trainer.moe_fields for name in f}),
