@@ -113,7 +113,8 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in stage1.decoder.layers]
     assert windows == [(4, 0), None]
     # megatron-core's checkpoint key (its head axis split over TP), the layers stacked over the whole model
-    trainer = SimpleNamespace(args=args, plan=plan, rt=SimpleNamespace(held=[(0, 1)]), chunks={(0, 1): stage1})
+    job = SimpleNamespace(megatron_args=args)
+    trainer = SimpleNamespace(job=job, plan=plan, held=[(0, 1)], chunks={(0, 1): stage1})
     saved = model_state(trainer)["model0"]
     for i, name in enumerate(sinks):
         item = saved[name]
