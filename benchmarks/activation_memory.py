@@ -100,9 +100,8 @@ def _tracker(forward_step):
 def measure(name: str) -> dict:
     """Two iterations of one schedule on this rank; its measured and predicted peaks."""
     from chimera_schedules import variant
-    from megatron.chimera import Trainer, make_run_plan, parse_args
+    from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
     from megatron.chimera.config.arguments import schedule_flags
-    from megatron.chimera.config.job import job_config
     from megatron.chimera.model.gpt_step import forward_step
 
     flags = schedule_flags(variant(name, DEPTH, MICROBATCHES), int(MODEL[MODEL.index("--num-layers") + 1]))

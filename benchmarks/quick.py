@@ -175,8 +175,7 @@ def _measure_case(flags, cfg):
     pipeline-span times, per-action timestamps and saved bytes of the measured iterations."""
     import torch.distributed as dist
 
-    from megatron.chimera import Trainer, make_run_plan
-    from megatron.chimera.config.job import job_config
+    from megatron.chimera import Trainer, job_config, make_run_plan
     from megatron.chimera.model.gpt_step import forward_step
     from megatron.chimera.observability.startup import model_state_bytes
 

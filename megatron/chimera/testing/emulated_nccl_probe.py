@@ -14,8 +14,7 @@ import json
 import os
 
 from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward
-from megatron.chimera import Trainer, make_run_plan, parse_args
-from megatron.chimera.config.job import job_config
+from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.testing.legacy_lowering import legacy_lower
 

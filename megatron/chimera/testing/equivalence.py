@@ -26,8 +26,7 @@ from chimera_schedules.analysis.validator import validate
 from chimera_schedules.ir.actions import Overlapped
 from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
-from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
-from megatron.chimera.config.job import job_config
+from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
