@@ -114,7 +114,7 @@ class Trainer:
         self.rt = setup_parallel(dims, plan, backend, device)
         self.held = plan.held(self.rt.worker)  # the (pipeline, stage) copies this rank's chunks are
         fresh_metrics(job.megatron_args, plan.layout.chunk_slots())
-        print_schedule_proof(plan, agree_on_schedule(plan, plan.name))
+        print_schedule_proof(plan, agree_on_schedule(plan))
         torch.manual_seed(train.seed)
         model_parallel_cuda_manual_seed(train.seed)
         self.timers = make_timers(job.log)

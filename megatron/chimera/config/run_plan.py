@@ -28,7 +28,6 @@ from chimera_schedules.ir.schedule import copies_held
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
-from chimera_schedules.registry import check as checked
 from chimera_schedules.runtime.executor import make_forward_backward
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
@@ -60,10 +59,10 @@ class RunPlan:
     split_backward: bool
     megatron_virtual_stages: int | None
     layout: Layout
+    name: str
     lowered: Schedule | None = None
     proof_seconds: float | None = None
     overlap: bool = False
-    name: str = "megatron-1f1b"
     balanced_for: str | None = None
 
     def held(self, worker: int) -> list[tuple[int, int]]:
@@ -194,24 +193,18 @@ def make_run_plan(args) -> RunPlan:
         pp = args.pipeline_model_parallel_size
         virtual = stages // pp if name == "megatron-interleaved" else None
         return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
-                       virtual, held, name=name, balanced_for=balanced_for)
+                       virtual, held, name, balanced_for=balanced_for)
     schedule = generated(request)
     lowered, seconds = _proven(lower(schedule))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
-                   schedule.split_backward, None, held, lowered, seconds, bool(request.overlap), name, balanced_for)
+                   schedule.split_backward, None, held, name, lowered, seconds, bool(request.overlap), balanced_for)
 
 
 @lru_cache(maxsize=4)
 def generated(request: ScheduleSpec) -> Schedule:
-    """The schedule a request describes, generated once per process: validation's rules that read it
-    (the balancer, the split-backward checks) and the run plan share one (``--chimera-order best``
-    searches for seconds). Keyed by the request as checked (defaults filled in), so that a request and
-    its checked form share one; Schedule is frozen, its sharers read it only."""
-    return _generated(checked(request))
-
-
-@lru_cache(maxsize=4)
-def _generated(request: ScheduleSpec) -> Schedule:
+    """The schedule ``schedule_request`` asked for, generated once per process: validation's rules that
+    read it (the balancer, the split-backward checks) and the run plan share one (``--chimera-order best``
+    searches for seconds). Schedule is frozen: its sharers read it only."""
     return build_spec(request)
 
 
