@@ -100,14 +100,14 @@ def _tracker(forward_step):
 def measure(name: str) -> dict:
     """Two iterations of one schedule on this rank; its measured and predicted peaks."""
     from chimera_schedules import variant
-    from megatron.chimera import Trainer, make_run_plan, parse_args
+    from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
     from megatron.chimera.config.arguments import schedule_flags
     from megatron.chimera.model.gpt_step import forward_step
 
     flags = schedule_flags(variant(name, DEPTH, MICROBATCHES), int(MODEL[MODEL.index("--num-layers") + 1]))
     args = parse_args(MODEL + ["--global-batch-size", str(MICROBATCHES)] + flags, world_size=DEPTH)
     tracker = _tracker(forward_step)
-    trainer = Trainer(args, make_run_plan(args), tracker.forward_step, tracker)
+    trainer = Trainer(job_config(args), make_run_plan(args), tracker.forward_step, tracker)
     for i in range(2):
         trainer.train_step(i)
     schedule, worker = trainer.plan.schedule, trainer.rt.worker

@@ -100,7 +100,7 @@ def runtime(dp: int = 1):
 
     world = dist.group.WORLD
     return Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world=1, tp=1, pp=2, dp=dp, tp_rank=0,
-                   dp_rank=0, worker=0, placement=((0, 1), (1, 0)), held=[(0, 0), (1, 1)],
+                   dp_rank=0, worker=0, pipelines=2,
                    stage_groups={0: world, 1: world}, embedding_group=world, embedding_stages=(0, 1))
 
 

@@ -175,13 +175,13 @@ def _measure_case(flags, cfg):
     pipeline-span times, per-action timestamps and saved bytes of the measured iterations."""
     import torch.distributed as dist
 
-    from megatron.chimera import Trainer, make_run_plan
+    from megatron.chimera import Trainer, job_config, make_run_plan
     from megatron.chimera.model.gpt_step import forward_step
     from megatron.chimera.observability.startup import model_state_bytes
 
     args = _case_args(flags, cfg)
     timing = _timing(forward_step)
-    trainer = Trainer(args, make_run_plan(args), timing.counting_forward_step, timing)
+    trainer = Trainer(job_config(args), make_run_plan(args), timing.counting_forward_step, timing)
     measured = {"steps": [], "spans": [], "optimizer": [], "events": []}
     for i in range(cfg["warmup"] + cfg["iters"]):
         timing.counting = i < cfg["warmup"]

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from .actions import COMM_OPS, COMPUTE_OPS, P2P_OPS, Action, Op, Overlapped, parts
 
 
+def copies_held(placement: tuple[tuple[int, ...], ...], worker: int) -> list[tuple[int, int]]:
+    """The (pipeline, stage) copies ``worker`` holds under ``placement``, in placement order (a schedule's,
+    or the trainer's run plan's, which has one for megatron-core's schedules too)."""
+    return [(p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker]
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per worker, the ordered actions of one training iteration (one flush).
@@ -57,7 +63,7 @@ class Schedule:
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, stage) copies this worker holds, in placement order."""
-        return [(p, s) for p, row in enumerate(self.placement) for s, w in enumerate(row) if w == worker]
+        return copies_held(self.placement, worker)
 
     def compute(self, worker: int) -> list[Action | Overlapped]:
         """The worker's actions without the gradient reductions and communication (overlapped ones kept

@@ -16,8 +16,9 @@ warnings.filterwarnings("ignore", message="Could not determine rank from torch.d
 # torch's CUDA build on a machine without a driver logs this once per process at import, on every rank
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 from .config.arguments import parse_args  # noqa: E402
+from .config.job import JobConfig, job_config  # noqa: E402
 from .config.run_plan import RunPlan, make_run_plan  # noqa: E402
 from .loop import Trainer, pretrain  # noqa: E402
 from .observability.hooks import Hooks  # noqa: E402
 
-__all__ = ["parse_args", "make_run_plan", "RunPlan", "Trainer", "pretrain", "Hooks"]
+__all__ = ["parse_args", "job_config", "JobConfig", "make_run_plan", "RunPlan", "Trainer", "pretrain", "Hooks"]

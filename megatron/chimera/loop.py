@@ -17,6 +17,8 @@ from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.training import num_floating_point_operations, print_datetime
 from megatron.training.utils import print_rank_last
 
@@ -27,10 +29,11 @@ from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from .checkpoint.states import DataPosition, ModelChunks, OptimizerState, RNGState, State
-from .config.arguments import lr_increment, lr_schedule
-from .config.checkpoint_spec import CheckpointSpec
-from .config.data_spec import DataSpec
-from .config.run_plan import make_run_plan, resolved_schedule
+from .config.job import JobConfig, job_config
+from .config.logging_spec import LogSpec
+from .config.parallel_dims import ParallelDims
+from .config.run_plan import make_run_plan
+from .config.train_spec import ExitSpec, OptimizerSpec, TrainSpec
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .data.tokenizer import build_tokenizer
 from .distributed.group_guard import guard_communicators
@@ -55,11 +58,11 @@ from .optim.gradients import ReplicaGradSync
 from .optim.precision import LossScaler, MainParams, scaled_loss
 
 
-def _param_groups(params, args):
+def _param_groups(params, optimizer: OptimizerSpec):
     """Megatron's rules: no weight decay on biases and norms (the 1-D parameters); with --decoupled-lr,
     the input embedding and output layer follow their own LR schedule. A piece of a parameter (the
     distributed optimizer's) follows the rules of the parameter it is cut from."""
-    decoupled = args.decoupled_lr is not None
+    decoupled = optimizer.decoupled_lr is not None
     groups = {}
     for p in params:
         source = getattr(p, "source", p)
@@ -69,8 +72,7 @@ def _param_groups(params, args):
     for (decays, own_lr), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
         group = {"params": members, "wd_mult": 1.0 if decays else 0.0}
         if own_lr:
-            group.update(max_lr=args.decoupled_lr,
-                         min_lr=args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr)
+            group.update(max_lr=optimizer.decoupled_lr, min_lr=optimizer.decoupled_min_lr)
         out.append(group)
     return out
 
@@ -84,25 +86,22 @@ def _allocate_state(optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _scheduler(args, optimizer):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    schedule = lr_schedule(args)
+def _scheduler(spec: OptimizerSpec, optimizer):
+    schedule = spec.schedule
     return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init if schedule["lr_warmup_steps"] else args.lr, **schedule,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        optimizer, init_lr=spec.lr_warmup_init if schedule["lr_warmup_steps"] else spec.lr, **schedule,
+        override_opt_param_scheduler=spec.override_scheduler,
+        use_checkpoint_opt_param_scheduler=spec.use_checkpoint_scheduler)
 
 
-def _transport(args, rt, backend: str, layout) -> Transport:
+def _transport(dims: ParallelDims, rt, backend: str, layout, dtype: torch.dtype) -> Transport:
     """Where our executor's messages go: this worker's peers, the process group of every channel, and
     the p2p implementation (gloo waits are bounded by --distributed-timeout-minutes; NCCL's are not,
-    see TorchP2P)."""
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    p2p = EmulatedNCCL(timeout) if args.emulate_nccl else TorchP2P(None if backend == "nccl" else timeout)
+    see TorchP2P). ``dtype``: the activations' (--params-dtype)."""
+    timeout = timedelta(minutes=dims.timeout_minutes)
+    p2p = EmulatedNCCL(timeout) if dims.emulate_nccl else TorchP2P(None if backend == "nccl" else timeout)
     groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
-    return Transport(rt.worker, rt.worker_ranks, groups, rt.device, args.params_dtype, p2p, rt.comm_device,
-                     layout.output_rows())
+    return Transport(rt.worker, rt.worker_ranks, groups, rt.device, dtype, p2p, rt.comm_device, layout.output_rows())
 
 
 class Trainer:
@@ -110,63 +109,63 @@ class Trainer:
     forward_backward function, data. ``hooks`` (observability/hooks.py) see fixed points of each
     iteration and every compute action of our schedules."""
 
-    def __init__(self, args, plan, forward_step_func, hooks: Hooks = Hooks()):
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        self.args, self.plan, self.hooks = args, plan, hooks
-        backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
-                                           args.p2p_host_staging)
-        self.rt = setup_parallel(args, plan, backend, device)
-        fresh_metrics(args, plan.layout.chunk_slots())
-        print_schedule_proof(plan, agree_on_schedule(plan, args.pipeline_schedule))
-        torch.manual_seed(args.seed)
-        model_parallel_cuda_manual_seed(args.seed)
-        self.timers = make_timers(args)
+    def __init__(self, job: JobConfig, plan, forward_step_func, hooks: Hooks = Hooks()):
+        self.job, self.plan, self.hooks = job, plan, hooks
+        dims, train = job.parallel, job.train
+        backend, device = init_distributed(dims.backend, dims.timeout_minutes, dims.p2p_host_staging)
+        self.rt = setup_parallel(dims, plan, backend, device)
+        self.held = plan.held(self.rt.worker)  # the (pipeline, stage) copies this rank's chunks are
+        fresh_metrics(job.megatron_args, plan.layout.chunk_slots())
+        print_schedule_proof(plan, agree_on_schedule(plan))
+        torch.manual_seed(train.seed)
+        model_parallel_cuda_manual_seed(train.seed)
+        self.timers = make_timers(job.log)
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         self._build_model_and_optimizer(forward_step_func, device)
-        self.transport = _transport(args, self.rt, backend, plan.layout) if plan.schedule is not None else None
+        self.transport = (_transport(dims, self.rt, backend, plan.layout, train.precision.params_dtype)
+                          if plan.schedule is not None else None)
         self.forward_backward = plan.runner(self.models, self.transport, self.sync,
-                                              hooks if hooks.observes_actions() else None, args.nvtx_ranges)
+                                            hooks if hooks.observes_actions() else None, job.log.nvtx_ranges)
         started = time.perf_counter()
-        warmed = warm_up_communicators(self.rt, args, plan, self.transport)
+        warmed = warm_up_communicators(self.rt, dims, plan, self.transport)
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
-        self.micro_batch_size = int(args.micro_batch_size * plan.microbatch_scale)
+        self.micro_batch_size = int(train.micro_batch_size * plan.microbatch_scale)
         self.orders = plan.forward_orders(self.rt.worker)
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        data = DataSpec.from_args(args)
-        train, valid = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
+        data = job.data
+        train, valid = build_datasets(data, build_tokenizer(data.tokenizer, job.megatron_args), *dataset_sizes(data))
         self.train_data = MicrobatchSource(train, data, plan, self.rt.dp_rank)
         self.valid_data = MicrobatchSource(valid, data, plan, self.rt.dp_rank)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
         # NCCL, or its emulation: from here a group or pair the warm-up missed fails at once, naming it. Last,
         # so that a constructor that raises leaves no guard installed in the process.
-        self.guard = guard_communicators(warmed) if backend == "nccl" or args.emulate_nccl else None
+        self.guard = guard_communicators(warmed) if backend == "nccl" or dims.emulate_nccl else None
 
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
-        args, rt = self.args, self.rt
-        print_building(args, uses_transformer_engine(args, device.type))
-        print_layout(args, self.plan)
-        self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
+        args, rt, spec = self.job.megatron_args, self.rt, self.job.train.optimizer
+        print_building(args, uses_transformer_engine(args, device.type), device.type)
+        print_layout(self.plan)
+        self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)
-        self.models = [self.chunks[key] for key in rt.held]
+        self.models = [self.chunks[key] for key in self.held]
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
-        if args.use_distributed_optimizer:
-            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, args.overlap_grad_reduce,
-                                                      args.overlap_param_gather)
+        if spec.distributed:
+            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, spec.overlap_grad_reduce,
+                                                      spec.overlap_param_gather)
         else:
             self.main = MainParams(self.chunks)
-            self.sync = ReplicaGradSync(self.main.by_chunk, rt, args.overlap_grad_reduce)
-        self.scaler = LossScaler(args) if args.fp16 else None
+            self.sync = ReplicaGradSync(self.main.by_chunk, rt, spec.overlap_grad_reduce)
+        precision = self.job.train.precision
+        self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
-        self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), args), lr=args.lr,
-                                           weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                                           eps=args.adam_eps)
+        self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), spec), lr=spec.lr,
+                                           weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
         _allocate_state(self.optimizer)
-        self.scheduler = _scheduler(args, self.optimizer)
+        self.scheduler = _scheduler(spec, self.optimizer)
 
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
@@ -187,7 +186,7 @@ class Trainer:
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
             model=self.models,
             num_microbatches=self.plan.microbatches,
-            seq_length=self.args.seq_length,
+            seq_length=self.job.train.seq_length,
             micro_batch_size=self.micro_batch_size,
             forward_only=forward_only,
         )
@@ -214,7 +213,7 @@ class Trainer:
         except NotImplementedError:  # a configuration the executor refuses: not a failed peer
             raise
         except Exception as e:  # our executor names its actions; the rest is told by where it was raised
-            where = (f"a forward or backward of megatron-core's {resolved_schedule(self.args)} schedule"
+            where = (f"a forward or backward of megatron-core's {self.plan.name} schedule"
                      if self.plan.schedule is None else "the loss or gradient norm after the pipeline")
             fault = e if isinstance(e, PipelineFault) else unattributed_fault(e, f"rank {self.rt.rank}", where,
                                                                               (self.rt, self.sync))
@@ -222,12 +221,13 @@ class Trainer:
                 print(fault.trace(), end="", file=sys.stderr, flush=True)
             raise type(fault)(f"{fault.headline} (iteration {iteration + 1})", fault.context,  # joins the first line
                               fault.action) from fault.__cause__
-        moe = auxiliary_loss_fields(self.args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
-        moe.update(mtp_loss_fields(self.args, self.rt, self.plan.microbatches))
-        if self.args.moe_router_enable_expert_bias:
-            update_expert_bias(self.chunks, self.rt, self.args.moe_router_bias_update_rate)
+        args = self.job.megatron_args
+        moe = auxiliary_loss_fields(args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
+        moe.update(mtp_loss_fields(args, self.rt, self.plan.microbatches))
+        if args.moe_router_enable_expert_bias:
+            update_expert_bias(self.chunks, self.rt, args.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)
-        steps = finite or not (self.args.check_for_nan_in_loss_and_grad or self.scaler)
+        steps = finite or not (self.job.train.check_for_nan or self.scaler)
         self._step(norm, finite, steps)
         return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
                 "nan": self._nan_iteration(loss, finite, steps), "moe": moe}
@@ -236,22 +236,23 @@ class Trainer:
         """With the NaN check (Megatron-LM's default): a NaN/Inf loss, or gradient norm without a loss scaler
         (fp16 gradients that overflow lower the loss scale instead). Without it, what Megatron-LM's log counts
         as one: a skipped step whose loss is NaN/Inf."""
-        if self.args.check_for_nan_in_loss_and_grad:
+        if self.job.train.check_for_nan:
             return not math.isfinite(loss) or (not finite and self.scaler is None)
         return not steps and not math.isfinite(loss)
 
     def _gradients(self, iteration: int) -> tuple[float, float]:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
         timers = self.timers
-        timers("forward-backward", log_level=1).start(barrier=self.args.barrier_with_L1_time)
+        barrier = self.job.log.barrier_with_l1_time
+        timers("forward-backward", log_level=1).start(barrier=barrier)
         self.hooks.before_iteration(self, iteration + 1)
         reports = self._pipeline(self.train_data, iteration, forward_only=False)
         self.hooks.after_backward(self, iteration + 1)
         loss, tokens = self._merged_loss(reports)
-        if self.args.calculate_per_token_loss:
+        if self.job.train.per_token_loss:
             self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
         timers("forward-backward").stop()
-        timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
+        timers("optimizer", log_level=1).start(barrier=barrier)
         timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
             self.main.unscale(self.scaler.scale)
@@ -264,9 +265,9 @@ class Trainer:
 
     def _step(self, norm: float, finite: bool, steps: bool) -> None:
         """Clip (a finite norm) and step, or skip the step."""
-        timers = self.timers
-        if finite and self.args.clip_grad > 0:
-            self.main.clip(self.args.clip_grad, norm)
+        timers, spec = self.timers, self.job.train.optimizer
+        if finite and spec.clip_grad > 0:
+            self.main.clip(spec.clip_grad, norm)
         timers("optimizer-clip-main-grad").stop()
         timers("optimizer-inner-step", log_level=1).start()
         if self.scaler:
@@ -274,7 +275,7 @@ class Trainer:
         if steps:
             self.optimizer.step()
             self.main.copy_to_model()
-            self.scheduler.step(increment=lr_increment(self.args))
+            self.scheduler.step(increment=spec.lr_increment)
         else:
             self.main.zero_grad(self.optimizer)
         timers("optimizer-inner-step").stop()
@@ -286,7 +287,7 @@ class Trainer:
 
     def states(self) -> dict[str, State]:
         """What a checkpoint holds of this trainer, by name (checkpoint/states.py); the loop adds the data position."""
-        states = {"model": ModelChunks.of(self.chunks, self.rt.held, self.plan.layout, self.main),
+        states = {"model": ModelChunks.of(self.chunks, self.held, self.plan.layout, self.main),
                   "optimizer": OptimizerState(self.optimizer, self.main, self.models),
                   "lr_scheduler": self.scheduler, "rng": RNGState(self.rt.rank, self.rt.world)}
         if self.scaler:
@@ -297,8 +298,9 @@ class Trainer:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
             m.eval()
-        losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * self.args.eval_iters + i,
-                                                   forward_only=True))[0] for i in range(self.args.eval_iters)]
+        batches = self.job.train.eval_iters
+        losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * batches + i, forward_only=True))[0]
+                  for i in range(batches)]
         return sum(losses) / len(losses)
 
 
@@ -308,7 +310,7 @@ class _Board:
     def __init__(self, path: str | None):
         self.writer = None
         if path and dist.get_rank() == dist.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # here: the tensorboard package is optional
 
             self.writer = SummaryWriter(path)
 
@@ -326,7 +328,7 @@ def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     A caller that created the default process group keeps it: only the group made here is destroyed."""
     owns_process_group = not dist.is_initialized()
     try:
-        return _pretrain(args, forward_step_func, hooks, owns_process_group)
+        return _pretrain(job_config(args), forward_step_func, hooks, owns_process_group)
     except (PipelineFault, ConfigError, TrainingStopped) as e:
         if not isinstance(e, ScheduleMismatch) or dist.get_rank() == 0:  # a mismatch is raised on every rank
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
@@ -344,47 +346,52 @@ class _ExitPolicy:
     --exit-duration-in-mins have passed since the start. Ranks agree at each iteration boundary (one
     all-reduce), so they all save the same checkpoint and stop together."""
 
-    def __init__(self, args):
-        self.args, self.received, self.start = args, False, time.time()
-        if args.exit_signal_handler:
-            signal.signal(args.exit_signal, self._handle)
+    def __init__(self, spec: ExitSpec):
+        self.spec, self.received, self.start = spec, False, time.time()
+        if spec.signal_handler:
+            signal.signal(spec.signal, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
     def reason(self, done: int, rt) -> str | None:
-        args = self.args
-        if args.exit_interval and done % args.exit_interval == 0:
-            return f"--exit-interval {args.exit_interval}"
-        if not (args.exit_signal_handler or args.exit_duration_in_mins):
+        spec = self.spec
+        if spec.interval and done % spec.interval == 0:
+            return f"--exit-interval {spec.interval}"
+        if not (spec.signal_handler or spec.duration_in_mins):
             return None
         minutes = (time.time() - self.start) / 60
-        local = [int(self.received), int(bool(args.exit_duration_in_mins) and minutes > args.exit_duration_in_mins)]
+        local = [int(self.received), int(bool(spec.duration_in_mins) and minutes > spec.duration_in_mins)]
         flags = torch.tensor(local, dtype=torch.int32, device=rt.device)
         rt.all_reduce(flags)
         if flags[0]:
-            return signal.Signals(args.exit_signal).name
-        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}" if flags[1] else None
+            return signal.Signals(spec.signal).name
+        return f"--exit-duration-in-mins {spec.duration_in_mins:g}" if flags[1] else None
 
 
-def _pretrain(args, forward_step_func, hooks: Hooks, owns_process_group: bool) -> list[dict]:
-    exit_policy = _ExitPolicy(args)
-    trainer = Trainer(args, make_run_plan(args), forward_step_func, hooks)
+def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_group: bool) -> list[dict]:
+    train, log = job.train, job.log
+    exit_policy = _ExitPolicy(train.exit)
+    trainer = Trainer(job, make_run_plan(job.megatron_args), forward_step_func, hooks)
     first = _resume(trainer)
-    print_model_state(trainer)
-    board = _Board(args.tensorboard_dir)
-    if first >= args.train_iters:  # a requeued or chained job after the run's end: write nothing
-        print_rank_last(f" training already complete at iteration {first} (--train-iters {args.train_iters}):"
+    print_model_state(trainer, log.memory_per_rank)
+    board = _Board(log.tensorboard_dir)
+    if first >= train.train_iters:  # a requeued or chained job after the run's end: write nothing
+        print_rank_last(f" training already complete at iteration {first} (--train-iters {train.train_iters}):"
                         " nothing to train")
-        if args.eval_iters:  # as Megatron-LM, evaluate what was loaded
+        if train.eval_iters:  # as Megatron-LM, evaluate what was loaded
             _evaluate_and_print(trainer, board, first)
         _shut_down(trainer, owns_process_group)
         return []
     print_rank_last("done with setup ...")
     print_times(trainer.timers, SETUP)
     print_rank_last("training ...")
-    progress = _Progress(args, first, board, trainer.timers)
-    housekeeping = Housekeeping(args, trainer.rt.rank)
+    # a copy: Megatron-LM's function writes derived values (query groups) into the namespace it is given
+    flops = (num_floating_point_operations(copy.copy(job.megatron_args), train.global_batch_size)
+             if log.throughput else None)
+    progress = _Progress(train, log, first, board, trainer.timers, flops=flops, world=job.parallel.world,
+                         loaded=bool(job.checkpoint.load), save_dir=job.checkpoint.save)
+    housekeeping = Housekeeping(log, trainer.rt.rank)
     try:
         history = _train(trainer, first, progress, housekeeping, board, exit_policy)
     finally:
@@ -405,21 +412,22 @@ def _shut_down(trainer, owns_process_group: bool) -> None:
 
 
 def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:
-    args = trainer.args
-    for iteration in range(first, args.train_iters):
+    train = trainer.job.train
+    for iteration in range(first, train.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
         done = iteration + 1
         housekeeping.after_iteration(done)
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
-        if args.eval_iters and (args.eval_interval and done % args.eval_interval == 0 or done == args.train_iters):
+        if train.eval_iters and (train.eval_interval and done % train.eval_interval == 0 or done == train.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
-        stop = exit_policy.reason(done, trainer.rt) if done < args.train_iters else None
+        stop = exit_policy.reason(done, trainer.rt) if done < train.train_iters else None
         _maybe_save(trainer, progress, stats, done, stop)
         if stop:
-            print_rank_last(f" exiting on {stop} at iteration {done}" + (" after saving it" if args.save else ""))
+            saved = " after saving it" if trainer.job.checkpoint.save else ""
+            print_rank_last(f" exiting on {stop} at iteration {done}" + saved)
             return progress.history
         progress.restart_clock(done)
     return progress.history
@@ -427,12 +435,12 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> l
 
 def _resume(trainer) -> int:
     """The iteration to start from: the loaded checkpoint's, or 0."""
-    spec = CheckpointSpec.from_args(trainer.args)
+    spec = trainer.job.checkpoint
     if spec.fresh_start:
         print_rank_last(f" no checkpoint in {spec.fresh_start} yet (--load = --save): starting from scratch")
     if not spec.load:
         return 0
-    position = DataPosition(trainer.args.global_batch_size)
+    position = DataPosition(trainer.job.train.global_batch_size)
     load_checkpoint({**trainer.states(), "data": position}, spec, trainer.rt)
     print_rank_last(f" loaded checkpoint from {spec.load} at iteration {position.iteration}")
     return position.iteration
@@ -441,11 +449,12 @@ def _resume(trainer) -> int:
 def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
     check, never the state of a NaN iteration."""
-    args, spec = trainer.args, CheckpointSpec.from_args(trainer.args)
-    kept = not (stats["nan"] and args.check_for_nan_in_loss_and_grad)
-    if spec.save and kept and (done % spec.save_interval == 0 or done == args.train_iters or stop):
-        states = {**trainer.states(), "data": DataPosition.after(done, args.global_batch_size)}
-        folder = save_checkpoint(states, spec, trainer.rt, args, lambda: trainer.hooks.during_save(trainer, done))
+    train, spec = trainer.job.train, trainer.job.checkpoint
+    kept = not (stats["nan"] and train.check_for_nan)
+    if spec.save and kept and (done % spec.save_interval == 0 or done == train.train_iters or stop):
+        states = {**trainer.states(), "data": DataPosition.after(done, train.global_batch_size)}
+        folder = save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args,
+                                 lambda: trainer.hooks.during_save(trainer, done))
         progress.last_saved = done
         print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
 
@@ -455,21 +464,26 @@ class _Progress:
     iterations themselves (not of logging, evaluation or saving). With the NaN check, stops the run after too many NaN
     iterations in a row."""
 
-    def __init__(self, args, first: int, board: _Board, timers):
-        self.args, self.board, self.timers = args, board, timers
+    def __init__(self, train: TrainSpec, log: LogSpec, first: int, board: _Board, timers, *,
+                 flops: float | None = None, world: int = 1, loaded: bool = False, save_dir: str | None = None):
+        """``flops``: Megatron-LM's model FLOPs of one iteration, with --log-throughput; ``world``: the
+        ranks they are shared by; ``loaded``: whether the run resumed (the loaded iteration is its last
+        saved one); ``save_dir``: --save, named when the NaN policy stops the run."""
+        self.train, self.log, self.board, self.timers = train, log, board, timers
+        self.flops, self.world, self.save_dir = flops, world, save_dir
         self.history, self.nan_run = [], 0
-        self.last_saved = args.load and first
+        self.last_saved = first if loaded else None
         self.first, self.logged, self.start = first, first, time.time()
 
     def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
-        if done % self.args.log_interval == 0 or done == self.args.train_iters or self.nan_run:
+        if done % self.log.interval == 0 or done == self.train.train_iters or self.nan_run:
             iterations = done - self.logged
             self._log(done, lr, loss_scale)
-            if self.args.timing_log_level >= 1:
+            if self.log.timing_level >= 1:
                 print_times(self.timers, ITERATION, normalizer=iterations)
-        if self.args.check_for_nan_in_loss_and_grad and self.nan_run >= self.args.max_consecutive_nan_iterations:
+        if self.train.check_for_nan and self.nan_run >= self.train.max_consecutive_nan:
             raise TrainingStopped(self._nan_message(done))
 
     def restart_clock(self, done: int) -> None:
@@ -480,21 +494,21 @@ class _Progress:
         """Megatron-LM's iteration line: the loss averaged over the iterations since the last line that
         stepped (none stepped: no loss field), 'loss scale' with --fp16, no 'grad norm' after a skipped
         step, and the skipped and NaN iterations since the last line."""
-        args = self.args
+        train = self.train
         recent = self.history[self.logged - self.first:]
         elapsed = (time.time() - self.start) / len(recent)
         stepped = [s["lm loss"] for s in recent if not s["skipped"]]
         loss = sum(stepped) / len(stepped) if stepped else None
         moe = _mean_fields([s["moe"] for s in recent if not s["skipped"]])
-        throughput = args.global_batch_size * args.seq_length / elapsed
+        throughput = train.global_batch_size * train.seq_length / elapsed
         norm = recent[-1]["grad norm"]
         skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
         print_rank_last(
-            f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{args.train_iters:8d} |"
-            f" consumed samples: {done * args.global_batch_size:12d} |"
-            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{_tflops(args, elapsed)}"
+            f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{train.train_iters:8d} |"
+            f" consumed samples: {done * train.global_batch_size:12d} |"
+            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{self._tflops(elapsed)}"
             f" throughput (tokens/s): {throughput:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+            f" learning rate: {lr:.6E} | global batch size: {train.global_batch_size:5d} |"
             + ("" if loss is None else f" lm loss: {loss:.6E} |")
             + "".join(f" {name}: {value:.6E} |" for name, value in moe.items() if value > 0)
             + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
@@ -511,9 +525,16 @@ class _Progress:
         self.board.add(scalars, done)
         self.logged = done
 
+    def _tflops(self, seconds: float) -> str:
+        """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
+        if self.flops is None:
+            return ""
+        per_rank = self.flops / seconds / self.world
+        return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
+
     def _nan_message(self, done: int) -> str:
-        limit, run = self.args.max_consecutive_nan_iterations, self.nan_run
-        kept = (f"the last good checkpoint is iteration {self.last_saved} in {self.args.save}" if self.last_saved
+        limit, run = self.train.max_consecutive_nan, self.nan_run
+        kept = (f"the last good checkpoint is iteration {self.last_saved} in {self.save_dir}" if self.last_saved
                 else "no checkpoint saved")
         return (f"{run} iterations in a row ({done - run + 1}-{done}) had a NaN or Inf loss or gradient norm "
                 f"(--max-consecutive-nan-iterations {limit}); stopping; {kept}")
@@ -526,17 +547,8 @@ def _mean_fields(fields: list[dict]) -> dict[str, float]:
     return {name: sum(f[name] for f in fields if name in f) / sum(name in f for f in fields) for name in names}
 
 
-def _tflops(args, seconds: float) -> str:
-    """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
-    if not args.log_throughput:
-        return ""
-    # a copy: Megatron-LM's function writes derived values (query groups) into the namespace it is given
-    per_rank = num_floating_point_operations(copy.copy(args), args.global_batch_size) / seconds / args.world_size
-    return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
-
-
 def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
-    loss = trainer.evaluate(evaluation_index(DataSpec.from_args(trainer.args), iteration))
+    loss = trainer.evaluate(evaluation_index(trainer.job.data, iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                     f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
     board.add({"lm loss validation": loss}, iteration)

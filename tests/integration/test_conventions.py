@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.train_spec import ExitSpec
 from megatron.chimera.loop import _ExitPolicy
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import losses, run, train_args
@@ -146,8 +147,7 @@ def test_resuming_with_another_lr_schedule_asserts_unless_told_which_wins(runs):
 
 def test_exit_duration_in_mins_stops_once_that_long_has_passed():
     """Megatron-LM's --exit-duration-in-mins takes whole minutes: the policy is shown a start an hour ago."""
-    args = SimpleNamespace(exit_interval=None, exit_signal_handler=False, exit_duration_in_mins=59)
-    policy = _ExitPolicy(args)
+    policy = _ExitPolicy(ExitSpec(interval=None, signal_handler=False, signal=15, duration_in_mins=59))
     rt = SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda tensor: None)
     assert policy.reason(1, rt) is None
     policy.start -= 3600

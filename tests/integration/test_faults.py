@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.parallel_dims import ParallelDims
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.distributed.process_groups import setup_parallel
@@ -189,7 +190,7 @@ def test_a_forward_that_raises_is_named_on_its_rank_and_ends_the_peer():
 def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
     """Groups do not inherit init_process_group's timeout (gloo's default is 30 min)."""
     args = parse_args([*MODEL, "--distributed-timeout-minutes", "0.5"], world_size=1)
-    rt = setup_parallel(args, make_run_plan(args), "gloo", torch.device("cpu"))
+    rt = setup_parallel(ParallelDims.from_args(args), make_run_plan(args), "gloo", torch.device("cpu"))
     groups = [*rt.p2p_groups.values(), *(g for g in rt.stage_groups.values() if g is not None),
               parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group(),
               parallel_state.get_tensor_model_parallel_group(), parallel_state.get_model_parallel_group()]

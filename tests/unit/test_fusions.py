@@ -69,7 +69,7 @@ def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process
     config = chunk.transformer_config(args, 2, 0, "cpu")
     assert not any(getattr(config, f) for f in FUSIONS), f"fusions on: {[f for f in FUSIONS if getattr(config, f)]}"
     capsys.readouterr()
-    print_building(args, False)
+    print_building(args, False, "cpu")
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["building GPT model ...",
                      " > fusions kept off: gradient_accumulation_fusion, bias_activation_fusion, bias_dropout_fusion, "
@@ -166,7 +166,7 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values()), \
         [c.config.gradient_accumulation_fusion for c in chunks.values()]
     rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
-                 placement=plan.placement, held=list(chunks), embedding_stages=(0, 1))
+                 pipelines=len(plan.placement), embedding_stages=(0, 1))
     if distributed:
         main = sync = ShardedMainParams(chunks, rt, True)
     else:

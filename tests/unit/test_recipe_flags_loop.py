@@ -12,7 +12,7 @@ from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_chec
 from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.checkpoint_spec import CheckpointSpec
+from megatron.chimera.config.job import job_config
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import Trainer, TrainingStopped, _Board, _Progress
 from megatron.chimera.model import recompute
@@ -65,7 +65,7 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
     assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--recompute-modules") == 1
     assert (" > --recompute-modules: moe_act only in Transformer Engine's layers (no effect with megatron-core's "
@@ -77,7 +77,7 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process
     assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
     assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--moe-shared-expert-overlap") == 1 and "off on the CPU" in out
 
@@ -136,7 +136,7 @@ def trainer(flags: list[str], hooks: Hooks = Hooks()):
     """A one-process Trainer in the test process; after it, the one_process_group fixture's parallel state,
     which the Trainer's own replaced and released."""
     args = parse_args(TINY + flags, world_size=1)
-    built = Trainer(args, make_run_plan(args), forward_step, hooks)
+    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
     try:
         yield built
     finally:
@@ -154,7 +154,7 @@ def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, ch
         assert stats["lm loss"] != stats["lm loss"]  # NaN
         expected = (True, True, 0) if checked else (False, False, 1)
         assert (stats["skipped"], stats["nan"], t.optimizer_steps()) == expected
-        progress = _Progress(t.args, 0, _Board(None), t.timers)
+        progress = _Progress(t.job.train, t.job.log, 0, _Board(None), t.timers)
         with pytest.raises(TrainingStopped) if checked else contextlib.nullcontext():
             progress.record(stats, 1, 1e-3, None)
 
@@ -165,12 +165,12 @@ def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, capl
     them and loads."""
 
     def load(t) -> tuple[int, int]:
-        position = DataPosition(t.args.global_batch_size)
-        load_checkpoint({**t.states(), "data": position}, CheckpointSpec.from_args(t.args), t.rt)
+        position = DataPosition(t.job.train.global_batch_size)
+        load_checkpoint({**t.states(), "data": position}, t.job.checkpoint, t.rt)
         return position.iteration, position.consumed_samples
 
     with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
-        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, CheckpointSpec.from_args(t.args), t.rt, t.args)
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
     flags = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
     with trainer(flags + ["raise_all"]) as t:
         assert load(t) == (1, 2), "our own checkpoint loads under raise_all at its iteration and samples"

@@ -14,7 +14,7 @@ from megatron.chimera.distributed.process_groups import Runtime
 
 def runtime(rank: int) -> Runtime:
     return Runtime(device=torch.device("cpu"), backend="gloo", rank=rank, world=2, tp=1, pp=1, dp=2, tp_rank=0,
-                   dp_rank=rank, worker=0, placement=((0,),), held=[(0, 0)], comm_device=torch.device("cpu"))
+                   dp_rank=rank, worker=0, comm_device=torch.device("cpu"))
 
 
 def staged_collectives(rank: int, port: int, out: str) -> None:

@@ -17,7 +17,7 @@ from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_paddi
 from chimera_schedules import ConfigError, ScheduleSpec, check
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
-from chimera_schedules.registry import build_spec, check_options
+from chimera_schedules.registry import check_options
 
 from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
@@ -33,6 +33,7 @@ from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .run_plan import (
     INTERLEAVED,
     flag_dest,
+    generated,
     given_options,
     model_stages,
     resolved_schedule,
@@ -337,9 +338,9 @@ def _check_split_backward(args, request: ScheduleSpec) -> None:
 
 
 def _splits_backward(request: ScheduleSpec) -> bool:
-    """Whether the schedule splits its backward, read from its IR as the run plan reads it (so a schedule is
-    generated here as well only for the rules that ask: an older Transformer Engine, recomputation)."""
-    return bool(request.split_backward or build_spec(request).split_backward)
+    """Whether the schedule splits its backward, read from its IR as the run plan reads it (generated here,
+    for the run plan too, only for the rules that ask: an older Transformer Engine, recomputation)."""
+    return bool(request.split_backward or generated(request).split_backward)
 
 
 def _check_recompute_split(args, request: ScheduleSpec) -> None:

@@ -1,5 +1,6 @@
 """--balance-pipeline-layout: the balancer's layout (chimera_schedules.tools.balancer) for the model the
-flags describe, under the run's schedule, depth, micro-batches and hardware profile.
+flags describe, under the run's schedule (generated once: ``run_plan.generated``), depth, micro-batches
+and hardware profile.
 
 The trainer applies it as Megatron-LM's --pipeline-model-parallel-layout would be applied: the string is
 stored there, so the startup line and the checkpoint's arguments read one layout, and the ranks agree
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import os
 
-from chimera_schedules import ConfigError, build, build_spec, check
+from chimera_schedules import ConfigError, build
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.tools.balancer import Sizes, balance, per_rank
 from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile
 
-from .run_plan import resolved_schedule
+from .run_plan import generated
 
 FLAG = "--balance-pipeline-layout"
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
@@ -52,9 +53,9 @@ def balanced_layout(args, stages: int, request) -> Layout:
     for flag, dest in HAND_FLAGS:
         require(not getattr(args, dest), FLAG, args.balance_pipeline_layout, f"cannot be combined with {flag}")
     profile = _profile(args.balance_pipeline_layout)
-    pp, name = args.pipeline_model_parallel_size, resolved_schedule(args)
+    pp, name = args.pipeline_model_parallel_size, args.pipeline_schedule
     if request is not None:
-        schedule = build_spec(check(request))
+        schedule = generated(request)  # the run plan's, generated once
     elif name == "megatron-interleaved":
         schedule = build("interleaved", pp, args.num_microbatches, virtual_stages=stages // pp)
     else:

@@ -1,4 +1,6 @@
-"""The parallel dimensions (TP, PP, DP, EP, ...), the backend and the groups' rank lists."""
+"""The parallel dimensions (TP, PP, DP, EP, ...) and the backend: what the distributed code
+(distributed/) reads of the flags, read once. The groups' rank lists depend on the run plan's placement
+as well, and on the world the launcher started: distributed/process_groups.py derives them."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +9,46 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The parallel dimensions (TP, PP, DP, EP, ...), the backend and the groups' rank lists."""
+    """Sizes as ``parse_args`` validated them (``dp`` derived there from the world size; ``etp``
+    defaulted to TP there). ``backend``: --distributed-backend, None for Megatron-LM's default (nccl
+    where there is a GPU). ``num_experts``, ``moe_dispatcher`` and ``moe_global_reduction`` (a z-loss or
+    a global auxiliary loss, reduced over the tensor-data-and-context-parallel group) say which of
+    megatron-core's MoE groups the run uses; ``tied_embeddings`` whether the output layer shares the
+    word embedding (its copies form the embedding group)."""
+
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    etp: int
+    sequence_parallel: bool
+    backend: str | None
+    timeout_minutes: float
+    p2p_host_staging: bool
+    emulate_nccl: bool
+    num_experts: int | None
+    moe_dispatcher: str | None
+    moe_global_reduction: bool
+    tied_embeddings: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelDims:
-        return cls()
+        balancing = args.moe_router_load_balancing_type
+        balancing = [balancing] if isinstance(balancing, str) else balancing or []
+        return cls(
+            world=args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            dp=args.data_parallel_size, cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+            etp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
+            backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
+            p2p_host_staging=args.p2p_host_staging, emulate_nccl=args.emulate_nccl, num_experts=args.num_experts,
+            moe_dispatcher=args.moe_token_dispatcher_type,
+            moe_global_reduction=bool(args.moe_z_loss_coeff) or "global_aux_loss" in balancing,
+            tied_embeddings=not args.untie_embeddings_and_output_weights)
+
+    @property
+    def expert_groups(self) -> bool:
+        """megatron-core marks expert parameters ``allreduce=False`` (reduced over expert groups) exactly
+        when experts are parallel or split over a tensor-parallel size of their own."""
+        return self.num_experts is not None and (self.ep > 1 or self.etp != self.tp)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
 from chimera_schedules.analysis.nccl_model import check
@@ -21,6 +24,7 @@ from chimera_schedules.ir import layout as layouts
 from chimera_schedules.ir.actions import parts
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.layout import Layout
+from chimera_schedules.ir.schedule import copies_held
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
@@ -43,7 +47,9 @@ class RunPlan:
     ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``.
     ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order.
     ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards, and
-    the executor runs every chunk through its schedule plan."""
+    the executor runs every chunk through its schedule plan. ``name``: the schedule the run resolved
+    (--pipeline-schedule, or Megatron-LM's choice); ``balanced_for``: the hardware profile
+    --balance-pipeline-layout cut the layout for, None for a layout as given."""
 
     schedule: Schedule | None
     placement: tuple[tuple[int, ...], ...]
@@ -53,13 +59,15 @@ class RunPlan:
     split_backward: bool
     megatron_virtual_stages: int | None
     layout: Layout
+    name: str
     lowered: Schedule | None = None
     proof_seconds: float | None = None
     overlap: bool = False
+    balanced_for: str | None = None
 
     def held(self, worker: int) -> list[tuple[int, int]]:
         """The (pipeline, model stage) copies ``worker`` holds, in placement order."""
-        return [(p, s) for p, row in enumerate(self.placement) for s, w in enumerate(row) if w == worker]
+        return copies_held(self.placement, worker)
 
     def forward_orders(self, worker: int) -> list[list[int]]:
         """Per held chunk, its micro-batches in the order the schedule runs their forwards."""
@@ -81,8 +89,6 @@ class RunPlan:
 
 
 def _megatron_core_runner(models, grad_sync, virtual_stages: int | None):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if virtual_stages:  # how megatron-core's interleaved schedule tells the last virtual stage
         for m in models:
             m.config.virtual_pipeline_model_parallel_size = virtual_stages
@@ -116,7 +122,8 @@ def _overlap_grad_reduce(models, grad_sync) -> None:
 
 
 def resolved_schedule(args) -> str:
-    """--pipeline-schedule, or Megatron-LM's choice when it is not given."""
+    """--pipeline-schedule, or Megatron-LM's choice when it is not given. Resolved once, by validation
+    (arguments.py), which stores it in ``args.pipeline_schedule``: everything after reads that."""
     if args.pipeline_schedule is not None:
         return args.pipeline_schedule
     text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
@@ -135,7 +142,7 @@ def interleaved_chunks(args) -> int | None:
     stages, --num-virtual-stages-per-pipeline-rank) gives, if set; under the interleaved schedules, a
     --pipeline-model-parallel-layout's stages over PP (Megatron-LM's rule)."""
     text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
-    if text is not None and resolved_schedule(args) in INTERLEAVED:
+    if text is not None and args.pipeline_schedule in INTERLEAVED:
         return max(1, len(layouts.parse(text).stages) // pp)
     if args.num_virtual_stages_per_pipeline_rank:  # kept only with first/last counts (arguments.py)
         return args.num_virtual_stages_per_pipeline_rank
@@ -146,7 +153,7 @@ def interleaved_chunks(args) -> int | None:
 def schedule_request(args) -> ScheduleSpec | None:
     """The request our executor's schedule is built from, as the flags give it (the registry checks it
     and fills in its defaults); None for megatron-core's schedules and for a single stage."""
-    name = resolved_schedule(args)
+    name = args.pipeline_schedule
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
@@ -162,14 +169,14 @@ def model_stages(args, request: ScheduleSpec | None) -> int:
     pp = args.pipeline_model_parallel_size
     if request is not None:
         return pp * REGISTRY[request.schedule].virtual_stages(request)
-    return pp * (interleaved_chunks(args) or 1) if resolved_schedule(args) == "megatron-interleaved" else pp
+    return pp * (interleaved_chunks(args) or 1) if args.pipeline_schedule == "megatron-interleaved" else pp
 
 
 def stage_layout(args, stages: int) -> Layout:
     """The layers each of the ``stages`` model stages holds, as Megatron-LM's five layout flags ask
     (checked: ConfigError naming the flag). Under the interleaved schedules the first and last layer
     counts are a pipeline rank's, spread over its chunks, as in megatron-core."""
-    per_rank = stages // args.pipeline_model_parallel_size if resolved_schedule(args) in INTERLEAVED else 1
+    per_rank = stages // args.pipeline_model_parallel_size if args.pipeline_schedule in INTERLEAVED else 1
     return layouts.from_flags(args.num_layers, stages, args.mtp_num_layers or 0, args.pipeline_model_parallel_layout,
                               args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                               args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
@@ -181,15 +188,24 @@ def make_run_plan(args) -> RunPlan:
     request = schedule_request(args)
     stages = model_stages(args, request)
     held = stage_layout(args, stages)
+    name, balanced_for = args.pipeline_schedule, args.balance_pipeline_layout
     if request is None:
         pp = args.pipeline_model_parallel_size
-        virtual = stages // pp if resolved_schedule(args) == "megatron-interleaved" else None
+        virtual = stages // pp if name == "megatron-interleaved" else None
         return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
-                       virtual, held)
-    schedule = build_spec(request)
+                       virtual, held, name, balanced_for=balanced_for)
+    schedule = generated(request)
     lowered, seconds = _proven(lower(schedule))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
-                   schedule.split_backward, None, held, lowered, seconds, bool(request.overlap))
+                   schedule.split_backward, None, held, name, lowered, seconds, bool(request.overlap), balanced_for)
+
+
+@lru_cache(maxsize=4)
+def generated(request: ScheduleSpec) -> Schedule:
+    """The schedule ``schedule_request`` asked for, generated once per process: validation's rules that
+    read it (the balancer, the split-backward checks) and the run plan share one (``--chimera-order best``
+    searches for seconds). Schedule is frozen: its sharers read it only."""
+    return build_spec(request)
 
 
 def _proven(lowered: Schedule) -> tuple[Schedule, float]:

@@ -25,8 +25,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from torch.distributed.distributed_c10d import _world
 
 from chimera_schedules.ir.channels import P2P_GROUPS
+
+from ..config.parallel_dims import ParallelDims
+from ..model import cpu_compat
 
 # torch 2.13 renamed the flat collectives (*_single) and deprecated the old names, which torch 2.11 and
 # earlier (a cluster's own CUDA torch) still only have: the first of the two that this torch defines.
@@ -36,6 +41,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class Runtime:
+    """This rank's coordinates and process groups. ``pipelines``: the model copies along the pipeline
+    dimension (the run plan's placement rows: two under Chimera); which copies this rank holds is the
+    plan's (``RunPlan.held``)."""
+
     device: torch.device
     backend: str
     rank: int
@@ -46,8 +55,7 @@ class Runtime:
     tp_rank: int
     dp_rank: int
     worker: int
-    placement: tuple[tuple[int, ...], ...]
-    held: list[tuple[int, int]]
+    pipelines: int = 1
     p2p_groups: dict = field(default_factory=dict)  # lowered group name -> process group
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
@@ -88,10 +96,6 @@ class Runtime:
             staged.wait()
         return staged
 
-    @property
-    def model_stages(self) -> int:
-        return len(self.placement[0])
-
 
 class _Staged:
     """An all-reduce on a host copy; wait() copies the result back to the device tensor."""
@@ -119,8 +123,6 @@ def init_distributed(backend: str | None, timeout_minutes: float,
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        from ..model import cpu_compat
-
         cpu_compat.apply()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # port 0: the lone store binds any free port, so lone runs never collide
@@ -130,33 +132,30 @@ def init_distributed(backend: str | None, timeout_minutes: float,
     return backend, device
 
 
-def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
+def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device) -> Runtime:
     """Initialise megatron-core's parallel state and the groups the run plan's placement needs
-    (collective: every rank must call it with the same arguments)."""
-    from megatron.core import parallel_state
-
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    (collective: every rank must call it with the same arguments). The world is the launcher's (the
+    sizes were validated against it)."""
+    tp, pp = dims.tp, dims.pp
     world = dist.get_world_size()
     dp = world // (tp * pp)
     parallel_state.destroy_model_parallel()
-    timeout = args.distributed_timeout_minutes
+    timeout = dims.timeout_minutes
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
                                              distributed_timeout_minutes=timeout,
-                                             expert_model_parallel_size=args.expert_model_parallel_size,
-                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
     tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
 
-    placement, held = plan.placement, plan.held(worker)
-    rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, placement, held,
+    placement = plan.placement
+    rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, len(placement),
                  worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
-    stages = rt.model_stages
-    tied = not args.untie_embeddings_and_output_weights
-    rt.embedding_stages = plan.layout.embedding_stages(tied)
+    stages = len(placement[0])
+    rt.embedding_stages = plan.layout.embedding_stages(dims.tied_embeddings)
     # Every rank creates every group, in the same order; each keeps the ones it belongs to. A group
     # does not inherit init_process_group's timeout (gloo's default is 30 min): pass it explicitly.
     # The p2p groups are each their own (one direction each, channels.py); the collective ones are one
@@ -180,8 +179,8 @@ def setup_parallel(args, plan, backend: str, device: torch.device) -> Runtime:
             group = new_group(ranks)
             if t == tp_rank:
                 rt.embedding_group = group
-    if uses_expert_groups(args):
-        _expert_groups(rt, args, new_group)
+    if dims.expert_groups:
+        _expert_groups(rt, dims, placement, new_group)
     return rt
 
 
@@ -197,8 +196,6 @@ def _shared_groups(timeout: float):
     the flush) on both members. Every rank makes the same calls in the same order (dist.new_group is
     collective over the world), so every rank must know every megatron-core rank set: one
     all_gather_object first. Our rank lists are sorted, as megatron-core's are."""
-    from megatron.core import parallel_state
-
     mine = {}
     for name in ("get_pipeline_model_parallel_group", "get_data_parallel_group", "get_expert_data_parallel_group"):
         group = getattr(parallel_state, name)()
@@ -219,20 +216,11 @@ def _shared_groups(timeout: float):
     return new_group
 
 
-def uses_expert_groups(args) -> bool:
-    """megatron-core marks expert parameters ``allreduce=False`` (reduced over expert groups) exactly
-    when experts are parallel or split over a tensor-parallel size of their own."""
-    return args.num_experts is not None and (args.expert_model_parallel_size > 1
-                                             or args.expert_tensor_parallel_size != args.tensor_model_parallel_size)
-
-
-def _expert_groups(rt: Runtime, args, new_group) -> None:
+def _expert_groups(rt: Runtime, dims: ParallelDims, placement, new_group) -> None:
     """One expert replica group per stage. Within a pipeline worker megatron-core orders the TP x DP
     ranks as expert-TP fastest, then EP, then expert-DP (its default order); the assert holds it to
     that."""
-    from megatron.core import parallel_state
-
-    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    etp, ep = dims.etp, dims.ep
     per_worker = rt.tp * rt.dp
     edp = per_worker // (etp * ep)
     rt.expert_share = rt.tp / (etp * ep)
@@ -250,8 +238,8 @@ def _expert_groups(rt: Runtime, args, new_group) -> None:
             "an expert group spans pipeline workers"
     for e in range(etp):
         for x in range(ep):
-            for s in range(rt.model_stages):
-                ranks = sorted({row[s] * per_worker + local(e, x, d) for row in rt.placement for d in range(edp)})
+            for s in range(len(placement[0])):
+                ranks = sorted({row[s] * per_worker + local(e, x, d) for row in placement for d in range(edp)})
                 group = new_group(ranks) if len(ranks) > 1 else None
                 if (e, x) == coords:
                     rt.expert_groups[s] = group
@@ -261,9 +249,6 @@ def release_groups(rt: Runtime) -> None:
     """Destroy every process group but the default one, and drop this runtime's references to them.
     Each gloo group keeps threads that poll (about 6% of a core per group on the 2-core CI machine), so
     a process that builds trainer after trainer (benchmarks, test harnesses) must free them."""
-    from megatron.core import parallel_state
-    from torch.distributed.distributed_c10d import _world
-
     parallel_state.destroy_model_parallel()
     rt.p2p_groups.clear()
     rt.stage_groups.clear()

@@ -23,9 +23,9 @@ def schedule_digest(plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def agree_on_schedule(plan, schedule_flag: str) -> str:
+def agree_on_schedule(plan) -> str:
     """Collective: every rank's digest to every rank. Returns the common digest; raises
-    ScheduleMismatch naming which ranks built which schedule."""
+    ScheduleMismatch naming which ranks built which schedule (and the schedule the run resolved)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, schedule_digest(plan))
     if len(set(everyone)) == 1:
@@ -34,7 +34,7 @@ def agree_on_schedule(plan, schedule_flag: str) -> str:
     for rank, digest in enumerate(everyone):
         ranks.setdefault(digest, []).append(rank)
     built = "; ".join(f"ranks {_span(r)} built {d}" for d, r in ranks.items())
-    raise ScheduleMismatch("--pipeline-schedule", schedule_flag,
+    raise ScheduleMismatch("--pipeline-schedule", plan.name,
                            f"the ranks built different schedules ({built}): give every rank the same flags, and "
                            "the same OR-Tools build for --chimera-order best")
 

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from chimera_schedules.analysis.communicators import warm_up_order
+
+from ..config.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,9 @@ class WarmedUp:
         return len(self.groups)
 
 
-def warm_up_communicators(rt, args, plan, transport) -> WarmedUp:
+def warm_up_communicators(rt, dims: ParallelDims, plan, transport) -> WarmedUp:
     """Collective: every rank calls it. ``transport`` is None under megatron-core's own schedules."""
-    megatron, ours = megatron_groups(rt, args, plan), our_groups(rt)
+    megatron, ours = megatron_groups(rt, dims, plan), our_groups(rt, plan.held(rt.worker))
     roles = megatron + ours
     names = {**megatron_group_names(), **_p2p_names(rt), **_named(roles)}
     walked = _walk_order(roles)
@@ -52,24 +55,22 @@ def warm_up_communicators(rt, args, plan, transport) -> WarmedUp:
     return WarmedUp({group: names[group] for group in walked}, frozenset(pairs), unshared, names)
 
 
-def megatron_groups(rt, args, plan) -> list[tuple[str, object]]:
+def megatron_groups(rt, dims: ParallelDims, plan) -> list[tuple[str, object]]:
     """(role, process group) for the world and every megatron-core group this rank's run uses, as
     megatron-core 0.19 reaches them in our runs: the vocab-parallel cross entropy all-reduces on the
     tensor-parallel group at any size; megatron-core's own schedules batch their pipeline p2p (our model
     configs keep its batch_p2p_comm default), which NCCL runs on the pipeline group's communicator, no
     pair's; the MoE groups as ``_moe_groups`` says."""
-    from megatron.core import parallel_state
-
     roles = [("world", dist.group.WORLD), ("tensor-parallel", parallel_state.get_tensor_model_parallel_group())]
     if plan.schedule is None and rt.pp > 1:
         roles.append(("pipeline-parallel", parallel_state.get_pipeline_model_parallel_group()))
-    return roles + _moe_groups(args)
+    return roles + _moe_groups(dims)
 
 
-def our_groups(rt) -> list[tuple[str, object]]:
-    """(role, process group) for each of our collective groups this rank reduces on: its stages'
-    replica groups, their expert replica groups, the embedding group."""
-    stages = sorted({stage for _, stage in rt.held})
+def our_groups(rt, held: list[tuple[int, int]]) -> list[tuple[str, object]]:
+    """(role, process group) for each of our collective groups this rank reduces on: the replica groups
+    of the stages it holds (``held``: the run plan's), their expert replica groups, the embedding group."""
+    stages = sorted({stage for _, stage in held})
     roles = [(f"stage {s} replica", rt.stage_groups[s]) for s in stages if rt.stage_groups.get(s) is not None]
     roles += [(f"stage {s} expert replica", rt.expert_groups[s]) for s in stages
               if rt.expert_groups.get(s) is not None]
@@ -78,28 +79,24 @@ def our_groups(rt) -> list[tuple[str, object]]:
     return roles
 
 
-def _moe_groups(args) -> list[tuple[str, object]]:
+def _moe_groups(dims: ParallelDims) -> list[tuple[str, object]]:
     """megatron-core's MoE layers: the router sums tokens per expert over the tensor-and-context-parallel
     group (and its metrics tracker records the losses against it), the z-loss and the global aux loss over
     the tensor-data-and-context-parallel group; the tracker reduces its metrics over the pipeline and
     data-parallel groups after the flush. The dispatchers gather over expert-TP x EP (both), exchange
     tokens over EP (alltoall), and the experts' linear layers and the alltoall dispatcher use expert TP."""
-    from megatron.core import parallel_state
-
-    if args.num_experts is None:
+    if dims.num_experts is None:
         return []
-    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
-    balancing = args.moe_router_load_balancing_type
-    balancing = [balancing] if isinstance(balancing, str) else balancing
+    etp, ep = dims.etp, dims.ep
     roles = [("tensor-and-context-parallel", parallel_state.get_tensor_and_context_parallel_group()),
              ("pipeline-parallel", parallel_state.get_pipeline_model_parallel_group()),
              ("data-parallel", parallel_state.get_data_parallel_group())]
-    if args.moe_z_loss_coeff or "global_aux_loss" in balancing:
+    if dims.moe_global_reduction:
         roles.append(("tensor-data-and-context-parallel",
                       parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)))
     if etp * ep > 1:
         roles.append(("expert-tensor-and-expert-parallel", parallel_state.get_expert_tensor_and_model_parallel_group()))
-    if ep > 1 and args.moe_token_dispatcher_type == "alltoall":
+    if ep > 1 and dims.moe_dispatcher == "alltoall":
         roles.append(("expert-parallel", parallel_state.get_expert_model_parallel_group()))
     if etp > 1:
         roles.append(("expert-tensor-parallel", parallel_state.get_expert_tensor_parallel_group()))
@@ -148,8 +145,6 @@ def _p2p_names(rt) -> dict:
 def megatron_group_names() -> dict:
     """Every megatron-core group of this rank, named after the parallel_state globals holding it (for
     the guard's message about a group the run was not expected to use)."""
-    from megatron.core import parallel_state
-
     labels = {}
     for name, value in sorted(vars(parallel_state).items()):
         if isinstance(value, dist.ProcessGroup) and not name.endswith("_GLOO"):

@@ -10,46 +10,49 @@ from __future__ import annotations
 import gc
 
 import torch
+from megatron.core.utils import configure_nvtx_profiling
+
+from ..config.logging_spec import LogSpec
 
 
 class Housekeeping:
-    def __init__(self, args, rank: int):
-        self.args, self.rank = args, rank
+    def __init__(self, log: LogSpec, rank: int):
+        self.log, self.rank = log, rank
         self.profiler = None
-        if args.manual_gc:
+        if log.manual_gc:
             gc.disable()
             gc.collect()
 
     def before_iteration(self, done: int) -> None:
         """``done`` iterations are complete; the next one is ``done + 1``."""
-        args = self.args
-        if (args.profile and (not args.profile_ranks or self.rank in args.profile_ranks)
-                and done == args.profile_step_start):
+        profile = self.log.profile
+        if (profile.enabled and (not profile.ranks or self.rank in profile.ranks)
+                and done == profile.step_start):
             self._start_profiler()
 
     def after_iteration(self, done: int) -> None:
-        args = self.args
-        if args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+        log = self.log
+        if log.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if args.manual_gc and args.manual_gc_interval and done % args.manual_gc_interval == 0:
+        if log.manual_gc and log.manual_gc_interval and done % log.manual_gc_interval == 0:
             gc.collect()
         if self.profiler is not None:
             self.profiler.step()
-            if done >= args.profile_step_end:
+            if done >= log.profile.step_end:
                 self.stop()
 
     def around_evaluation(self) -> None:
-        if self.args.manual_gc and self.args.manual_gc_eval:
+        if self.log.manual_gc and self.log.manual_gc_eval:
             gc.collect()
-        if self.args.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        if self.log.empty_unused_memory_level >= 2 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def _start_profiler(self) -> None:
-        if self.args.nvtx_ranges:  # megatron-core's own ranges, inside the profiled steps as in Megatron-LM
-            _megatron_core_nvtx(True)
-        if self.args.use_pytorch_profiler:
-            handler = (torch.profiler.tensorboard_trace_handler(self.args.tensorboard_dir)
-                       if self.args.tensorboard_dir else None)
+        if self.log.nvtx_ranges:  # megatron-core's own ranges, inside the profiled steps as in Megatron-LM
+            configure_nvtx_profiling(True)
+        if self.log.profile.pytorch:
+            handler = (torch.profiler.tensorboard_trace_handler(self.log.tensorboard_dir)
+                       if self.log.tensorboard_dir else None)
             self.profiler = torch.profiler.profile(on_trace_ready=handler, record_shapes=True, with_stack=True)
             self.profiler.start()
         elif torch.cuda.is_available():  # an nsys capture range, as Megatron-LM marks it
@@ -60,14 +63,8 @@ class Housekeeping:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
-            if self.args.nvtx_ranges:
-                _megatron_core_nvtx(False)
-
-
-def _megatron_core_nvtx(enabled: bool) -> None:
-    from megatron.core.utils import configure_nvtx_profiling
-
-    configure_nvtx_profiling(enabled)
+            if self.log.nvtx_ranges:
+                configure_nvtx_profiling(False)
 
 
 class _NsysRange:

@@ -11,19 +11,20 @@ from ..config.run_plan import PROOF_MODE
 from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
 
 
-def print_building(args, transformer_engine: bool) -> None:
-    """Megatron-LM's line, and once what a flag does here if not what it does on a GPU."""
+def print_building(args, transformer_engine: bool, device_type: str) -> None:
+    """Megatron-LM's line, and once what a flag does here if not what it does on a GPU. ``args``: the
+    model's flags, for model/chunk.py's rules; ``device_type``: the device init_distributed trains on."""
     if dist.get_rank() != 0:
         return
     print("building GPT model ...", flush=True)
     if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
-    _print_fusions_off(args)
-    _print_local_stand_ins(args, transformer_engine)
+    _print_fusions_off(args, device_type)
+    _print_local_stand_ins(args, transformer_engine, device_type)
 
 
-def _print_local_stand_ins(args, transformer_engine: bool) -> None:
+def _print_local_stand_ins(args, transformer_engine: bool, device_type: str) -> None:
     """Once, what two MoE and recomputation flags do here that differs from a GPU run with Transformer Engine
     (model/chunk.py's ``te_only_recompute`` and ``shared_expert_overlap``)."""
     te_only = te_only_recompute(args, transformer_engine)
@@ -32,43 +33,39 @@ def _print_local_stand_ins(args, transformer_engine: bool) -> None:
         print(f" > --recompute-modules: {', '.join(te_only)} only in Transformer Engine's layers (no effect with "
               f"megatron-core's local layers here); recomputed: {', '.join(rest) or 'none of the others'}", flush=True)
     if (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size
-            and not shared_expert_overlap(args, _training_device(args))):
+            and not shared_expert_overlap(args, device_type)):
         print(" > --moe-shared-expert-overlap: off on the CPU (megatron-core overlaps the shared experts with the "
               "token dispatch on a CUDA stream); they run before the router instead, computing the same", flush=True)
 
 
-def _print_fusions_off(args) -> None:
+def _print_fusions_off(args, device_type: str) -> None:
     """One line for every fusion Megatron-LM would run with these flags that stays off here, by reason
     (model/chunk.py's ``fusions_off``): all of them on the CPU."""
     reasons: dict[str, list[str]] = {}
-    for field, reason in fusions_off(args, _training_device(args)).items():
+    for field, reason in fusions_off(args, device_type).items():
         reasons.setdefault(reason, []).append(field)
     if reasons:
         print(" > fusions kept off: " + "; ".join(f"{', '.join(fields)} ({reason})"
                                                   for reason, fields in reasons.items()), flush=True)
 
 
-def _training_device(args) -> str:
-    """The device init_distributed trains on: the CPU where it runs gloo without --p2p-host-staging."""
-    return "cpu" if dist.get_backend() == "gloo" and not args.p2p_host_staging else "cuda"
-
-
-def print_layout(args, plan) -> None:
+def print_layout(plan) -> None:
     """Once, by rank 0, for a pipelined model: the layout in Megatron-LM's spelling (reusable with
     --pipeline-model-parallel-layout) and what each model stage holds."""
     if dist.get_rank() != 0 or plan.model_stages == 1:
         return
-    given = "balanced for " + args.balance_pipeline_layout if args.balance_pipeline_layout else "as given"
+    given = "balanced for " + plan.balanced_for if plan.balanced_for else "as given"
     print(f" > pipeline layout {plan.layout} ({given}): {plan.layout.describe()}", flush=True)
 
 
 def print_parameter_counts(chunks: dict, rt) -> None:
-    """As Megatron-LM, from data-parallel rank 0: one line per chunk, the worker as the pipeline rank."""
+    """As Megatron-LM, from data-parallel rank 0: one line per chunk, the worker as the pipeline rank;
+    where the model has several copies (pipelines) or the rank several chunks, which one."""
     if rt.dp_rank != 0:
         return
     for (pipeline, stage), chunk in chunks.items():
         count = sum(p.numel() for p in chunk.parameters())
-        copy = f" (pipeline {pipeline}, stage {stage})" if len(rt.placement) > 1 or len(chunks) > 1 else ""
+        copy = f" (pipeline {pipeline}, stage {stage})" if rt.pipelines > 1 or len(chunks) > 1 else ""
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({rt.tp_rank}, {rt.worker}): "
               f"{count}{copy}", flush=True)
 
@@ -109,14 +106,14 @@ def model_state_bytes(trainer) -> dict[str, int]:
     return dict(zip(FIELDS, (params, main, grads, optimizer)))
 
 
-def print_model_state(trainer) -> None:
-    """One line per rank with --log-memory-per-rank; otherwise, printed once, the rank with the most.
-    Collective."""
+def print_model_state(trainer, per_rank: bool) -> None:
+    """One line per rank with --log-memory-per-rank (``per_rank``); otherwise, printed once, the rank
+    with the most. Collective."""
     mine = model_state_bytes(trainer)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     fields = lambda b: " | ".join(f"{k}: {v}" for k, v in b.items()) + f" | total: {sum(b.values())}"  # noqa: E731
-    if trainer.args.log_memory_per_rank:
+    if per_rank:
         print(f"rank {dist.get_rank()} model state (bytes) | {fields(mine)}", flush=True)
     elif dist.get_rank() == 0:
         print(f"max model state (bytes) | {fields(max(everyone, key=lambda b: sum(b.values())))}", flush=True)

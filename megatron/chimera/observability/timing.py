@@ -9,15 +9,16 @@ iteration line.
 from __future__ import annotations
 
 import torch.distributed as dist
+from megatron.core.timers import Timers
+
+from ..config.logging_spec import LogSpec
 
 SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
 ITERATION = ("forward-backward", "optimizer-clip-main-grad", "optimizer-inner-step", "optimizer")
 
 
-def make_timers(args):
-    from megatron.core.timers import Timers
-
-    return Timers(args.timing_log_level, args.timing_log_option)
+def make_timers(log: LogSpec) -> Timers:
+    return Timers(log.timing_level, log.timing_option)
 
 
 def print_times(timers, names, normalizer: float = 1.0) -> None:

@@ -23,6 +23,8 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from ..model.chunk import TIED_NAME
 from .gradients import ChunkGradSync, chunk_syncs, is_expert, weighted_square_sum
@@ -241,8 +243,6 @@ class ShardedMainParams:
     def _sum_over_tensor_parallel(self) -> None:
         """As ReplicaGradSync: parameters that saw only this rank's sequence part or heads. Every TP rank
         has the same pieces (same shapes, same shard index)."""
-        from megatron.core import parallel_state
-
         grads = [p.grad for p in self.all() if getattr(p.source, "sums_over_tensor_parallel", False)]
         if grads and self.rt.tp > 1:
             flat = torch.cat(grads)
@@ -260,8 +260,6 @@ class ShardedMainParams:
     def grad_norm(self, runtime, tied: bool) -> float:
         """Each element of each logical parameter lives in exactly one shard, so the norm is one sum
         over all ranks (tensor-parallel duplicates counted on TP rank 0 only)."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         grads = [piece.grad for piece in self.all() if param_is_not_tensor_parallel_duplicate(piece.source)]
         total = weighted_square_sum(grads, [1.0] * len(grads), self.rt.device)
         self.rt.all_reduce(total)

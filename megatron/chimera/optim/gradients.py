@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..model.chunk import TIED_NAME
@@ -208,8 +210,6 @@ class ReplicaGradSync:
         """Norms (and row-parallel biases) under sequence parallelism saw only this rank's part of the
         sequence, query and key norms only its heads: sum their gradients over the tensor-parallel
         group, as megatron-core's finalize_model_grads does."""
-        from megatron.core import parallel_state
-
         grads = [p.grad for c in self.chunks.values() for p in c
                  if p.grad is not None and getattr(p, "sums_over_tensor_parallel", False)]
         if grads and self.rt.tp > 1:
@@ -223,7 +223,7 @@ def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
     """How many copies of each local parameter exist along the pipeline dimension, relative to the
     data-parallel replicas: a routed expert under expert parallelism has TP / (ETP x EP) times as many
     (its expert-data-parallel replicas, over the data-parallel ones)."""
-    pipelines = len(runtime.placement)
+    pipelines = runtime.pipelines
     per_param = {}
     for c in chunks.values():
         for p in c:
@@ -237,8 +237,6 @@ def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
     """L2 norm of the gradient of the whole model, each logical parameter counted once: a copy weighs
     1/copies, a tensor-parallel duplicate (norms, row-parallel biases) counts on TP rank 0 only, and
     data-parallel replicas (identical after the reduction) are divided out."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
     weight = copies(chunks, runtime, tied)
     counted = [p for c in chunks.values() for p in c
                if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]

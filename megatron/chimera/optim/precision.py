@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ..config.train_spec import PrecisionSpec
 from .gradients import clip_, global_grad_norm
 
 
@@ -144,11 +145,12 @@ class LossScaler:
     clean ones. Same rules and state keys as megatron-core's DynamicGradScaler, whose tensors live on
     CUDA."""
 
-    def __init__(self, args):
-        self.constant = args.loss_scale is not None
-        self.scale = args.loss_scale if self.constant else args.initial_loss_scale
-        self.min_scale, self.window, self.hysteresis = args.min_loss_scale, args.loss_scale_window, args.hysteresis
-        self.growth_tracker, self.hysteresis_tracker = 0, args.hysteresis
+    def __init__(self, precision: PrecisionSpec):
+        self.constant = precision.loss_scale is not None
+        self.scale = precision.loss_scale if self.constant else precision.initial_loss_scale
+        self.min_scale, self.window = precision.min_loss_scale, precision.loss_scale_window
+        self.hysteresis = precision.hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, precision.hysteresis
 
     def update(self, found_inf: bool) -> None:
         if self.constant:

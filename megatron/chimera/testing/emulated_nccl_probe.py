@@ -14,7 +14,7 @@ import json
 import os
 
 from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward
-from megatron.chimera import Trainer, make_run_plan, parse_args
+from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.testing.legacy_lowering import legacy_lower
 
@@ -30,7 +30,7 @@ def main() -> None:
     design.add_argument("--design", choices=("lowered", "legacy"), required=True)
     which = design.parse_args().design
     args = parse_args(FLAGS)
-    trainer = Trainer(args, make_run_plan(args), forward_step)
+    trainer = Trainer(job_config(args), make_run_plan(args), forward_step)
     if which == "legacy":  # one process group per pipeline, as parallel.py made them then
         groups = {**trainer.transport.groups, "p0": trainer.transport.groups["down"]}
         transport = dataclasses.replace(trainer.transport, groups=groups)

@@ -29,7 +29,7 @@ from chimera_schedules.analysis.validator import validate
 from chimera_schedules.ir.actions import Overlapped
 from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
-from megatron.chimera import Hooks, Trainer, make_run_plan, parse_args
+from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
@@ -326,7 +326,8 @@ def layout_held(trainer) -> dict[str, dict[str, dict]]:
     itself, and so is MTP's embedding beside it), its MTP layers, and the final norm after the model's
     last layer. A layout that was silently ignored would still train like one process; this would show it.
     Returns {"rank r chunk i (stage s)": {"held": ..., "expected": ...}} over every rank."""
-    layout, tied = trainer.plan.layout, not trainer.args.untie_embeddings_and_output_weights
+    args = trainer.job.megatron_args
+    layout, tied = trainer.plan.layout, not args.untie_embeddings_and_output_weights
     mine = {}
     for i, m in enumerate(trainer.models):
         st, first = layout.stages[m.stage], layout.first_layer(m.stage)
@@ -341,7 +342,7 @@ def layout_held(trainer) -> dict[str, dict[str, dict]]:
                     "embedding": bool(st.embedding or st.mtp > 0),
                     "output layer": bool(st.loss and not ((st.embedding or st.mtp) and tied)),
                     "mtp layers": st.mtp,
-                    "final norm": bool(layout.holds_last_layer(m.stage) if trainer.args.mtp_num_layers else st.loss)}
+                    "final norm": bool(layout.holds_last_layer(m.stage) if args.mtp_num_layers else st.loss)}
         mine[f"rank {dist.get_rank()} chunk {i} (stage {m.stage})"] = {"held": held, "expected": expected}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -524,7 +525,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
     hooks = HookRecorder()
     plan = make_run_plan(args)
-    trainer = Trainer(args, every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
+    trainer = Trainer(job_config(args), every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
@@ -548,7 +549,9 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
 def compared(run: dict, trainer, ref: dict) -> dict:
     """A multi-process case's result against its one-process reference ``ref``."""
     losses, moe = run["losses"], run["moe_fields"]
-    weight = compare_weights(local_weights(trainer), ref["weights"], trainer.rt.tp, trainer.args, run["lr_sum"])
+    weight = compare_weights(local_weights(trainer), ref["weights"], trainer.rt.tp, trainer.job.megatron_args,
+                             run["lr_sum"])
+    precision = trainer.job.train.precision
     return {
         "losses": losses, "reference": ref["losses"],
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
@@ -557,9 +560,9 @@ def compared(run: dict, trainer, ref: dict) -> dict:
         "weight_steps": weight["model_steps"], "worst_tensor_steps": weight["tensor_steps"],
         "copies_differing": run["copies_differing"],
         "evaluation": run["evaluation"], "eval_rel": abs(run["eval"] - ref["eval"]) / abs(ref["eval"]),
-        "precision": "fp16" if trainer.args.fp16 else "bf16" if trainer.args.bf16 else "fp32",
+        "precision": "fp16" if precision.fp16 else "bf16" if precision.bf16 else "fp32",
         "hooks": run["hooks"], "layout_held": run["layout_held"],
-        "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.args.overlap_grad_reduce,
+        "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.job.train.optimizer.overlap_grad_reduce,
         "overlapped": _overlapped(trainer),
         "reductions_before_flush": run["reductions_before_flush"],
         "moe_fields": sorted({name for f in moe for name in f}),
