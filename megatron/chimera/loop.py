@@ -26,6 +26,7 @@ from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Tran
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .config.arguments import lr_increment, lr_schedule
+from .config.model_spec import ModelSpec
 from .config.run_plan import make_run_plan, resolved_schedule
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .distributed.group_guard import guard_communicators
@@ -112,7 +113,8 @@ class Trainer:
         backend, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes,
                                            args.p2p_host_staging)
         self.rt = setup_parallel(args, plan, backend, device)
-        fresh_metrics(args, plan.layout.chunk_slots())
+        self.model_spec = ModelSpec.from_args(args)
+        fresh_metrics(self.model_spec, plan.layout.chunk_slots())
         print_schedule_proof(plan, agree_on_schedule(plan, args.pipeline_schedule))
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
@@ -142,9 +144,9 @@ class Trainer:
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
         args, rt = self.args, self.rt
-        print_building(args, uses_transformer_engine(args, device.type))
+        print_building(args, self.model_spec, uses_transformer_engine(args.transformer_impl, device.type))
         print_layout(args, self.plan)
-        self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in rt.held}
+        self.chunks = {key: build_chunk(self.model_spec, self.plan, key[1], device) for key in rt.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in rt.held]
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
@@ -216,8 +218,9 @@ class Trainer:
                 print(fault.trace(), end="", file=sys.stderr, flush=True)
             raise type(fault)(f"{fault.headline} (iteration {iteration + 1})", fault.context,  # joins the first line
                               fault.action) from fault.__cause__
-        moe = auxiliary_loss_fields(self.args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
-        moe.update(mtp_loss_fields(self.args, self.rt, self.plan.microbatches))
+        moe = auxiliary_loss_fields(self.model_spec, self.plan.layout.chunk_slots(), self.plan.microbatches,
+                                    iteration + 1)
+        moe.update(mtp_loss_fields(self.model_spec, self.rt, self.plan.microbatches))
         if self.args.moe_router_enable_expert_bias:
             update_expert_bias(self.chunks, self.rt, self.args.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
 from megatron.chimera.observability.hooks import Hooks
@@ -33,8 +34,8 @@ def gradients(flags: list[str]) -> tuple[dict, int]:
 def test_selective_recompute_modules_keep_the_gradients_and_save_memory(one_process_group, modules):
     """Each module megatron-core's local layers recompute reaches the config, keeps the gradients bit for bit
     and keeps fewer bytes for the backward."""
-    assert transformer_config(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1), 2).recompute_modules \
-        == modules
+    spec = ModelSpec.from_args(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1))
+    assert transformer_config(spec, 2).recompute_modules == modules
     plain, plain_bytes = gradients(MOE)
     recomputed, recomputed_bytes = gradients(MOE + SELECTIVE + modules)
     assert all(torch.equal(plain[n], recomputed[n]) for n in plain)
@@ -58,9 +59,10 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
     from megatron.chimera.observability.startup import print_building
 
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
-    assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
+    spec = ModelSpec.from_args(args)
+    assert transformer_config(spec, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, spec, transformer_engine=False)
     out = capsys.readouterr().out
     assert out.count("--recompute-modules") == 1
     assert (" > --recompute-modules: moe_act only in Transformer Engine's layers (no effect with megatron-core's "
@@ -71,10 +73,11 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process
     from megatron.chimera.observability.startup import print_building
 
     args = parse_args(TINY + MOE + ["--moe-shared-expert-overlap"], world_size=1)
-    assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
-    assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
+    spec = ModelSpec.from_args(args)
+    assert shared_expert_overlap(spec, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
+    assert not transformer_config(spec, 2, device_type="cpu").moe_shared_expert_overlap
     capsys.readouterr()
-    print_building(args, transformer_engine=False)
+    print_building(args, spec, transformer_engine=False)
     out = capsys.readouterr().out
     assert out.count("--moe-shared-expert-overlap") == 1 and "off on the CPU" in out
 
@@ -84,7 +87,8 @@ def routes(flags: list[str]) -> list[torch.Tensor]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     args = parse_args(TINY + MOE + flags, world_size=1)
-    router = build_chunk(args, make_run_plan(args), 0, torch.device("cpu")).decoder.layers[1].mlp.router
+    model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))
+    router = model.decoder.layers[1].mlp.router
     maps = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -96,8 +100,8 @@ def routes(flags: list[str]) -> list[torch.Tensor]:
 def test_forced_load_balancing_routes_at_random_whatever_the_input(one_process_group):
     """megatron-core's random logits (RandomSTE) replace the router's: drawn from the expert-parallel RNG state,
     so two inputs routed from the same state go to the same experts."""
-    assert transformer_config(parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1),
-                              2).moe_router_force_load_balancing
+    forcing = parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1)
+    assert transformer_config(ModelSpec.from_args(forcing), 2).moe_router_force_load_balancing
     forced, learned = routes(["--moe-router-force-load-balancing"]), routes([])
     assert torch.equal(*forced) and not torch.equal(*learned)
 

@@ -92,7 +92,7 @@ def _joined(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
 
 def load_legacy(trainer, folder: str, root: str) -> dict:
     """Copy every parameter's slice from a legacy checkpoint; returns its common state."""
-    args, rt = trainer.args, trainer.rt
+    rt = trainer.rt
     shards = _shards(folder, root)
     with torch.no_grad():
         for chunk in trainer.models:
@@ -102,6 +102,6 @@ def load_legacy(trainer, folder: str, root: str) -> dict:
                 if parts is None:
                     raise CheckpointError(root, f"{folder} has no {name}")
                 dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
-                full = _joined(parts, dim, is_gated(args, name))
-                param.copy_(tp_shard(full, dim, rt.tp, rt.tp_rank, is_gated(args, name)))
+                full = _joined(parts, dim, is_gated(chunk.config, name))
+                param.copy_(tp_shard(full, dim, rt.tp, rt.tp_rank, is_gated(chunk.config, name)))
     return read_common(folder, root)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..config.model_spec import ModelSpec
 from ..config.run_plan import PROOF_MODE
 from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
 
 
-def print_building(args, transformer_engine: bool) -> None:
+def print_building(args, spec: ModelSpec, transformer_engine: bool) -> None:
     """Megatron-LM's line, and once what a flag does here if not what it does on a GPU."""
     if dist.get_rank() != 0:
         return
@@ -19,29 +20,29 @@ def print_building(args, transformer_engine: bool) -> None:
     if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
-    _print_fusions_off(args)
-    _print_local_stand_ins(args, transformer_engine)
+    _print_fusions_off(args, spec)
+    _print_local_stand_ins(args, spec, transformer_engine)
 
 
-def _print_local_stand_ins(args, transformer_engine: bool) -> None:
+def _print_local_stand_ins(args, spec: ModelSpec, transformer_engine: bool) -> None:
     """Once, what two MoE and recomputation flags do here that differs from a GPU run with Transformer Engine
     (model/chunk.py's ``te_only_recompute`` and ``shared_expert_overlap``)."""
-    te_only = te_only_recompute(args, transformer_engine)
+    te_only = te_only_recompute(spec, transformer_engine)
     if te_only and args.recompute_granularity == "selective":
         rest = [m for m in args.recompute_modules if m not in te_only]
         print(f" > --recompute-modules: {', '.join(te_only)} only in Transformer Engine's layers (no effect with "
               f"megatron-core's local layers here); recomputed: {', '.join(rest) or 'none of the others'}", flush=True)
     if (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size
-            and not shared_expert_overlap(args, _training_device(args))):
+            and not shared_expert_overlap(spec, _training_device(args))):
         print(" > --moe-shared-expert-overlap: off on the CPU (megatron-core overlaps the shared experts with the "
               "token dispatch on a CUDA stream); they run before the router instead, computing the same", flush=True)
 
 
-def _print_fusions_off(args) -> None:
+def _print_fusions_off(args, spec: ModelSpec) -> None:
     """One line for every fusion Megatron-LM would run with these flags that stays off here, by reason
     (model/chunk.py's ``fusions_off``): all of them on the CPU."""
     reasons: dict[str, list[str]] = {}
-    for field, reason in fusions_off(args, _training_device(args)).items():
+    for field, reason in fusions_off(spec, _training_device(args)).items():
         reasons.setdefault(reason, []).append(field)
     if reasons:
         print(" > fusions kept off: " + "; ".join(f"{', '.join(fields)} ({reason})"

@@ -340,7 +340,7 @@ def copies_identical(trainer) -> bool:
     return all(seen.setdefault(k, d) == d for per_rank in gathered for k, d in per_rank.items())
 
 
-def compare_weights(weights: dict, reference: dict, tp: int, args) -> tuple[float, float]:
+def compare_weights(weights: dict, reference: dict, tp: int, config) -> tuple[float, float]:
     """(relative error of the whole model, worst relative error of one tensor), each logical tensor
     (global name and TP shard) counted once however many copies the layout holds. Whole-model is the
     criterion: AdamW turns ~1e-10 rounding differences in elements whose gradient is near its eps
@@ -349,7 +349,7 @@ def compare_weights(weights: dict, reference: dict, tp: int, args) -> tuple[floa
     for (gname, tp_rank), w in weights.items():
         full = reference[gname]
         dim = next((d for d in range(full.dim()) if full.shape[d] != w.shape[d]), None)
-        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(args, gname))
+        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(config, gname))
         mine[(gname, tp_rank)] = ((w - expected).double().pow(2).sum().item(), expected.double().pow(2).sum().item())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -522,7 +522,7 @@ def main() -> None:
             trainer.close()
             continue
         ref = torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True)
-        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.args)
+        model_rel, tensor_rel = compare_weights(weights, ref["weights"], trainer.rt.tp, trainer.models[0].config)
         results[name] = {
             "losses": losses, "reference": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
