@@ -26,7 +26,6 @@ CHUNK_OWN = {
     **dict.fromkeys(chunk.ONE_STAGE, "a chunk is built as a model of one stage"),
     **dict.fromkeys(chunk.BATCHED_P2P, "megatron-core's own schedules batch their p2p, as the warm-up expects"),
     **dict.fromkeys(chunk.FUSIONS, "the fusions this device runs"),
-    **dict.fromkeys(chunk.NO_EFFECT, "flags with no effect here stay at megatron-core's defaults"),
     "transformer_impl": "Transformer Engine's layers where installed on a GPU, megatron-core's local ones otherwise",
     "recompute_modules": "the modules only Transformer Engine's layers recompute are left out of local layers",
     "moe_grouped_gemm": "grouped GEMMs are Transformer Engine's",
@@ -108,3 +107,11 @@ def test_attention_softmax_in_fp32_is_megatron_lms_flag():
     assert not ModelSpec.from_args(parse_args(ONE + ["--bf16"], world_size=1)).config.attention_softmax_in_fp32
     spec = ModelSpec.from_args(parse_args(ONE + ["--bf16", "--attention-softmax-in-fp32"], world_size=1))
     assert chunk.transformer_config(spec, 8).attention_softmax_in_fp32
+
+
+def test_flags_with_no_effect_here_stay_out_of_the_config(tmp_path):
+    """--moe-permute-fusion and --moe-router-fusion (Transformer Engine's kernels, which megatron-core requires
+    at construction) and --config-logger-dir (megatron-core would write there) have no effect here."""
+    flags = ["--moe-permute-fusion", "--moe-router-fusion", "--config-logger-dir", str(tmp_path)]
+    config = ModelSpec.from_args(parse_args(ONE + MIXTRAL + flags, world_size=1)).config
+    assert (config.moe_permute_fusion, config.moe_router_fusion, config.config_logger_dir) == (False, False, "")

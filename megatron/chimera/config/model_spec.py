@@ -3,7 +3,9 @@ GPTModel takes beside it.
 
 The config is Megatron-LM's for the whole model, built once from the validated namespace by Megatron-LM's own
 function (``MLATransformerConfig`` with --multi-latent-attention, as that function picks it). Two fields are
-set apart, because megatron-core checks them at construction for what runs here and Megatron-LM on a GPU:
+set apart, because megatron-core checks them at construction for what runs here and Megatron-LM on a GPU,
+and the fields of the flags that have no effect here (config/flag_classes.py) stay at megatron-core's defaults
+(``NO_EFFECT``):
 
 - ``apply_rope_fusion``: megatron-core refuses it where Transformer Engine's fused RoPE is not installed (the
   CPU). The config is built with it off and given Megatron-LM's value after; each chunk's config keeps on only
@@ -23,6 +25,10 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
+
+# --config-logger-dir (megatron-core would write its configs there); --moe-permute-fusion and
+# --moe-router-fusion, GPU kernels of Transformer Engine's that megatron-core requires at construction
+NO_EFFECT = {"config_logger_dir": "", "moe_permute_fusion": False, "moe_router_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class ModelSpec:
 def _for_megatron_core(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of the namespace for Megatron-LM's function, so that nothing writes to the validated one
     (megatron-core's config appends to lists it is given: "moe" to recompute_modules with
-    --moe-layer-recompute), less the two fields the module docstring sets apart."""
+    --moe-layer-recompute), less the fields the module docstring sets apart."""
     values = {name: copy.copy(value) if isinstance(value, list) else value for name, value in vars(args).items()}
-    return argparse.Namespace(**{**values, "apply_rope_fusion": False, "overlap_moe_expert_parallel_comm": False})
+    return argparse.Namespace(**{**values, **NO_EFFECT, "apply_rope_fusion": False,
+                                 "overlap_moe_expert_parallel_comm": False})

@@ -67,9 +67,6 @@ ONE_STAGE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel
 # (distributed/warmup.py): Megatron-LM overlaps it instead under its interleaved schedule, which then
 # sends and receives between each pair of ranks apart from the pipeline group's communicator
 BATCHED_P2P = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
-# Fields of flags that have no effect here (config/flag_classes.py's NO_EFFECT), at megatron-core's defaults:
-# --config-logger-dir (megatron-core would write its configs there), --moe-permute-fusion, --moe-router-fusion
-NO_EFFECT = {"config_logger_dir": "", "moe_permute_fusion": False, "moe_router_fusion": False}
 # --recompute-modules that only Transformer Engine's layers recompute: the activation of its grouped experts
 # (TEGroupedMLP); megatron-core's local experts (SequentialMLP) have no such checkpoint
 TE_RECOMPUTE = ("moe_act",)
@@ -311,17 +308,16 @@ def transformer_config(spec: ModelSpec, num_layers: int, first_layer: int = 0, d
     chunk on ``device_type`` in a run whose plan splits its backward or not: the run's config (Megatron-LM's),
     with only the chunk's own fields replaced. Those are its layers and their slice of the layer patterns; a
     model of one stage (``ONE_STAGE``) whose megatron-core schedules batch their p2p (``BATCHED_P2P``); the
-    fusions this device runs (``fusion_fields``) and none of the flags that have no effect here (``NO_EFFECT``);
-    the layers' backend (Transformer Engine's, or megatron-core's local layers, without the recomputed
-    modules, grouped GEMMs and shared-expert stream that only a GPU with Transformer Engine has); and CPU
-    initialisation, which sets the tensor-parallel attributes (partition_dim, ...) that init_chunk and the
-    gradient norm rely on (init_chunk then redraws every tensor)."""
+    fusions this device runs (``fusion_fields``); the layers' backend (Transformer Engine's, or megatron-core's
+    local layers, without the recomputed modules, grouped GEMMs and shared-expert stream that only a GPU with
+    Transformer Engine has); and CPU initialisation, which sets the tensor-parallel attributes (partition_dim,
+    ...) that init_chunk and the gradient norm rely on (init_chunk then redraws every tensor)."""
     run = spec.config
     te = uses_transformer_engine(run.transformer_impl, device_type)
     te_only = te_only_recompute(spec, te)
     config = dataclasses.replace(
         run, num_layers=num_layers, **_layer_pattern(run, first_layer, num_layers), **ONE_STAGE, **BATCHED_P2P,
-        **NO_EFFECT, **fusion_fields(spec, device_type, split_backward),
+        **fusion_fields(spec, device_type, split_backward),
         transformer_impl="transformer_engine" if te else "local",
         recompute_modules=[m for m in run.recompute_modules if m not in te_only],
         moe_grouped_gemm=run.moe_grouped_gemm and te,  # megatron-core's local experts are sequential
