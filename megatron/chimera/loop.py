@@ -115,7 +115,7 @@ class Trainer:
         backend, device = init_distributed(dims.backend, dims.timeout_minutes, dims.p2p_host_staging)
         self.rt = setup_parallel(dims, plan, backend, device)
         self.held = plan.held(self.rt.worker)  # the (pipeline, stage) copies this rank's chunks are
-        fresh_metrics(job.megatron_args, plan.layout.chunk_slots())
+        fresh_metrics(job.model, plan.layout.chunk_slots())
         print_schedule_proof(plan, agree_on_schedule(plan))
         torch.manual_seed(train.seed)
         model_parallel_cuda_manual_seed(train.seed)
@@ -146,10 +146,10 @@ class Trainer:
 
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
         """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
-        args, rt, spec = self.job.megatron_args, self.rt, self.job.train.optimizer
-        print_building(args, uses_transformer_engine(args, device.type), device.type)
+        rt, spec, model = self.rt, self.job.train.optimizer, self.job.model
+        print_building(model, uses_transformer_engine(model.config.transformer_impl, device.type), device.type)
         print_layout(self.plan)
-        self.chunks = {key: build_chunk(args, self.plan, key[1], device) for key in self.held}
+        self.chunks = {key: build_chunk(model, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in self.held]
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
@@ -221,11 +221,11 @@ class Trainer:
                 print(fault.trace(), end="", file=sys.stderr, flush=True)
             raise type(fault)(f"{fault.headline} (iteration {iteration + 1})", fault.context,  # joins the first line
                               fault.action) from fault.__cause__
-        args = self.job.megatron_args
-        moe = auxiliary_loss_fields(args, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
-        moe.update(mtp_loss_fields(args, self.rt, self.plan.microbatches))
-        if args.moe_router_enable_expert_bias:
-            update_expert_bias(self.chunks, self.rt, args.moe_router_bias_update_rate)
+        model = self.job.model
+        moe = auxiliary_loss_fields(model, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
+        moe.update(mtp_loss_fields(model, self.rt, self.plan.microbatches))
+        if model.config.moe_router_enable_expert_bias:
+            update_expert_bias(self.chunks, self.rt, model.config.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)
         steps = finite or not (self.job.train.check_for_nan or self.scaler)
         self._step(norm, finite, steps)

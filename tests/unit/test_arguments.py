@@ -133,8 +133,9 @@ def test_split_backward_with_transformer_engine_layers_is_refused_on_a_gpu(monke
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert err.startswith("pretrain_gpt.py: error: --transformer-impl=transformer_engine: Transformer Engine's fused")
-    assert chunk.uses_transformer_engine(parse_args(MODEL, world_size=1), "cuda")
-    assert not chunk.uses_transformer_engine(parse_args(MODEL + ["--transformer-impl", "local"], world_size=1), "cuda")
+    assert chunk.uses_transformer_engine(parse_args(MODEL, world_size=1).transformer_impl, "cuda")
+    assert not chunk.uses_transformer_engine(
+        parse_args(MODEL + ["--transformer-impl", "local"], world_size=1).transformer_impl, "cuda")
 
 
 def test_layout_flags_cut_the_stages_as_megatron_lm_does():

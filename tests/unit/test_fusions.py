@@ -17,6 +17,7 @@ from packaging.version import Version
 
 from chimera_schedules.runtime.autograd_split import backward_input
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.process_groups import Runtime
 from megatron.chimera.model import chunk
@@ -28,7 +29,7 @@ from megatron.chimera.optim.precision import MainParams
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", "128"]
-FUSIONS = tuple(chunk.megatron_fusions(parse_args(BASE)))
+FUSIONS = chunk.FUSIONS
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_fusion_fields_on_a_gpu_are_megatron_lms(gpu_kernels, extra):
     megatron = core_transformer_config_from_args(args)
     for impl in ("transformer_engine", "local"):
         args.transformer_impl = impl
-        ours = chunk.transformer_config(args, 2, 0, "cuda")
+        ours = chunk.transformer_config(ModelSpec.from_args(args), 2, 0, "cuda")
         assert {f: getattr(ours, f) for f in FUSIONS} == {f: getattr(megatron, f) for f in FUSIONS}, impl
         assert not ours.delay_wgrad_compute
     assert megatron.gradient_accumulation_fusion == ("--no-gradient-accumulation-fusion" not in extra)
@@ -66,10 +67,11 @@ def test_fusion_fields_on_a_gpu_are_megatron_lms(gpu_kernels, extra):
 
 def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process_group, capsys):
     args = parse_args(BASE + ["--no-rope-fusion"], world_size=1)
-    config = chunk.transformer_config(args, 2, 0, "cpu")
+    spec = ModelSpec.from_args(args)
+    config = chunk.transformer_config(spec, 2, 0, "cpu")
     assert not any(getattr(config, f) for f in FUSIONS), f"fusions on: {[f for f in FUSIONS if getattr(config, f)]}"
     capsys.readouterr()
-    print_building(args, False, "cpu")
+    print_building(spec, False, "cpu")
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["building GPT model ...",
                      " > fusions kept off: gradient_accumulation_fusion, bias_activation_fusion, bias_dropout_fusion, "
@@ -79,13 +81,14 @@ def test_fusions_stay_off_on_the_cpu_and_startup_says_so_in_one_line(one_process
 def test_missing_gpu_kernels_and_a_split_backward_keep_their_fusions_off(gpu_kernels, monkeypatch):
     """Where Megatron-LM would fail (apex or Transformer Engine's fused RoPE not installed), the fusion
     stays off; local linears under a split backward multiply with torch's ops, without the fusion."""
-    args = parse_args(BASE + ["--position-embedding-type", "rope", "--transformer-impl", "local"], world_size=1)
-    assert chunk.transformer_config(args, 2, 0, "cuda").gradient_accumulation_fusion
-    assert "gradient_accumulation_fusion" in chunk.fusions_off(args, "cuda", split_backward=True)
-    assert not chunk.transformer_config(args, 2, 0, "cuda", split_backward=True).gradient_accumulation_fusion
+    spec = ModelSpec.from_args(
+        parse_args(BASE + ["--position-embedding-type", "rope", "--transformer-impl", "local"], world_size=1))
+    assert chunk.transformer_config(spec, 2, 0, "cuda").gradient_accumulation_fusion
+    assert "gradient_accumulation_fusion" in chunk.fusions_off(spec, "cuda", split_backward=True)
+    assert not chunk.transformer_config(spec, 2, 0, "cuda", split_backward=True).gradient_accumulation_fusion
     monkeypatch.setattr(chunk, "_kernel_installed", lambda module: False)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
-    assert set(chunk.fusions_off(args, "cuda")) == {"gradient_accumulation_fusion", "apply_rope_fusion",
+    assert set(chunk.fusions_off(spec, "cuda")) == {"gradient_accumulation_fusion", "apply_rope_fusion",
                                                     "masked_softmax_fusion", "persist_layer_norm"}
 
 
@@ -118,9 +121,10 @@ def test_split_backward_with_transformer_engine_2_3_delays_its_weight_gradients(
     args = parse_args(BASE + DUALPIPE, world_size=2)
     plan = make_run_plan(args)
     assert plan.split_backward  # read from the schedule's IR: DualPipe splits its own backward
-    config = chunk.transformer_config(args, 1, 0, "cuda", plan.split_backward)
+    spec = ModelSpec.from_args(args)
+    config = chunk.transformer_config(spec, 1, 0, "cuda", plan.split_backward)
     assert config.delay_wgrad_compute and config.gradient_accumulation_fusion
-    assert not chunk.transformer_config(args, 1, 0, "cpu", plan.split_backward).delay_wgrad_compute
+    assert not chunk.transformer_config(spec, 1, 0, "cpu", plan.split_backward).delay_wgrad_compute
 
 
 # --- gradient-accumulation fusion: megatron-core's own linear with a stand-in for apex's kernel --------
@@ -162,7 +166,8 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     with monkeypatch.context() as m:
         if fused:
             m.setattr(chunk, "fusions_off", lambda *a, **k: {})
-        chunks = {(0, s): chunk.build_chunk(args, plan, s, torch.device("cpu")) for s in (0, 1)}
+        spec = ModelSpec.from_args(args)
+        chunks = {(0, s): chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in (0, 1)}
     assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values()), \
         [c.config.gradient_accumulation_fusion for c in chunks.values()]
     rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,

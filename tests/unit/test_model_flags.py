@@ -7,6 +7,7 @@ import torch
 from megatron.training.training import num_floating_point_operations
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import mark_tensor_parallel_sums, transformer_config
 
@@ -23,7 +24,7 @@ LLAMA = ["--use-mcore-models", "--ffn-hidden-size", "512", "--group-query-attent
 
 def test_llama_recipe_flags_reach_megatron_cores_config():
     args = parse_args(BASE + LLAMA)
-    config = transformer_config(args, 2)
+    config = transformer_config(ModelSpec.from_args(args), 2)
     assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-5
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     assert (config.num_query_groups, config.kv_channels, config.ffn_hidden_size) == (4, 32, 512)

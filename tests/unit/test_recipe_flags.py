@@ -13,6 +13,7 @@ from megatron.training.argument_utils import core_transformer_config_from_args, 
 
 from megatron.chimera.checkpoint.states import ModelChunks
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
 from megatron.chimera.optim.gradients import is_expert
@@ -32,7 +33,7 @@ def _chunk(flags: list[str], stage: int = 0, world_size: int = 1):
     args = parse_args(BASE + flags, world_size=world_size)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
-    return args, plan, chunk.build_chunk(args, plan, stage, torch.device("cpu"))
+    return args, plan, chunk.build_chunk(ModelSpec.from_args(args), plan, stage, torch.device("cpu"))
 
 
 def _megatron_config(args):
@@ -47,7 +48,8 @@ def _windowed(config, first: int = 0) -> list[bool]:
 
 def test_gpt_oss_flags_set_megatron_lms_config_fields():
     args = parse_args(BASE + GPT_OSS + ["--disable-bf16-reduced-precision-matmul"])
-    ours, megatron = chunk.transformer_config(args, 4), _megatron_config(args)
+    spec = ModelSpec.from_args(args)
+    ours, megatron = chunk.transformer_config(spec, 4), _megatron_config(args)
     for field in ("softmax_type", "window_size", "gated_linear_unit", "activation_func", "glu_linear_offset",
                   "activation_func_clamp_value", "disable_bf16_reduced_precision_matmul"):
         assert getattr(ours, field) == getattr(megatron, field), field
@@ -55,7 +57,7 @@ def test_gpt_oss_flags_set_megatron_lms_config_fields():
     assert ours.activation_func.__name__ == "quick_gelu" and ours.gated_linear_unit
     # the stage of layers 1 and 2 (of 0-3) windows them as Megatron-LM windows the model's layers 2 and 3
     assert _windowed(ours) == _windowed(megatron) == [True, False, True, False]
-    assert _windowed(chunk.transformer_config(args, 2, first_layer=1)) == [False, True]
+    assert _windowed(chunk.transformer_config(spec, 2, first_layer=1)) == [False, True]
 
 
 def test_disable_bf16_reduced_precision_matmul_sets_torchs_flag_as_megatron_core_does():
@@ -63,7 +65,7 @@ def test_disable_bf16_reduced_precision_matmul_sets_torchs_flag_as_megatron_core
     saved = matmul.allow_bf16_reduced_precision_reduction
     try:
         matmul.allow_bf16_reduced_precision_reduction = True
-        chunk.transformer_config(parse_args(BASE + ["--bf16", "--disable-bf16-reduced-precision-matmul"]), 1)
+        ModelSpec.from_args(parse_args(BASE + ["--bf16", "--disable-bf16-reduced-precision-matmul"]))
         assert not matmul.allow_bf16_reduced_precision_reduction
     finally:
         matmul.allow_bf16_reduced_precision_reduction = saved
@@ -159,4 +161,5 @@ def test_impossible_recipe_flags_fail_in_one_line(capsys, extra, world_size, nee
 
 
 def test_a_quick_geglu_fc1_is_split_over_tp_as_gate_and_up():
-    assert chunk.is_gated(parse_args(BASE + ["--quick-geglu"]), "decoder.layers.0.mlp.linear_fc1.weight")
+    config = ModelSpec.from_args(parse_args(BASE + ["--quick-geglu"])).config
+    assert chunk.is_gated(config, "decoder.layers.0.mlp.linear_fc1.weight")

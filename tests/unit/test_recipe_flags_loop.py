@@ -13,6 +13,7 @@ from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.job import job_config
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import Trainer, TrainingStopped, _Board, _Progress
 from megatron.chimera.model import recompute
@@ -43,8 +44,8 @@ def gradients(flags: list[str]) -> tuple[dict, int]:
 def test_selective_recompute_modules_keep_the_gradients_and_save_memory(one_process_group, modules):
     """Each module megatron-core's local layers recompute reaches the config, keeps the gradients bit for bit
     and keeps fewer bytes for the backward."""
-    assert transformer_config(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1), 2).recompute_modules \
-        == modules
+    spec = ModelSpec.from_args(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1))
+    assert transformer_config(spec, 2).recompute_modules == modules
     plain, plain_bytes = gradients(MOE)
     recomputed, recomputed_bytes = gradients(MOE + SELECTIVE + modules)
     assert all(torch.equal(plain[n], recomputed[n]) for n in plain), \
@@ -63,9 +64,10 @@ def test_megatron_cores_layernorm_checkpoint_still_asks_for_fp8_without_it():
 
 def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_group, capsys):
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
-    assert transformer_config(args, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
+    spec = ModelSpec.from_args(args)
+    assert transformer_config(spec, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
     capsys.readouterr()
-    print_building(args, transformer_engine=False, device_type="cpu")
+    print_building(spec, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--recompute-modules") == 1
     assert (" > --recompute-modules: moe_act only in Transformer Engine's layers (no effect with megatron-core's "
@@ -74,10 +76,11 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
 
 def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process_group, capsys):
     args = parse_args(TINY + MOE + ["--moe-shared-expert-overlap"], world_size=1)
-    assert shared_expert_overlap(args, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
-    assert not transformer_config(args, 2, device_type="cpu").moe_shared_expert_overlap
+    spec = ModelSpec.from_args(args)
+    assert shared_expert_overlap(spec, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
+    assert not transformer_config(spec, 2, device_type="cpu").moe_shared_expert_overlap
     capsys.readouterr()
-    print_building(args, transformer_engine=False, device_type="cpu")
+    print_building(spec, transformer_engine=False, device_type="cpu")
     out = capsys.readouterr().out
     assert out.count("--moe-shared-expert-overlap") == 1 and "off on the CPU" in out
 
@@ -85,7 +88,8 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process
 def routes(flags: list[str]) -> list[torch.Tensor]:
     """The MoE layer's routing maps of two random inputs, each routed from the same RNG states."""
     args = parse_args(TINY + MOE + flags, world_size=1)
-    router = build_chunk(args, make_run_plan(args), 0, torch.device("cpu")).decoder.layers[1].mlp.router
+    model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))
+    router = model.decoder.layers[1].mlp.router
     maps = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -97,8 +101,8 @@ def routes(flags: list[str]) -> list[torch.Tensor]:
 def test_forced_load_balancing_routes_at_random_whatever_the_input(one_process_group):
     """megatron-core's random logits (RandomSTE) replace the router's: drawn from the expert-parallel RNG state,
     so two inputs routed from the same state go to the same experts."""
-    assert transformer_config(parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1),
-                              2).moe_router_force_load_balancing
+    forcing = parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1)
+    assert transformer_config(ModelSpec.from_args(forcing), 2).moe_router_force_load_balancing
     forced, learned = routes(["--moe-router-force-load-balancing"]), routes([])
     assert torch.equal(*forced) and not torch.equal(*learned)
 

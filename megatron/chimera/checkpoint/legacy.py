@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from ..model.chunk import LAYER, TIED_NAME, tp_shard
+from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
 from .format import CheckpointError, safe_globals
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -102,11 +102,6 @@ def load_legacy(chunks: list, tp: int, tp_rank: int, folder: str, root: str) -> 
                 if parts is None:
                     raise CheckpointError(root, f"{folder} has no {name}")
                 dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
-                gated = _is_gated(chunk, name)
+                gated = is_gated(chunk.config, name)
                 param.copy_(tp_shard(_joined(parts, dim, gated), dim, tp, tp_rank, gated))
     return read_common(folder, root)
-
-
-def _is_gated(chunk, name: str) -> bool:
-    """model/chunk.py's is_gated, read from the chunk's config: --swiglu and --quick-geglu gate its MLPs."""
-    return chunk.config.gated_linear_unit and name.endswith("linear_fc1.weight")

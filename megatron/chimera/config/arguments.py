@@ -326,13 +326,15 @@ def _check_split_backward(args, request: ScheduleSpec) -> None:
     runs Transformer Engine's layers with their weight gradients delayed to W (delay_wgrad_compute and
     backward_dw(), from the release ``delayed_wgrad_te`` names); with an older one, it is refused."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if not uses_transformer_engine(args, device_type) or delays_weight_gradients(args) or request.overlap:
+    wgrad = args.overlap_grad_reduce, args.gradient_accumulation_fusion
+    if (not uses_transformer_engine(args.transformer_impl, device_type) or delays_weight_gradients(*wgrad)
+            or request.overlap):
         return  # with --overlap-moe-expert-parallel-comm the schedule plan splits the backward itself
     asked = " --split-backward" if request.split_backward else ""
     require(not _splits_backward(request), "--transformer-impl", args.transformer_impl,
             f"Transformer Engine's fused linears compute the input and weight gradients together, which "
             f"--pipeline-schedule {request.schedule}{asked} separates: that needs Transformer Engine "
-            f"{delayed_wgrad_te(args)} or later (delay_wgrad_compute under these flags; installed: "
+            f"{delayed_wgrad_te(*wgrad)} or later (delay_wgrad_compute under these flags; installed: "
             f"{transformer_engine_version()}); "
             "upgrade it, or give --transformer-impl local")
 
@@ -414,7 +416,7 @@ def _validate_architecture(args) -> None:
             "with tensor parallelism is not supported yet")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     require(not (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None)
-            or uses_transformer_engine(args, device_type), "--qk-layernorm", True,
+            or uses_transformer_engine(args.transformer_impl, device_type), "--qk-layernorm", True,
             "with --multi-latent-attention and no --q-lora-rank normalises inside Transformer Engine's fused "
             "norm and query projection, which megatron-core 0.19's local layers lack: give --q-lora-rank, or "
             "run Transformer Engine on a GPU")
@@ -435,7 +437,7 @@ def _validate_recipe_layers(args, device_type: str) -> None:
         return
     shown = ",".join(map(str, window))
     require(len(window) == 2, "--window-size", shown, "takes the window's left and right sizes, e.g. 128,0")
-    require(min(window) >= 0 or uses_transformer_engine(args, device_type), "--window-size", shown,
+    require(min(window) >= 0 or uses_transformer_engine(args.transformer_impl, device_type), "--window-size", shown,
             "with a negative (unlimited) side runs in Transformer Engine's attention only: megatron-core 0.19's "
             "local attention then masks every position")
     require(not isinstance(freq, list) or len(freq) == args.num_layers, "--window-attn-skip-freq", freq,

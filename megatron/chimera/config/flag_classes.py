@@ -57,7 +57,7 @@ HONOURED = _flags("""
     --recompute-modules --moe-shared-expert-overlap --moe-router-force-load-balancing
     --no-check-for-nan-in-loss-and-grad --dist-ckpt-strictness --trust-remote-code
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
-    --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm
+    --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm --attention-softmax-in-fp32
     --overlap-moe-expert-parallel-comm
     --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
     --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm
@@ -101,9 +101,6 @@ NO_EFFECT = {
     """),
     'gradients always accumulate and reduce in fp32 here': _flags("""
         --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32
-    """),
-    'megatron-core computes the attention softmax in fp32 already': _flags("""
-        --attention-softmax-in-fp32
     """),
     "torchrun's LOCAL_RANK picks the device": _flags("""
         --local-rank

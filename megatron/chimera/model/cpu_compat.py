@@ -30,6 +30,10 @@ import importlib
 import types
 
 import torch
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import random
+from megatron.core.transformer import utils
+from megatron.core.transformer.moe import token_dispatcher
 
 _applied = False
 
@@ -167,11 +171,6 @@ def apply() -> None:
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise RuntimeError("cpu_compat.apply() on a process that uses CUDA")
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random
-    from megatron.core.transformer import utils
-    from megatron.core.transformer.moe import token_dispatcher
-
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()

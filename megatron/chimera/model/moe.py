@@ -26,16 +26,19 @@ which counts each layer once per micro-batch all the same. Per-layer logging sta
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..config.model_spec import ModelSpec
 from .chunk import moe_layer_pattern
 
 
 def scale_auxiliary_losses(config, num_microbatches: int, device: torch.device) -> None:
     """Before a flush: the scale megatron-core's forward step would give each micro-batch's auxiliary
     losses, the MoE layers' and multi-token prediction's (``MTPLossAutoScaler``, set the same way)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-
     one = torch.ones(1, device=device)
     scale = one if config.calculate_per_token_loss else one / num_microbatches
     if config.num_moe_experts is not None:
@@ -48,8 +51,6 @@ def scale_auxiliary_losses(config, num_microbatches: int, device: torch.device) 
 def update_expert_bias(chunks: dict, rt, rate: float) -> None:
     """After a training flush (collective, stage by stage in one global order): each stage's routers'
     token counts summed over every copy of the stage, then each copy's expert bias stepped alike."""
-    from megatron.core import parallel_state
-
     by_stage = {}
     for (_, stage), chunk in sorted(chunks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         routers = [m for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
@@ -74,60 +75,55 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
                 router.local_tokens_per_expert.zero_()
 
 
-def fresh_metrics(args, slots: int) -> None:
+def fresh_metrics(spec: ModelSpec, slots: int) -> None:
     """A new trainer starts empty trackers: the MoE one's entries all have ``slots`` slots (the most layers,
     MTP included, that one chunk numbers): the routers would size an entry by the first chunk that
     records, and under an uneven layout the pipeline ranks' entries must still match to be summed."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     destroy_moe_metrics_tracker()
     MTPLossLoggingHelper.tracker.clear()  # sized by the first MTP loss: a new trainer may have other depths
-    for name in _tracked(args):
+    for name in _tracked(spec.config):
         get_moe_metrics_tracker().ensure_initialized(name, slots)
 
 
-def _tracked(args) -> list[str]:
+def _tracked(config: TransformerConfig) -> list[str]:
     """The MoE log fields Megatron-LM tracks for this configuration."""
-    if args.num_experts is None:
+    if config.num_moe_experts is None:
         return []
-    balancing = args.moe_router_load_balancing_type  # one type or a list of them
+    balancing = config.moe_router_load_balancing_type  # one type or a list of them
     balancing = [balancing] if isinstance(balancing, str) else balancing
     return [name for name, on in (("load_balancing_loss", "aux_loss" in balancing),
                                   ("seq_load_balancing_loss", "seq_aux_loss" in balancing),
-                                  ("z_loss", args.moe_z_loss_coeff is not None)) if on]
+                                  ("z_loss", config.moe_z_loss_coeff is not None)) if on]
 
 
-def auxiliary_loss_fields(args, slots: int, num_microbatches: int, iteration: int) -> dict[str, float]:
+def auxiliary_loss_fields(spec: ModelSpec, slots: int, num_microbatches: int, iteration: int) -> dict[str, float]:
     """After a training flush (collective): Megatron-LM's MoE log fields, ``load_balancing_loss``,
     ``seq_load_balancing_loss`` and ``z_loss`` as its configuration tracks them, each the mean over
     the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and averaged over the
     data-parallel ones by megatron-core's tracker, which then clears."""
-    names = _tracked(args)
+    config = spec.config
+    names = _tracked(config)
     if not names:
         return {}
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
     totals = {}
     get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=iteration, force_initialize=True,
-                                     track_names=names, num_layers=slots, moe_layer_freq=moe_layer_pattern(args),
-                                     mtp_num_layers=args.mtp_num_layers, total_loss_dict=totals)
+                                     track_names=names, num_layers=slots, moe_layer_freq=moe_layer_pattern(config),
+                                     mtp_num_layers=config.mtp_num_layers, total_loss_dict=totals)
     return {name: float(value) for name, value in totals.items()}
 
 
-def mtp_loss_fields(args, rt, num_microbatches: int) -> dict[str, float]:
+def mtp_loss_fields(spec: ModelSpec, rt, num_microbatches: int) -> dict[str, float]:
     """After a training flush (collective): Megatron-LM's ``mtp_<k> loss`` log fields. megatron-core's
     MTP loss adds each micro-batch's per-token loss of depth k into its process-wide tracker on the
     ranks running the loss stage (both ends under Chimera, each with its micro-batches); the sum over
     all ranks, over TP (each tensor-parallel rank adds the same value) and DP (replicas average), is the
     global batch's, averaged over its micro-batches as Megatron-LM's training log does."""
-    if not args.mtp_num_layers:
+    depth = spec.config.mtp_num_layers
+    if not depth:
         return {}
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     tracker = MTPLossLoggingHelper.tracker
     values = tracker.get("loss_values")
-    total = torch.zeros(args.mtp_num_layers, dtype=torch.float64, device=rt.device)
+    total = torch.zeros(depth, dtype=torch.float64, device=rt.device)
     if values is not None:
         total += values.to(rt.device, torch.float64)
     rt.all_reduce(total)

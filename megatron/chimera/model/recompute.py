@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 
+from megatron.core.tensor_parallel import random
+
 
 def apply() -> None:
     """Idempotent. Call before running megatron-core's layers."""
-    from megatron.core.tensor_parallel import random
-
     checkpoint = random.CheckpointWithoutOutput
     if random.HAVE_TE or getattr(checkpoint, "fp8_off_without_te", False):
         return

@@ -26,14 +26,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from megatron.core.pipeline_parallel.utils import ScheduleNode, set_streams
 
 
 def build(model, *args, **kwargs):
     """``model.build_schedule_plan(*args, **kwargs)``, with megatron-core's communication stream made
     (``set_streams``: on the CPU, cpu_compat's stand-in) and the plan given ``defer_weight_gradients``,
     which the executor calls before a backward that is an I."""
-    from megatron.core.pipeline_parallel.utils import set_streams
-
     set_streams(high_priority=model.config.high_priority_a2a_comm_stream)
     plan = model.build_schedule_plan(*args, **kwargs)
     plan.defer_weight_gradients = partial(defer_weight_gradients, plan, model)
@@ -94,8 +93,6 @@ def _input_gradients(leaves: list[torch.Tensor], weight_pass: PlanWeightPass, ou
 
 def _nodes(plan) -> list:
     """Every schedule node of the plan that runs a backward (no-op nodes excluded)."""
-    from megatron.core.pipeline_parallel.utils import ScheduleNode
-
     layers = [plan.get_layer(i) for i in range(plan.num_layers())]
     slots = [getattr(layer, name) for layer in layers
              for name in ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process")]

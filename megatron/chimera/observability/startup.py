@@ -7,42 +7,44 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..config.model_spec import ModelSpec
 from ..config.run_plan import PROOF_MODE
 from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
 
 
-def print_building(args, transformer_engine: bool, device_type: str) -> None:
-    """Megatron-LM's line, and once what a flag does here if not what it does on a GPU. ``args``: the
-    model's flags, for model/chunk.py's rules; ``device_type``: the device init_distributed trains on."""
+def print_building(spec: ModelSpec, transformer_engine: bool, device_type: str) -> None:
+    """Megatron-LM's line, and once what a flag does here if not what it does on a GPU. ``spec``: the
+    model, for model/chunk.py's rules; ``device_type``: the device init_distributed trains on."""
     if dist.get_rank() != 0:
         return
     print("building GPT model ...", flush=True)
-    if args.num_experts is not None and args.moe_grouped_gemm and not transformer_engine:
+    config = spec.config
+    if config.num_moe_experts is not None and config.moe_grouped_gemm and not transformer_engine:
         print(" > --moe-grouped-gemm: megatron-core's sequential experts instead (grouped GEMMs are Transformer "
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
-    _print_fusions_off(args, device_type)
-    _print_local_stand_ins(args, transformer_engine, device_type)
+    _print_fusions_off(spec, device_type)
+    _print_local_stand_ins(spec, transformer_engine, device_type)
 
 
-def _print_local_stand_ins(args, transformer_engine: bool, device_type: str) -> None:
+def _print_local_stand_ins(spec: ModelSpec, transformer_engine: bool, device_type: str) -> None:
     """Once, what two MoE and recomputation flags do here that differs from a GPU run with Transformer Engine
     (model/chunk.py's ``te_only_recompute`` and ``shared_expert_overlap``)."""
-    te_only = te_only_recompute(args, transformer_engine)
-    if te_only and args.recompute_granularity == "selective":
-        rest = [m for m in args.recompute_modules if m not in te_only]
+    te_only, config = te_only_recompute(spec, transformer_engine), spec.config
+    if te_only and config.recompute_granularity == "selective":
+        rest = [m for m in config.recompute_modules if m not in te_only]
         print(f" > --recompute-modules: {', '.join(te_only)} only in Transformer Engine's layers (no effect with "
               f"megatron-core's local layers here); recomputed: {', '.join(rest) or 'none of the others'}", flush=True)
-    if (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size
-            and not shared_expert_overlap(args, device_type)):
+    if (config.moe_shared_expert_overlap and config.moe_shared_expert_intermediate_size
+            and not shared_expert_overlap(spec, device_type)):
         print(" > --moe-shared-expert-overlap: off on the CPU (megatron-core overlaps the shared experts with the "
               "token dispatch on a CUDA stream); they run before the router instead, computing the same", flush=True)
 
 
-def _print_fusions_off(args, device_type: str) -> None:
+def _print_fusions_off(spec: ModelSpec, device_type: str) -> None:
     """One line for every fusion Megatron-LM would run with these flags that stays off here, by reason
     (model/chunk.py's ``fusions_off``): all of them on the CPU."""
     reasons: dict[str, list[str]] = {}
-    for field, reason in fusions_off(args, device_type).items():
+    for field, reason in fusions_off(spec, device_type).items():
         reasons.setdefault(reason, []).append(field)
     if reasons:
         print(" > fusions kept off: " + "; ".join(f"{', '.join(fields)} ({reason})"

@@ -364,7 +364,7 @@ def copies_differing(trainer) -> list[str]:
     return sorted(differing)
 
 
-def compare_weights(weights: dict, reference: dict, tp: int, args, lr_sum: float) -> dict[str, float]:
+def compare_weights(weights: dict, reference: dict, tp: int, config, lr_sum: float) -> dict[str, float]:
     """The weights' difference to the reference: relative (``model_rel`` the whole model's, ``tensor_rel``
     the worst tensor's) and in AdamW steps (RMS in units of ``lr_sum``, the learning rates of the steps
     taken: ``model_steps``, ``tensor_steps``), each logical tensor (global name and TP shard) counted once
@@ -373,7 +373,7 @@ def compare_weights(weights: dict, reference: dict, tp: int, args, lr_sum: float
     for (gname, tp_rank), w in weights.items():
         full = reference[gname]
         dim = next((d for d in range(full.dim()) if full.shape[d] != w.shape[d]), None)
-        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(args, gname))
+        expected = full if dim is None else tp_shard(full, dim, tp, tp_rank, is_gated(config, gname))
         mine[(gname, tp_rank)] = ((w - expected).double().pow(2).sum().item(), expected.double().pow(2).sum().item(),
                                   w.numel())
     gathered = [None] * dist.get_world_size()
@@ -549,7 +549,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
 def compared(run: dict, trainer, ref: dict) -> dict:
     """A multi-process case's result against its one-process reference ``ref``."""
     losses, moe = run["losses"], run["moe_fields"]
-    weight = compare_weights(local_weights(trainer), ref["weights"], trainer.rt.tp, trainer.job.megatron_args,
+    weight = compare_weights(local_weights(trainer), ref["weights"], trainer.rt.tp, trainer.models[0].config,
                              run["lr_sum"])
     precision = trainer.job.train.precision
     return {

@@ -24,6 +24,7 @@ import torch
 
 from megatron.chimera import make_run_plan, parse_args
 from megatron.chimera.config.data_spec import DataSpec
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes
 from megatron.chimera.data.tokenizer import build_tokenizer
 from megatron.chimera.distributed.process_groups import init_distributed
@@ -40,7 +41,7 @@ def gpt_model(args):
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(777)
     model_parallel_cuda_manual_seed(777)
-    return GPTModel(transformer_config(args, args.num_layers),
+    return GPTModel(transformer_config(ModelSpec.from_args(args), args.num_layers),
                     get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

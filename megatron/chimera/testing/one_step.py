@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model.chunk import build_chunk
 
@@ -17,7 +18,7 @@ def forward_backward_once(flags: list[str]) -> tuple[float, dict[str, torch.Tens
 
     args = parse_args(flags, world_size=1)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    model = build_chunk(args, make_run_plan(args), 0, torch.device("cpu"))
+    model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))
     batch, seq = args.micro_batch_size, args.seq_length
     tokens = torch.arange(batch * seq).remainder(args.vocab_size).view(batch, seq)
     saved = []

@@ -66,8 +66,6 @@ def check_te_split_backward(m: Machine) -> dict:
     process where TE has its weight-gradient split for these flags (chunk.delayed_wgrad_te: 2.3 with
     gradient-accumulation fusion); else refused before anything starts, in one line naming
     --transformer-impl, with nothing written."""
-    from types import SimpleNamespace
-
     from megatron.chimera.model.chunk import delays_weight_gradients
 
     if m.need(1):
@@ -76,7 +74,7 @@ def check_te_split_backward(m: Machine) -> dict:
         return result("skipped", "Transformer Engine not installed")
     te = ["--transformer-impl", "transformer_engine"]
     flags = TINY + te + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"] + m.staging
-    if delays_weight_gradients(SimpleNamespace(overlap_grad_reduce=False, gradient_accumulation_fusion=True)):
+    if delays_weight_gradients(overlap_grad_reduce=False, gradient_accumulation_fusion=True):
         return compare(train(m, flags, 2), train(m, TINY + te, 1), FP32_RTOL)
     return _refused(m, flags)
 

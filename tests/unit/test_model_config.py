@@ -1,0 +1,117 @@
+"""The model's config is Megatron-LM's own (config/model_spec.py: core_transformer_config_from_args), and each
+chunk's config differs from it only in the fields that are the chunk's (model/chunk.py's transformer_config)."""
+import dataclasses
+import functools
+
+import pytest
+
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
+from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.model import chunk
+from megatron.chimera.testing.equivalence import MIXTRAL, MODEL, VARIANTS
+
+ONE = MODEL + ["--micro-batch-size", "1"]
+CHIMERA = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+MODELS = {"gpt": [], "rope": VARIANTS["rope"], "mixtral": MIXTRAL, "mla": VARIANTS["deepseek-style"],
+          # megatron-core appends "moe" to the recomputed modules it is given
+          "recomputed-moe": MIXTRAL + ["--moe-layer-recompute", "--recompute-granularity", "selective",
+                                       "--recompute-modules", "core_attn"]}
+# Every field in which a chunk's config may differ from the run's, and why
+CHUNK_OWN = {
+    "num_layers": "the chunk's layers",
+    "moe_layer_freq": "the chunk's slice of the model's MoE layer pattern (megatron-core numbers a chunk's layers "
+                      "from its first)",
+    "window_attn_skip_freq": "the chunk's slice of the sliding-window pattern (likewise)",
+    **dict.fromkeys(chunk.ONE_STAGE, "a chunk is built as a model of one stage"),
+    **dict.fromkeys(chunk.BATCHED_P2P, "megatron-core's own schedules batch their p2p, as the warm-up expects"),
+    **dict.fromkeys(chunk.FUSIONS, "the fusions this device runs"),
+    "transformer_impl": "Transformer Engine's layers where installed on a GPU, megatron-core's local ones otherwise",
+    "recompute_modules": "the modules only Transformer Engine's layers recompute are left out of local layers",
+    "moe_grouped_gemm": "grouped GEMMs are Transformer Engine's",
+    "moe_shared_expert_overlap": "the shared experts' CUDA stream, on a GPU only",
+    "use_cpu_initialization": "weights are drawn on the CPU, then redrawn by init_chunk",
+    "perform_initialization": "megatron-core's initialisation marks the tensor-parallel attributes",
+    "delay_wgrad_compute": "Transformer Engine's layers under a split backward",
+}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):  # the init methods
+        return (a.func, a.args, a.keywords) == (b.func, b.args, b.keywords)
+    return bool(a == b)
+
+
+def _differing(a, b) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if not _same(getattr(a, f.name), getattr(b, f.name))}
+
+
+@pytest.fixture
+def fused_rope(monkeypatch):
+    """Transformer Engine's fused RoPE as far as megatron-core's config asks, so that Megatron-LM's own function
+    builds its config here for a model with RoPE (RoPE fusion is on by default)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_models_config_is_megatron_lms_own(fused_rope, name):
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = parse_args(ONE + MODELS[name], world_size=1)
+    before = {key: repr(value) for key, value in vars(args).items()}
+    spec = ModelSpec.from_args(args)
+    assert {key: repr(value) for key, value in vars(args).items()} == before, "ModelSpec wrote to the namespace"
+    megatron = core_transformer_config_from_args(args)
+    assert type(spec.config) is type(megatron), name
+    assert not _differing(spec.config, megatron), _differing(spec.config, megatron)
+    assert (spec.vocab_size, spec.share_embeddings_and_output_weights) == (128, True)
+
+
+def test_mla_picks_megatron_cores_latent_config():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = ModelSpec.from_args(parse_args(ONE + VARIANTS["deepseek-style"], world_size=1)).config
+    assert isinstance(config, MLATransformerConfig) and (config.q_lora_rank, config.kv_lora_rank) == (16, 16)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_chunks_config_differs_from_the_runs_only_in_its_own_fields(name, device_type):
+    args = parse_args(ONE + MODELS[name] + CHIMERA, world_size=2)
+    spec, plan = ModelSpec.from_args(args), make_run_plan(args)
+    for stage, held in enumerate(plan.layout.stages):
+        first = plan.layout.first_layer(stage)
+        config = chunk.transformer_config(spec, held.layers, first, device_type, plan.split_backward)
+        assert _differing(config, spec.config) <= set(CHUNK_OWN), _differing(config, spec.config) - set(CHUNK_OWN)
+        assert (config.num_layers, config.pipeline_model_parallel_size) == (held.layers, 1)
+        pattern = chunk.moe_layer_pattern(spec.config)
+        if pattern is not None and spec.config.moe_layer_freq != 1:
+            assert config.moe_layer_freq == pattern[first:first + held.layers]
+
+
+def test_overlapped_expert_communication_stays_out_of_megatron_cores_config():
+    """--overlap-moe-expert-parallel-comm runs our executor's schedule plans: megatron-core's rules for its own
+    combined 1F1B (virtual stages, bf16) do not apply, so its field stays off and the flag is the spec's."""
+    moe = ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
+           "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"]
+    spec = ModelSpec.from_args(parse_args(ONE + CHIMERA + moe, world_size=4))
+    assert spec.overlap_moe_expert_parallel_comm and not spec.config.overlap_moe_expert_parallel_comm
+    assert not chunk.transformer_config(spec, 4, 0, "cpu", split_backward=True).delay_wgrad_compute
+
+
+def test_attention_softmax_in_fp32_is_megatron_lms_flag():
+    """Megatron-LM's config computes the attention softmax in the activations' precision unless
+    --attention-softmax-in-fp32 (megatron-core's own default, True, is not Megatron-LM's)."""
+    assert not ModelSpec.from_args(parse_args(ONE + ["--bf16"], world_size=1)).config.attention_softmax_in_fp32
+    spec = ModelSpec.from_args(parse_args(ONE + ["--bf16", "--attention-softmax-in-fp32"], world_size=1))
+    assert chunk.transformer_config(spec, 8).attention_softmax_in_fp32
+
+
+def test_flags_with_no_effect_here_stay_out_of_the_config(tmp_path):
+    """--moe-permute-fusion and --moe-router-fusion (Transformer Engine's kernels, which megatron-core requires
+    at construction) and --config-logger-dir (megatron-core would write there) have no effect here."""
+    flags = ["--moe-permute-fusion", "--moe-router-fusion", "--config-logger-dir", str(tmp_path)]
+    config = ModelSpec.from_args(parse_args(ONE + MIXTRAL + flags, world_size=1)).config
+    assert (config.moe_permute_fusion, config.moe_router_fusion, config.config_logger_dir) == (False, False, "")
