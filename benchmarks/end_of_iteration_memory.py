@@ -37,6 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from megatron.chimera.distributed.process_groups import Runtime
+from megatron.chimera.model.chunk import TIED_NAME
+from megatron.chimera.optim import distributed_optimizer, gradients
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "e0da1a69e23077943c8fa9f07cb86debb0574c32"  # the last commit with the fp64 norm and stacked tied sum
 MIB = 2.0 ** 20
@@ -83,8 +87,6 @@ def _chunk(stage: int, params: list[torch.nn.Parameter]) -> torch.nn.Module:
 def edge_worker(vocab: int, hidden: int) -> dict:
     """Chimera's first worker at D=2: (pipeline 0, stage 0) and (pipeline 1, stage 1), both ends of the
     tied word embedding; a layer is its 12 h^2 weights (attention and a 4h MLP) and two norms."""
-    from megatron.chimera.model.chunk import TIED_NAME
-
     def layer(n):
         return [_param((3 * hidden, hidden), f"l{n}.qkv"), _param((hidden, hidden), f"l{n}.proj"),
                 _param((4 * hidden, hidden), f"l{n}.fc1"), _param((hidden, 4 * hidden), f"l{n}.fc2"),
@@ -96,8 +98,6 @@ def edge_worker(vocab: int, hidden: int) -> dict:
 
 
 def runtime(dp: int = 1):
-    from megatron.chimera.distributed.process_groups import Runtime
-
     world = dist.group.WORLD
     return Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world=1, tp=1, pp=2, dp=dp, tp_rank=0,
                    dp_rank=0, worker=0, placement=((0, 1), (1, 0)), held=[(0, 0), (1, 1)],
@@ -154,8 +154,6 @@ def _measure(phases: dict, norm: list) -> dict:
 
 def measure(vocab: int, hidden: int) -> dict:
     """Each path with the code at BEFORE and with ours, each on a fresh edge worker."""
-    from megatron.chimera.optim import distributed_optimizer, gradients
-
     paths = (("default (ReplicaGradSync)", replica_path, gradients),
              ("--use-distributed-optimizer (ShardedMainParams)", sharded_path, distributed_optimizer))
     rows = []
@@ -197,7 +195,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # here: after megatron.chimera, which silences its warnings
 
     parallel_state.initialize_model_parallel()
     command = "python -m benchmarks.end_of_iteration_memory" + (

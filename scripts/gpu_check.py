@@ -48,6 +48,8 @@ import time
 import traceback
 from datetime import date
 
+import torch
+
 from megatron.chimera.testing.gpu_check import layer_profile, multi_gpu, single_gpu
 from megatron.chimera.testing.gpu_check.launching import ROOT, Machine, result
 
@@ -110,7 +112,6 @@ def main() -> None:
     if options.interconnect_worker:
         layer_profile.interconnect_worker(options.interconnect_worker)
         return
-    import torch
 
     if not options.cpu_smoke and not torch.cuda.is_available():
         sys.exit("gpu_check: FAIL: no GPU here (torch.cuda.is_available() is False); --cpu-smoke exercises the "

@@ -87,6 +87,7 @@ plot (.png) beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -94,8 +95,22 @@ import subprocess
 import sys
 import time
 
-from chimera_schedules import Op
+import torch
+import torch.distributed as dist
+
+from chimera_schedules import ConfigError, Op
+from chimera_schedules.ir import parts
+from chimera_schedules.registry import VARIANTS
+from chimera_schedules.tools.planner import MODELS, Profile
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.model import cpu_compat
+
+from . import layouts, moe, runtimes, stage
+from .costs import a2a_critical_ms, default_profile, message_target_ms, predict, unscaled_forward
+from .layouts import KINDS
+from .moe import stage_parts
+from .report import document, markdown, plot, table
+from .runtimes import DTYPE, HIDDEN, MEGATRON, OVERLAP, SEQ, TORCH, without_overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,10 +140,6 @@ def _selected(names, args) -> list[str]:
 def _ours(args) -> list[str]:
     """Our variants to run: the selected ones; with --a2a-fraction each also with overlap, where the
     registry has that variant."""
-    from chimera_schedules.registry import VARIANTS
-
-    from .runtimes import OVERLAP
-
     if not args.a2a_fraction:
         return _selected(OURS, args)
     return [name for base in _selected(OURS, args) for name in (base, base + OVERLAP) if name in VARIANTS]
@@ -138,10 +149,6 @@ def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
     """(runtime, schedule name, the order it runs) for each of our cases and megatron-core's at N=n that
     ``--runtimes`` and ``--schedules`` select; ours are built at the even layout's costs (``--order
     best`` and a split backward's W placement depend on them) and run unchanged at every layout."""
-    from chimera_schedules import ConfigError
-
-    from . import runtimes
-
     out = []
     if "ours" in args.runtimes:
         for name in _ours(args):
@@ -159,10 +166,6 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     """Our cases and megatron-core's, each with its layout, decided on rank 0 (``--order best``
     searches for a minute at D=8, a layout search takes about a second) and sent to every rank: tuples
     (runtime, schedule name, N, order, layouts.Chosen); and why the sizes rule some out."""
-    import torch.distributed as dist
-
-    from . import layouts
-
     entries, skipped = [], []
     if dist.get_rank() == 0:
         for n in microbatches:
@@ -176,10 +179,6 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
 
 def build_cases(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     """Every case the sizes and the options allow, built on this rank; and why the others were left out."""
-    import torch.distributed as dist
-
-    from . import runtimes
-
     entries, skipped = plan(setup, args, microbatches)
     setup.create_groups([order for runtime, _, _, order, _ in entries if runtime == "ours"])
     cases = [runtimes.ours(setup, name, n, order, chosen) if runtime == "ours"
@@ -201,9 +200,6 @@ def p2p_ms(shape: tuple, dtype) -> float:
     from the rank before, send to the rank after). On this machine the ranks' transfers share its two
     cores, so this is about twice an isolated pair's one-way time at D=8, and what a message costs
     inside every runtime's iteration."""
-    import torch
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y, times = torch.zeros(shape, dtype=dtype), torch.empty(shape, dtype=dtype), []
     for _ in range(20):
@@ -222,9 +218,6 @@ def size_messages(setup) -> dict:
     """Sets the messages' rows and their measured cost (see the module): GPT-2 1.3B's shape measured,
     its rows scaled linearly to the profile's share of a stage, the rows chosen measured again. Every
     rank chooses the same rows (the measurements are gathered)."""
-    from .costs import message_target_ms
-    from .runtimes import DTYPE, HIDDEN, SEQ
-
     target = message_target_ms(setup.shape, setup.profile, setup.depth, setup.forward_ms)
     full = p2p_ms((SEQ, 1, HIDDEN), DTYPE)
     setup.seq = min(4 * SEQ, max(1, round(SEQ * target / full)))
@@ -236,10 +229,6 @@ def size_messages(setup) -> dict:
 def iteration(case) -> tuple[float, float, float, float]:
     """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits
     (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
-    import torch.distributed as dist
-
-    from . import moe, stage
-
     stage.SPANS.clear()
     moe.PARTS.clear()
     dist.barrier()
@@ -254,10 +243,6 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
     the slowest rank's, the share None without all-to-all. A
     case runs one untimed iteration first whenever it is new (torch infers shapes and allocates its
     buffers, gloo connects pairs): once, or every round for a case released after each round."""
-    import gc
-
-    import torch.distributed as dist
-
     world, warm = dist.get_world_size(), [False] * len(cases)
     samples = [[] for _ in cases]
     for r in range(rounds):
@@ -276,8 +261,6 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
 
 
 def _timed(case, world: int) -> tuple[float, float, float | None]:
-    import torch.distributed as dist
-
     every = [None] * world
     dist.all_gather_object(every, iteration(case))
     ms = max(t for t, *_ in every) * 1e3
@@ -290,8 +273,6 @@ def row(setup, case, samples) -> dict:
     """One result row: the measured iterations' median and spread, the simulator's prediction, the
     layout (Megatron-LM's string; the flags that ask for it where it is Megatron-LM's best; the
     planner's memory of its largest worker, which the emulated device does not hold)."""
-    from .costs import predict
-
     ms = [m for m, *_ in samples]
     median = statistics.median(ms)
     bubble = statistics.median(b for _, b, _ in samples)
@@ -315,9 +296,6 @@ def row(setup, case, samples) -> dict:
 def add_a2a_critical(setup, cases, rows: list[dict]) -> None:
     """Each row's a2a_critical_ms: its control's (the same variant without overlap, same N and layout),
     from the simulator (costs.a2a_critical_ms)."""
-    from .costs import a2a_critical_ms
-    from .runtimes import without_overlap
-
     critical = {}
     for case in (c for c in cases if not c.overlap):
         model = setup.costs(case.schedule.virtual_stages, case.chosen.layout)
@@ -331,10 +309,6 @@ def overlap_timeline(setup) -> str:
     """One overlapped F&B action drawn (parts.ascii_timeline): a middle stage of the even split, one
     micro-batch's forward beside another's whole backward; its first two layer pairs, the rest repeat
     them (a part is too short to label at the whole action's scale)."""
-    from chimera_schedules.ir import parts
-
-    from .moe import stage_parts
-
     t = setup.times(1)[setup.depth // 2]
     order = parts.interleave(stage_parts(t, "F", t.forward), stage_parts(t, "B", t.input + t.weight))
     return (f"stage {setup.depth // 2} of {setup.depth}: {t.moe_layers} MoE layers, forward {t.forward * 1e3:.1f} ms, "
@@ -343,16 +317,9 @@ def overlap_timeline(setup) -> str:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
-
-    from chimera_schedules.tools.planner import Profile
-    from megatron.chimera.model import cpu_compat
-
-    from . import runtimes
-
     dist.init_process_group("gloo")
     cpu_compat.apply()  # megatron-core's schedules allocate their p2p buffers on "the" CUDA device
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # here: after megatron.chimera, which silences its warnings
 
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
@@ -382,10 +349,6 @@ def forward_ms(args, profile, depth: int) -> float:
     models), else the profile's own median forward at this depth. At the profile's own time a message's
     target is its own time too (Llama 3 8B at D=8 on the H100 profile: a 51 ms stage, a 1.3 ms message),
     which gloo here can meet; at 20 ms the target falls further below gloo's fixed cost per message."""
-    from chimera_schedules.tools.planner import MODELS
-
-    from .costs import unscaled_forward
-
     if args.forward_ms:
         return args.forward_ms
     own = args.selection != "full"
@@ -424,8 +387,6 @@ FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 def _selection(args) -> None:
     """Fill in what was not given: A2A with --a2a-fraction, else FAIRNESS, or everything (GPT-2's
     historical run); every layout kind but with --a2a-fraction."""
-    from .layouts import KINDS
-
     if args.a2a_fraction:
         args.selection = "a2a"
     args.selection = args.selection or ("full" if args.model == "gpt2-1.3b" else "fair")
@@ -438,12 +399,6 @@ def _selection(args) -> None:
 
 def arguments() -> argparse.Namespace:
     """The options; ``--profile`` defaults to the model's (costs.PROFILES) and must exist."""
-    from chimera_schedules.tools.planner import MODELS
-
-    from .costs import default_profile
-    from .layouts import KINDS
-    from .runtimes import MEGATRON, TORCH
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", "--depth", dest="depths", type=int, nargs="+", default=list(DEPTHS),
                    help="pipeline depths D (one launch each)")
@@ -486,8 +441,6 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    from .report import document, markdown, plot, table
-
     args = arguments()
     if args.worker:
         worker(args)
