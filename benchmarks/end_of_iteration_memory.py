@@ -3,22 +3,12 @@
     python -m benchmarks.end_of_iteration_memory              # vocabulary 131072, hidden 1024: about a minute
     python -m benchmarks.end_of_iteration_memory --vocab 32768 --hidden 512 --out FILE
 
-One CPU process holds what Chimera's first worker holds of a GPT with a tied word embedding: stage 0 of
-pipeline 0 (the embedding and one transformer layer) and the last stage of pipeline 1 (one layer, the
-final norm and the output layer, a second copy of the embedding), fp32, AdamW state allocated. With the
-gradients filled, it runs the optimizer phase as the trainer does (the GradSync's ``finish``, the
-global gradient norm, clipping, AdamW's step) and records every allocation torch's CPU allocator makes
-(``torch.profiler`` with ``profile_memory``): a phase's peak is the largest sum of live bytes it reached
-above what was alive when it began, so the model state (weights, gradients, AdamW moments) is not in it.
-The collectives run on a one-member gloo group; their own scratch, outside torch's allocator, is not
-counted and is the same either way.
-
-"before" is the code at commit ``BEFORE`` (``git show``, loaded as a module beside ours): fp64 copies of
-every gradient for the norm, and the tied embedding's copies stacked and summed into new tensors.
-"after" is the working tree's: fp32 norms per tensor summed in fp64, the copies summed in place. Both
-paths: the default (``ReplicaGradSync`` and ``MainParams``'s functions) and --use-distributed-optimizer
-(``ShardedMainParams``). AdamW's step is torch's and the same in both; it is reported for scale (its
-for-loop implementation makes one temporary the size of the largest parameter).
+One CPU process holds Chimera's first worker of a GPT with a tied word embedding (both its ends), fills
+its gradients and runs the optimizer phase as the trainer does (grad sync ``finish``, gradient norm,
+clipping, AdamW's step), each phase's peak being the most bytes torch's CPU allocator held above what
+was alive when it began. It measures the code at commit ``BEFORE`` against the working tree's, on the
+default path and with --use-distributed-optimizer. What the worker holds, how a peak is measured and
+what changed since ``BEFORE``: docs/notes/end-of-iteration-memory.md.
 
 Writes benchmarks/results/end_of_iteration_memory.json and .md.
 """

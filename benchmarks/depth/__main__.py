@@ -8,77 +8,14 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
     python -m benchmarks.depth --stages 8 --model llama3-8b --selection full  # every runtime, schedule and N
     python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE  # issue 35
 
-One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
-and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
-real parameters and real bf16 activations, so the schedules, the runtimes and the messages are real
-while the ranks no longer compete for this machine's two cores, as GPU ranks do not.
-
-Models (``--model``): GPT-2 1.3B (the default; the Piz Daint profile, the paper's), Llama 3 8B and
-DeepSeek-V3 (an H100's datasheet profile; ``--profile`` picks another). A stage's time is the
-planner's for the layers its layout gives it, the logits (and MTP) on the last stage, on one clock per
-model and depth: the even split's median 1F1B forward is ``--forward-ms`` (benchmarks/depth/costs.py),
-by default 20 ms for the full selection (GPT-2's default: the scale of the results before models) and
-the profile's own time for the fair one (Llama 3 8B at D=8 on the H100 profile: 51.4 ms; GPT-2 1.3B on
-Piz Daint: 28.7 ms), where messages come nearer the profile's too.
-
-Layouts (``--layouts``): every schedule of our executor and megatron-core's runs at three, each found
-for that schedule (benchmarks/depth/layouts.py): ``even`` (Megatron-LM's default, the first stages one
-layer more where the layers do not divide), ``megatron`` (the best split Megatron-LM's hand flags can
-ask for, with the flags) and ``balanced`` (the balancer's). Both searches simulate the case's own
-order at the costs its emulated stages wait: the stages wait the simulator's own costs, so this
-measures the balancer's search and the executor, not the cost model. megatron-core's 1F1B is priced
-with our 1f1b's order, its interleaved with our interleaved's (the first and last flags then count a
-rank's v stages). Our schedules are built at the even layout's costs and run unchanged at every
-layout. The emulated device holds no model, so layouts are chosen by time alone; each row keeps the
-planner's memory of the layout's largest worker and whether it fits the profile's device. The
-layouts are decided on rank 0, with our schedules, and sent to every rank.
-torch.distributed.pipelining's cases run at the even layout only: their orders, which a search would
-price, exist only once their stages are built on every rank.
-
-Messages: one activation costs, relative to a stage, what the profile's interconnect says: the
-profile's p2p time of one (latency + s h x 2 bytes / bandwidth) over its median even 1F1B forward,
-times ``--forward-ms``. Each launch measures a message of GPT-2 1.3B's shape (632 x 1 x 1280 bf16),
-scales its rows linearly to that target (at least 1 row, at most 4 x 632), and measures again at the
-rows chosen, which is what the predictions price; the JSON keeps the target, both measurements and
-the shape. Gloo's fixed cost per message on this machine meets small targets from above: Llama 3 8B
-at D=8 and its own 51.4 ms targets 1.35 ms (64 MiB over 50 GB/s), and 250 rows measured 1.88 ms;
-at ``--forward-ms 5`` (D=4) it would target 0.07 ms and 20 rows measure 0.71 ms. GPT-2 1.3B at D=8
-and 20 ms targets 0.11 ms (a Piz Daint message is 0.6% of a stage): cheaper than the full shape's
-3.2 ms that results before layouts used, still dearer than the profile's share.
-
-The runtimes: our executor (every registry schedule the sizes allow), megatron-core's 1F1B and
-interleaved schedules, and torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (``--runtimes`` and
-``--schedules`` select), at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this
-machine's memory). Each case is built once and warmed up once; then every round runs every case, so
-that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
-micro-batches from a barrier to the last rank's return (no optimizer step: the peers' runtimes have
-none); its bubble is the share of the D ranks' time not spent in a stage's wait.
-
-The prediction is the simulator's makespan at the same costs, each message priced at what an
-activation takes between neighbours while every rank sends one (measured at the start of each
-launch): our executor's lowered lists under gloo's rules, the peers' compute orders (torch's own
-``pipeline_order``; megatron-core's are our 1f1b's and interleaved's) with each message a fixed
-delay.
-
-Forward and backward overlapped (``--a2a-fraction 0.25, 0.5 or 1.0``; a model with experts, DeepSeek-V3):
-each MoE layer spends that fraction of its forward compute in expert all-to-alls, in each forward, I and
-whole backward (benchmarks/depth/costs.py). The all-to-all is a timed wait on a communication thread
-(benchmarks/depth/moe.py), not a gloo all-to-all of the tokens, issued part by part at the executor's
-part boundaries: our executor runs every pass as a schedule plan (megatron-core's combined-1F1B
-protocol), one micro-batch at a time for a schedule without overlap, two at once for an overlapped
-F&B action of the registry's "... overlap" variants, whose all-to-all of one micro-batch then runs
-while the other computes. The selection: our executor's 1F1B, Chimera direct, Chimera split and
-DualPipe, each with overlap on and off, at N = 2D, the even layout and the profile's own stage time,
-2 rounds (``--schedules`` names the plain variants to keep). Rows gain ``overlap``, ``a2a_fraction``,
-``a2a_critical_ms`` (the all-to-all on the critical path without overlap: the simulator's makespan of
-the schedule without overlap at these costs minus its makespan with no all-to-all; an overlap row
-carries its control's), ``a2a_overlapped_share`` (of the all-to-all time the ranks recorded, the
-share inside a compute part of the other micro-batch: none without overlap) and, on the overlap rows,
-``hidden`` ((ms without overlap - ms with) / a2a_critical_ms) beside ``predicted_hidden`` (the same
-from the simulator's makespans). The acceptance run, about 5 minutes here (D=4 with one round: 154 s):
-
-    python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE
+One launch of D gloo processes per depth; every rank holds stage modules that wait their stage's time
+(benchmarks/depth/stage.py) instead of computing, with real parameters, activations and messages. It
+runs our executor, megatron-core's 1F1B and interleaved schedules and torch.distributed.pipelining's
+(``--runtimes``, ``--schedules``) at the ``even``, ``megatron`` and ``balanced`` layouts (``--layouts``),
+each against the simulator's prediction at the same costs; with ``--a2a-fraction`` each MoE layer also
+waits an all-to-all, and our 1F1B, Chimera direct and split and DualPipe run with overlap on and off.
+How stage times, layouts and messages are chosen, what an iteration and its bubble are, how the
+prediction prices messages, and what the overlap rows report: docs/notes/depth-benchmark.md.
 
 Writes FILE (rows: model, runtime, schedule, layout_kind, layout, D, N, ms, ms_min, ms_max,
 predicted_ms, bubble, predicted_bubble, and more; the ratios and the targets), its tables (.md) and a
@@ -215,9 +152,9 @@ def p2p_ms(shape: tuple, dtype) -> float:
 
 
 def size_messages(setup) -> dict:
-    """Sets the messages' rows and their measured cost (see the module): GPT-2 1.3B's shape measured,
-    its rows scaled linearly to the profile's share of a stage, the rows chosen measured again. Every
-    rank chooses the same rows (the measurements are gathered)."""
+    """Sets the messages' rows and their measured cost (docs/notes/depth-benchmark.md, Messages): GPT-2
+    1.3B's shape measured, its rows scaled linearly to the profile's share of a stage, the rows chosen
+    measured again. Every rank chooses the same rows (the measurements are gathered)."""
     target = message_target_ms(setup.shape, setup.profile, setup.depth, setup.forward_ms)
     full = p2p_ms((SEQ, 1, HIDDEN), DTYPE)
     setup.seq = min(4 * SEQ, max(1, round(SEQ * target / full)))
