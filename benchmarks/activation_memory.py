@@ -28,7 +28,17 @@ import subprocess
 import sys
 import weakref
 
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+from chimera_schedules import variant
+from chimera_schedules.analysis.simulator import peak_activations
+from chimera_schedules.ir.actions import Op
+from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
+from megatron.chimera.config.arguments import schedule_flags
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.distributed.process_groups import init_distributed
+from megatron.chimera.model.gpt_step import forward_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,11 +58,6 @@ def _storage(t) -> tuple[int, int]:
 def _tracker(forward_step):
     """The measurement, through the training loop's hooks protocol and a forward step that records
     what autograd saves."""
-    from torch.autograd.graph import saved_tensors_hooks
-
-    from chimera_schedules.ir.actions import Op
-    from megatron.chimera import Hooks
-
     class Tracker(Hooks):
         def __init__(self):
             self.saved, self.forward_saved, self.params = [], {}, set()
@@ -99,11 +104,6 @@ def _tracker(forward_step):
 
 def measure(name: str) -> dict:
     """Two iterations of one schedule on this rank; its measured and predicted peaks."""
-    from chimera_schedules import variant
-    from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
-    from megatron.chimera.config.arguments import schedule_flags
-    from megatron.chimera.model.gpt_step import forward_step
-
     flags = schedule_flags(variant(name, DEPTH, MICROBATCHES), int(MODEL[MODEL.index("--num-layers") + 1]))
     args = parse_args(MODEL + ["--global-batch-size", str(MICROBATCHES)] + flags, world_size=DEPTH)
     tracker = _tracker(forward_step)
@@ -117,11 +117,6 @@ def measure(name: str) -> dict:
 
 
 def worker(out: str) -> None:
-    import torch.distributed as dist
-
-    from chimera_schedules.analysis.simulator import peak_activations
-    from megatron.chimera.distributed.process_groups import init_distributed
-
     init_distributed(None, 10)
     rows = []
     for name in SCHEDULES:
@@ -162,7 +157,7 @@ def report(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: only the plot needs it (2 s to import), and Agg must precede pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

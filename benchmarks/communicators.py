@@ -19,6 +19,11 @@ import json
 import os
 import sys
 
+from chimera_schedules import build_spec, variant
+from chimera_schedules.analysis.communicators import collective_groups, communicators
+from chimera_schedules.ir.actions import P2P_OPS
+from chimera_schedules.passes.lowering import lower
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCHEDULES = ("1f1b", "interleaved v=2", "chimera direct", "chimera split", "dualpipe", "dualpipev")
@@ -27,11 +32,6 @@ SCHEDULES = ("1f1b", "interleaved v=2", "chimera direct", "chimera split", "dual
 def per_rank(name: str, depth: int, microbatches: int, dp: int) -> dict:
     """The most communicators on any rank (as the trainer's startup line counts them), now and before
     (unshared groups, per-pipeline-and-kind p2p)."""
-    from chimera_schedules import build_spec, variant
-    from chimera_schedules.analysis.communicators import collective_groups, communicators
-    from chimera_schedules.ir.actions import P2P_OPS
-    from chimera_schedules.passes.lowering import lower
-
     lowered = lower(build_spec(variant(name, depth, microbatches)))
     rows = []
     for w, c in enumerate(communicators(lowered)):

@@ -3,22 +3,12 @@
     python -m benchmarks.end_of_iteration_memory              # vocabulary 131072, hidden 1024: about a minute
     python -m benchmarks.end_of_iteration_memory --vocab 32768 --hidden 512 --out FILE
 
-One CPU process holds what Chimera's first worker holds of a GPT with a tied word embedding: stage 0 of
-pipeline 0 (the embedding and one transformer layer) and the last stage of pipeline 1 (one layer, the
-final norm and the output layer, a second copy of the embedding), fp32, AdamW state allocated. With the
-gradients filled, it runs the optimizer phase as the trainer does (the GradSync's ``finish``, the
-global gradient norm, clipping, AdamW's step) and records every allocation torch's CPU allocator makes
-(``torch.profiler`` with ``profile_memory``): a phase's peak is the largest sum of live bytes it reached
-above what was alive when it began, so the model state (weights, gradients, AdamW moments) is not in it.
-The collectives run on a one-member gloo group; their own scratch, outside torch's allocator, is not
-counted and is the same either way.
-
-"before" is the code at commit ``BEFORE`` (``git show``, loaded as a module beside ours): fp64 copies of
-every gradient for the norm, and the tied embedding's copies stacked and summed into new tensors.
-"after" is the working tree's: fp32 norms per tensor summed in fp64, the copies summed in place. Both
-paths: the default (``ReplicaGradSync`` and ``MainParams``'s functions) and --use-distributed-optimizer
-(``ShardedMainParams``). AdamW's step is torch's and the same in both; it is reported for scale (its
-for-loop implementation makes one temporary the size of the largest parameter).
+One CPU process holds Chimera's first worker of a GPT with a tied word embedding (both its ends), fills
+its gradients and runs the optimizer phase as the trainer does (grad sync ``finish``, gradient norm,
+clipping, AdamW's step), each phase's peak being the most bytes torch's CPU allocator held above what
+was alive when it began. It measures the code at commit ``BEFORE`` against the working tree's, on the
+default path and with --use-distributed-optimizer. What the worker holds, how a peak is measured and
+what changed since ``BEFORE``: docs/notes/end-of-iteration-memory.md.
 
 Writes benchmarks/results/end_of_iteration_memory.json and .md.
 """
@@ -36,6 +26,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+
+from megatron.chimera.distributed.process_groups import Runtime
+from megatron.chimera.model.chunk import TIED_NAME
+from megatron.chimera.optim import distributed_optimizer, gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "e0da1a69e23077943c8fa9f07cb86debb0574c32"  # the last commit with the fp64 norm and stacked tied sum
@@ -83,8 +77,6 @@ def _chunk(stage: int, params: list[torch.nn.Parameter]) -> torch.nn.Module:
 def edge_worker(vocab: int, hidden: int) -> dict:
     """Chimera's first worker at D=2: (pipeline 0, stage 0) and (pipeline 1, stage 1), both ends of the
     tied word embedding; a layer is its 12 h^2 weights (attention and a 4h MLP) and two norms."""
-    from megatron.chimera.model.chunk import TIED_NAME
-
     def layer(n):
         return [_param((3 * hidden, hidden), f"l{n}.qkv"), _param((hidden, hidden), f"l{n}.proj"),
                 _param((4 * hidden, hidden), f"l{n}.fc1"), _param((hidden, 4 * hidden), f"l{n}.fc2"),
@@ -96,8 +88,6 @@ def edge_worker(vocab: int, hidden: int) -> dict:
 
 
 def runtime(dp: int = 1):
-    from megatron.chimera.distributed.process_groups import Runtime
-
     world = dist.group.WORLD
     return Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world=1, tp=1, pp=2, dp=dp, tp_rank=0,
                    dp_rank=0, worker=0, pipelines=2,
@@ -154,8 +144,6 @@ def _measure(phases: dict, norm: list) -> dict:
 
 def measure(vocab: int, hidden: int) -> dict:
     """Each path with the code at BEFORE and with ours, each on a fresh edge worker."""
-    from megatron.chimera.optim import distributed_optimizer, gradients
-
     paths = (("default (ReplicaGradSync)", replica_path, gradients),
              ("--use-distributed-optimizer (ShardedMainParams)", sharded_path, distributed_optimizer))
     rows = []
@@ -197,7 +185,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # here: after megatron.chimera, which silences its warnings
 
     parallel_state.initialize_model_parallel()
     command = "python -m benchmarks.end_of_iteration_memory" + (

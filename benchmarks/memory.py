@@ -16,6 +16,10 @@ import re
 import subprocess
 import sys
 
+from chimera_schedules import check
+from chimera_schedules.ir.spec import ScheduleSpec
+from chimera_schedules.registry import REGISTRY
+from chimera_schedules.tools.planner import ModelShape, Precision, model_state_bytes
 from megatron.chimera.distributed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,11 +47,6 @@ def measure(schedule: str, depth: int, dp: int, flags: list[str]) -> dict:
 
 def predicted(schedule: str, depth: int, dp: int, precision: str) -> float:
     """The planner's model state of the busiest worker (stage copies of equal size, embeddings split)."""
-    from chimera_schedules import check
-    from chimera_schedules.ir.spec import ScheduleSpec
-    from chimera_schedules.registry import REGISTRY
-    from chimera_schedules.tools.planner import ModelShape, Precision, model_state_bytes
-
     m = dict(zip(MODEL[::2], MODEL[1::2]))
     shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),
                        int(m["--seq-length"]), int(m["--vocab-size"]))

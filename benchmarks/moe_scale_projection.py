@@ -78,7 +78,7 @@ def _markdown(best: dict, ranked: list, args, profile) -> list[str]:
 
 
 def _plot(rows: list[dict], profile, path: str) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: only the plot needs it (2 s to import), and Agg must precede pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -30,7 +30,23 @@ import sys
 import time
 from datetime import date
 
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd.graph import saved_tensors_hooks
+
+from chimera_schedules import Action, ConfigError, CostModel, build, check, simulate, variant
+from chimera_schedules.analysis.measure import measured_result
+from chimera_schedules.ir.costs import Event
+from chimera_schedules.passes.lowering import lower
+from chimera_schedules.tools.planner import ModelShape
+from chimera_schedules.tools.render import perfetto_trace, png_timeline
+from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
+from megatron.chimera.config.arguments import schedule_flags
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.distributed.process_groups import init_distributed
+from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.observability.startup import model_state_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,9 +68,6 @@ OVERLAP = ["--overlap-grad-reduce"]
 def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
     """(label, N, flags) for every schedule the sizes allow: the registry's variants named in
     BENCHMARKED, megatron-core's 1F1B and data parallelism."""
-    from chimera_schedules import ConfigError, check, variant
-    from megatron.chimera.config.arguments import schedule_flags
-
     d, layers = cfg["stages"], int(cfg["model"][cfg["model"].index("--num-layers") + 1])
     out = []
     for n in cfg["microbatches"]:
@@ -81,10 +94,6 @@ def cases(cfg: dict) -> list[tuple[str, int, list[str]]]:
 def _comm_costs(device):
     """Median one-way p2p time of an activation, and the time of one stage's gradient reduction as
     GradSync does it: flatten, all-reduce, copy back (each rank has one core: the copies cost too)."""
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     rank = dist.get_rank()
     act = torch.zeros(128, 2, 256, device=device)
     grads = [torch.zeros(256, 256, device=device) for _ in range(2 * 12)]  # 2 layers of 12 h^2 parameters
@@ -110,8 +119,6 @@ def _comm_costs(device):
 
 
 def _case_args(flags, cfg):
-    from megatron.chimera import parse_args
-
     return parse_args(cfg["model"] + ["--train-iters", str(cfg["warmup"] + cfg["iters"])] + OVERLAP + flags,
                       world_size=2)
 
@@ -121,8 +128,6 @@ def _timing(forward_step):
     span (from its first action to its flush), every compute action relative to its start, the bytes
     each forward saved (warm-up iterations only), and the time after the flush: the loss all-reduce,
     the gradient norm, clipping, AdamW and the distributed optimizer's weight all-gather."""
-    from megatron.chimera import Hooks
-
     class Timing(Hooks):
         def __init__(self):
             self.t0 = self.flushed = 0.0
@@ -143,8 +148,6 @@ def _timing(forward_step):
         def counting_forward_step(self, it, model):
             """Counts saved bytes in the warm-up iterations only: saved-tensor hooks slow the backward
             (a split one most), so the measured iterations run without them."""
-            from torch.autograd.graph import saved_tensors_hooks
-
             if not self.counting:
                 return forward_step(it, model)
 
@@ -157,8 +160,6 @@ def _timing(forward_step):
 
         def step(self, trainer, i: int) -> dict:
             """One iteration's step, pipeline-span and after-flush seconds, and its events."""
-            import torch.distributed as dist
-
             self.events = []
             dist.barrier()
             start = time.perf_counter()
@@ -173,12 +174,6 @@ def _timing(forward_step):
 def _measure_case(flags, cfg):
     """Train ``cfg["warmup"] + cfg["iters"]`` iterations of one case; rank 0 gets every rank's step and
     pipeline-span times, per-action timestamps and saved bytes of the measured iterations."""
-    import torch.distributed as dist
-
-    from megatron.chimera import Trainer, job_config, make_run_plan
-    from megatron.chimera.model.gpt_step import forward_step
-    from megatron.chimera.observability.startup import model_state_bytes
-
     args = _case_args(flags, cfg)
     timing = _timing(forward_step)
     trainer = Trainer(job_config(args), make_run_plan(args), timing.counting_forward_step, timing)
@@ -216,11 +211,6 @@ def _merge(rounds: list[list[dict]]) -> list[dict]:
 def _summarize(label, n, args, rounds, cfg, comm):
     """One result row from the measured iterations of every round: times, ratios' raw material, the
     measured timeline of the median iteration, and the simulator's prediction from this run's costs."""
-    from chimera_schedules import CostModel, simulate
-    from chimera_schedules.analysis.measure import measured_result
-    from chimera_schedules.ir.costs import Event
-    from chimera_schedules.passes.lowering import lower
-
     gathered = _merge(rounds)
     iters = len(gathered[0]["steps"])
     step_times = [max(g["steps"][i] for g in gathered) for i in range(iters)]
@@ -238,8 +228,6 @@ def _summarize(label, n, args, rounds, cfg, comm):
            "optimizer_ms": statistics.median(max(g["optimizer"][i] for g in gathered) for i in range(iters)) * 1e3}
     schedule = gathered[0]["schedule"]
     if schedule is not None:
-        from chimera_schedules import Action
-
         # the median iteration's events, all ranks, in ms
         pick = sorted(range(iters), key=lambda i: span_times[i])[iters // 2]
         evs = [Event(w, Action.parse(a), s * 1e3, e * 1e3) for w, g in enumerate(gathered)  # DP=TP=1: rank = worker
@@ -263,8 +251,6 @@ def _stage_costs(gathered, args, schedule):
     """Median forward and backward time (ms) per model stage, over all measured iterations. A split
     backward's time is I + W, and W its weight part; where a stage runs both whole and split
     backwards (DualPipe), the backward is the mean of the two."""
-    from chimera_schedules import Action
-
     per = {}
     for g in gathered:
         for it in g["events"]:
@@ -288,8 +274,6 @@ def _stage_costs(gathered, args, schedule):
 def _predict_baselines(rows, comm):
     """megatron-1f1b runs our 1F1B's schedule with the same costs; data parallelism runs the whole model
     per rank (the sum of the stage costs) and all-reduces all of it once per iteration."""
-    from chimera_schedules import CostModel, build, simulate
-
     ours = {r["N"]: r for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
         base = ours.get(r["N"])
@@ -309,11 +293,6 @@ def _predict_baselines(rows, comm):
 
 
 def worker(cfg: dict, out: str, name: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from megatron.chimera.distributed.process_groups import init_distributed
-
     init_distributed(None, 10)
     p2p, allreduce = _comm_costs(torch.device("cpu"))
     comm = {"p2p_ms": p2p * 1e3, "allreduce_ms": allreduce * 1e3}
@@ -390,12 +369,10 @@ def _distopt_ratios(by: dict, n: int) -> dict:
 
 
 def write_outputs(rows, comm, cfg, out, name) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: only the plot needs it (2 s to import), and Agg must precede pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from chimera_schedules.tools.render import perfetto_trace, png_timeline
 
     os.makedirs(os.path.join(out, "traces"), exist_ok=True)
     for r in rows:
@@ -433,8 +410,6 @@ def write_profile(rows, comm, cfg, out) -> None:
     """This machine as a planner profile (profiles/cpu-<host>.json), from this run's measurements:
     sustained FLOP/s of a stage's forward (1F1B, N=4), one-way p2p time of one activation, and the
     all-reduce time of one stage's gradients between the two ranks (as bandwidths, latency folded in)."""
-    from chimera_schedules.tools.planner import ModelShape
-
     m = dict(zip(cfg["model"][::2], cfg["model"][1::2]))
     shape = ModelShape(int(m["--num-layers"]), int(m["--hidden-size"]), int(m["--num-attention-heads"]),
                        int(m["--seq-length"]), int(m["--vocab-size"]))

@@ -98,7 +98,7 @@ def _best_layouts(rows: list[dict], worker_counts: list[int]) -> list[str]:
 
 
 def _plot(rows: list[dict], worker_counts: list[int], profile, path: str) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: only the plot needs it (2 s to import), and Agg must precede pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

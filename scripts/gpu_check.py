@@ -6,33 +6,11 @@
 Writes benchmarks/results/gpu_check.json (every check's status, reason, details and the commands it ran)
 and prints one verdict line: PASS; INCOMPLETE (exit 3) when nothing failed but a part the job would use
 could not be checked (Transformer Engine not installed); FAIL (exit 1). Each check is independent: a
-failure is recorded and the next check runs. Training launches go through scripts/gpu_check_pretrain.py
-(pretrain_gpt.py with an observer on the hooks protocol), are shared between the checks that read them,
-and train tiny GPTs (megatron/chimera/testing/gpu_check/launching.py) for 6 iterations.
-
-One GPU (two ranks share it through host-staged gloo, --p2p-host-staging, so our executor runs):
-- te-split-backward: DualPipeV (a split backward in its IR) with Transformer Engine layers trains equal to
-  one TE process where TE has its weight-gradient split (2.3+ at its flags), else is refused in one line naming
-  --transformer-impl. Skipped without TE.
-- executor-matches-one-process, split-backward-matches, bf16-distributed-optimizer: Chimera D=2 against
-  one process, split against unsplit, bf16 with the distributed optimizer within equivalence.py's bound.
-- no-sync-in-forward-backward: sync-debug mode "error" inside forward_backward for one process and every
-  NCCL run; mode "warn" for the host-staged executor run, whose staging copies are listed, any other
-  sync failed.
-- memory-per-action: memory after every action of the executor: no growth after iteration 2, nothing
-  held across the flush, and within an iteration no more than the micro-batches in flight hold.
-- action-clock: the executor's CUDA-event clock on; its action times sane.
-- layer-profile: one GPT-2 1.3B layer timed (sane against the device's possible rate); with two or more
-  GPUs the interconnect is measured and the profile written to profiles/, never with one.
-Two or more GPUs (NCCL; --cpu-smoke runs the CPU half over gloo under --emulate-nccl):
-- nccl chimera D=2 and D=4 (DP=2 where GPUs allow): plain, split backward, distributed optimizer, TP=2
-  with sequence parallelism; bf16 with the distributed optimizer; Transformer Engine layers (INCOMPLETE
-  without TE); MoE with EP=2 and the alltoall dispatcher; one run with CUDA_DEVICE_MAX_CONNECTIONS unset.
-  Each against one fp32 process; 4 MiB activations over a 1 MiB NCCL_BUFFSIZE.
-- eval-save-resume: training and validation losses across a save and a resume equal one process's.
-- no-late-communicators: NCCL_DEBUG=INFO's communicator count unchanged after the warm-up.
-- timed-against-megatron-1f1b: Chimera against megatron-core's 1F1B with --overlap-grad-reduce, as a
-  ratio of median iteration times.
+failure is recorded and the next check runs. With one GPU the checks run our executor on two
+host-staged ranks (Transformer Engine's split backward, equality with one process, syncs, memory per
+action, the action clock, a layer's profile); with two or more, NCCL runs of Chimera against one
+process, a save and resume, late communicators and a timing against megatron-core's 1F1B. Each check,
+and how the launches are shared: docs/notes/gpu-check.md.
 """
 from __future__ import annotations
 
@@ -47,6 +25,8 @@ import tempfile
 import time
 import traceback
 from datetime import date
+
+import torch
 
 from megatron.chimera.testing.gpu_check import layer_profile, multi_gpu, single_gpu
 from megatron.chimera.testing.gpu_check.launching import ROOT, Machine, result
@@ -110,7 +90,6 @@ def main() -> None:
     if options.interconnect_worker:
         layer_profile.interconnect_worker(options.interconnect_worker)
         return
-    import torch
 
     if not options.cpu_smoke and not torch.cuda.is_available():
         sys.exit("gpu_check: FAIL: no GPU here (torch.cuda.is_available() is False); --cpu-smoke exercises the "

@@ -13,6 +13,11 @@ import os
 import time
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.training.arguments import _add_tokenizer_args
+
+from megatron.chimera.config.data_spec import TokenizerSpec
+from megatron.chimera.data.tokenizer import build_tokenizer, check_arguments, default_type
 
 
 class Encoder:
@@ -23,9 +28,6 @@ class Encoder:
 
     @classmethod
     def initializer(cls, args):
-        from megatron.chimera.config.data_spec import TokenizerSpec
-        from megatron.chimera.data.tokenizer import build_tokenizer
-
         cls.args, cls.tokenizer = args, build_tokenizer(TokenizerSpec.from_args(args), args)
 
     @classmethod
@@ -45,11 +47,6 @@ def main(argv=None):
     p.add_argument("--input", required=True, help="JSON lines, one document per line")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    from megatron.training.arguments import _add_tokenizer_args
-
-    from megatron.chimera.config.data_spec import TokenizerSpec
-    from megatron.chimera.data.tokenizer import check_arguments, default_type
-
     _add_tokenizer_args(p)  # Megatron-LM's tokenizer flags, as its tools/preprocess_data.py adds them
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1)
@@ -66,7 +63,6 @@ def main(argv=None):
 
     args.tokenizer_type = args.tokenizer_type or default_type(args.vocab_file, args.merge_file)
     check_arguments(TokenizerSpec.from_args(args), require)
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     Encoder.initializer(args)

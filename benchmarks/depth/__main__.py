@@ -8,77 +8,14 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
     python -m benchmarks.depth --stages 8 --model llama3-8b --selection full  # every runtime, schedule and N
     python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE  # issue 35
 
-One launch of D gloo processes per depth. Every rank holds stage modules whose forward, input-gradient
-and weight-gradient passes wait their stage's time (benchmarks/depth/stage.py) instead of computing, with
-real parameters and real bf16 activations, so the schedules, the runtimes and the messages are real
-while the ranks no longer compete for this machine's two cores, as GPU ranks do not.
-
-Models (``--model``): GPT-2 1.3B (the default; the Piz Daint profile, the paper's), Llama 3 8B and
-DeepSeek-V3 (an H100's datasheet profile; ``--profile`` picks another). A stage's time is the
-planner's for the layers its layout gives it, the logits (and MTP) on the last stage, on one clock per
-model and depth: the even split's median 1F1B forward is ``--forward-ms`` (benchmarks/depth/costs.py),
-by default 20 ms for the full selection (GPT-2's default: the scale of the results before models) and
-the profile's own time for the fair one (Llama 3 8B at D=8 on the H100 profile: 51.4 ms; GPT-2 1.3B on
-Piz Daint: 28.7 ms), where messages come nearer the profile's too.
-
-Layouts (``--layouts``): every schedule of our executor and megatron-core's runs at three, each found
-for that schedule (benchmarks/depth/layouts.py): ``even`` (Megatron-LM's default, the first stages one
-layer more where the layers do not divide), ``megatron`` (the best split Megatron-LM's hand flags can
-ask for, with the flags) and ``balanced`` (the balancer's). Both searches simulate the case's own
-order at the costs its emulated stages wait: the stages wait the simulator's own costs, so this
-measures the balancer's search and the executor, not the cost model. megatron-core's 1F1B is priced
-with our 1f1b's order, its interleaved with our interleaved's (the first and last flags then count a
-rank's v stages). Our schedules are built at the even layout's costs and run unchanged at every
-layout. The emulated device holds no model, so layouts are chosen by time alone; each row keeps the
-planner's memory of the layout's largest worker and whether it fits the profile's device. The
-layouts are decided on rank 0, with our schedules, and sent to every rank.
-torch.distributed.pipelining's cases run at the even layout only: their orders, which a search would
-price, exist only once their stages are built on every rank.
-
-Messages: one activation costs, relative to a stage, what the profile's interconnect says: the
-profile's p2p time of one (latency + s h x 2 bytes / bandwidth) over its median even 1F1B forward,
-times ``--forward-ms``. Each launch measures a message of GPT-2 1.3B's shape (632 x 1 x 1280 bf16),
-scales its rows linearly to that target (at least 1 row, at most 4 x 632), and measures again at the
-rows chosen, which is what the predictions price; the JSON keeps the target, both measurements and
-the shape. Gloo's fixed cost per message on this machine meets small targets from above: Llama 3 8B
-at D=8 and its own 51.4 ms targets 1.35 ms (64 MiB over 50 GB/s), and 250 rows measured 1.88 ms;
-at ``--forward-ms 5`` (D=4) it would target 0.07 ms and 20 rows measure 0.71 ms. GPT-2 1.3B at D=8
-and 20 ms targets 0.11 ms (a Piz Daint message is 0.6% of a stage): cheaper than the full shape's
-3.2 ms that results before layouts used, still dearer than the profile's share.
-
-The runtimes: our executor (every registry schedule the sizes allow), megatron-core's 1F1B and
-interleaved schedules, and torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (``--runtimes`` and
-``--schedules`` select), at N = D, 2D and 4D (D and 2D at D=16, where 4D does not fit in this
-machine's memory). Each case is built once and warmed up once; then every round runs every case, so
-that a slow spell of the machine hits all alike. An iteration is one forward and backward of N
-micro-batches from a barrier to the last rank's return (no optimizer step: the peers' runtimes have
-none); its bubble is the share of the D ranks' time not spent in a stage's wait.
-
-The prediction is the simulator's makespan at the same costs, each message priced at what an
-activation takes between neighbours while every rank sends one (measured at the start of each
-launch): our executor's lowered lists under gloo's rules, the peers' compute orders (torch's own
-``pipeline_order``; megatron-core's are our 1f1b's and interleaved's) with each message a fixed
-delay.
-
-Forward and backward overlapped (``--a2a-fraction 0.25, 0.5 or 1.0``; a model with experts, DeepSeek-V3):
-each MoE layer spends that fraction of its forward compute in expert all-to-alls, in each forward, I and
-whole backward (benchmarks/depth/costs.py). The all-to-all is a timed wait on a communication thread
-(benchmarks/depth/moe.py), not a gloo all-to-all of the tokens, issued part by part at the executor's
-part boundaries: our executor runs every pass as a schedule plan (megatron-core's combined-1F1B
-protocol), one micro-batch at a time for a schedule without overlap, two at once for an overlapped
-F&B action of the registry's "... overlap" variants, whose all-to-all of one micro-batch then runs
-while the other computes. The selection: our executor's 1F1B, Chimera direct, Chimera split and
-DualPipe, each with overlap on and off, at N = 2D, the even layout and the profile's own stage time,
-2 rounds (``--schedules`` names the plain variants to keep). Rows gain ``overlap``, ``a2a_fraction``,
-``a2a_critical_ms`` (the all-to-all on the critical path without overlap: the simulator's makespan of
-the schedule without overlap at these costs minus its makespan with no all-to-all; an overlap row
-carries its control's), ``a2a_overlapped_share`` (of the all-to-all time the ranks recorded, the
-share inside a compute part of the other micro-batch: none without overlap) and, on the overlap rows,
-``hidden`` ((ms without overlap - ms with) / a2a_critical_ms) beside ``predicted_hidden`` (the same
-from the simulator's makespans). The acceptance run, about 5 minutes here (D=4 with one round: 154 s):
-
-    python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE
+One launch of D gloo processes per depth; every rank holds stage modules that wait their stage's time
+(benchmarks/depth/stage.py) instead of computing, with real parameters, activations and messages. It
+runs our executor, megatron-core's 1F1B and interleaved schedules and torch.distributed.pipelining's
+(``--runtimes``, ``--schedules``) at the ``even``, ``megatron`` and ``balanced`` layouts (``--layouts``),
+each against the simulator's prediction at the same costs; with ``--a2a-fraction`` each MoE layer also
+waits an all-to-all, and our 1F1B, Chimera direct and split and DualPipe run with overlap on and off.
+How stage times, layouts and messages are chosen, what an iteration and its bubble are, how the
+prediction prices messages, and what the overlap rows report: docs/notes/depth-benchmark.md.
 
 Writes FILE (rows: model, runtime, schedule, layout_kind, layout, D, N, ms, ms_min, ms_max,
 predicted_ms, bubble, predicted_bubble, and more; the ratios and the targets), its tables (.md) and a
@@ -87,6 +24,7 @@ plot (.png) beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -94,8 +32,22 @@ import subprocess
 import sys
 import time
 
-from chimera_schedules import Op
+import torch
+import torch.distributed as dist
+
+from chimera_schedules import ConfigError, Op
+from chimera_schedules.ir import parts
+from chimera_schedules.registry import VARIANTS
+from chimera_schedules.tools.planner import MODELS, Profile
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.model import cpu_compat
+
+from . import layouts, moe, runtimes, stage
+from .costs import a2a_critical_ms, default_profile, message_target_ms, predict, unscaled_forward
+from .layouts import KINDS
+from .moe import stage_parts
+from .report import document, markdown, plot, table
+from .runtimes import DTYPE, HIDDEN, MEGATRON, OVERLAP, SEQ, TORCH, without_overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,10 +77,6 @@ def _selected(names, args) -> list[str]:
 def _ours(args) -> list[str]:
     """Our variants to run: the selected ones; with --a2a-fraction each also with overlap, where the
     registry has that variant."""
-    from chimera_schedules.registry import VARIANTS
-
-    from .runtimes import OVERLAP
-
     if not args.a2a_fraction:
         return _selected(OURS, args)
     return [name for base in _selected(OURS, args) for name in (base, base + OVERLAP) if name in VARIANTS]
@@ -138,10 +86,6 @@ def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
     """(runtime, schedule name, the order it runs) for each of our cases and megatron-core's at N=n that
     ``--runtimes`` and ``--schedules`` select; ours are built at the even layout's costs (``--order
     best`` and a split backward's W placement depend on them) and run unchanged at every layout."""
-    from chimera_schedules import ConfigError
-
-    from . import runtimes
-
     out = []
     if "ours" in args.runtimes:
         for name in _ours(args):
@@ -159,10 +103,6 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     """Our cases and megatron-core's, each with its layout, decided on rank 0 (``--order best``
     searches for a minute at D=8, a layout search takes about a second) and sent to every rank: tuples
     (runtime, schedule name, N, order, layouts.Chosen); and why the sizes rule some out."""
-    import torch.distributed as dist
-
-    from . import layouts
-
     entries, skipped = [], []
     if dist.get_rank() == 0:
         for n in microbatches:
@@ -176,10 +116,6 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
 
 def build_cases(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     """Every case the sizes and the options allow, built on this rank; and why the others were left out."""
-    import torch.distributed as dist
-
-    from . import runtimes
-
     entries, skipped = plan(setup, args, microbatches)
     setup.create_groups([order for runtime, _, _, order, _ in entries if runtime == "ours"])
     cases = [runtimes.ours(setup, name, n, order, chosen) if runtime == "ours"
@@ -201,9 +137,6 @@ def p2p_ms(shape: tuple, dtype) -> float:
     from the rank before, send to the rank after). On this machine the ranks' transfers share its two
     cores, so this is about twice an isolated pair's one-way time at D=8, and what a message costs
     inside every runtime's iteration."""
-    import torch
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y, times = torch.zeros(shape, dtype=dtype), torch.empty(shape, dtype=dtype), []
     for _ in range(20):
@@ -219,12 +152,9 @@ def p2p_ms(shape: tuple, dtype) -> float:
 
 
 def size_messages(setup) -> dict:
-    """Sets the messages' rows and their measured cost (see the module): GPT-2 1.3B's shape measured,
-    its rows scaled linearly to the profile's share of a stage, the rows chosen measured again. Every
-    rank chooses the same rows (the measurements are gathered)."""
-    from .costs import message_target_ms
-    from .runtimes import DTYPE, HIDDEN, SEQ
-
+    """Sets the messages' rows and their measured cost (docs/notes/depth-benchmark.md, Messages): GPT-2
+    1.3B's shape measured, its rows scaled linearly to the profile's share of a stage, the rows chosen
+    measured again. Every rank chooses the same rows (the measurements are gathered)."""
     target = message_target_ms(setup.shape, setup.profile, setup.depth, setup.forward_ms)
     full = p2p_ms((SEQ, 1, HIDDEN), DTYPE)
     setup.seq = min(4 * SEQ, max(1, round(SEQ * target / full)))
@@ -236,10 +166,6 @@ def size_messages(setup) -> dict:
 def iteration(case) -> tuple[float, float, float, float]:
     """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits
     (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
-    import torch.distributed as dist
-
-    from . import moe, stage
-
     stage.SPANS.clear()
     moe.PARTS.clear()
     dist.barrier()
@@ -254,10 +180,6 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
     the slowest rank's, the share None without all-to-all. A
     case runs one untimed iteration first whenever it is new (torch infers shapes and allocates its
     buffers, gloo connects pairs): once, or every round for a case released after each round."""
-    import gc
-
-    import torch.distributed as dist
-
     world, warm = dist.get_world_size(), [False] * len(cases)
     samples = [[] for _ in cases]
     for r in range(rounds):
@@ -276,8 +198,6 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
 
 
 def _timed(case, world: int) -> tuple[float, float, float | None]:
-    import torch.distributed as dist
-
     every = [None] * world
     dist.all_gather_object(every, iteration(case))
     ms = max(t for t, *_ in every) * 1e3
@@ -290,8 +210,6 @@ def row(setup, case, samples) -> dict:
     """One result row: the measured iterations' median and spread, the simulator's prediction, the
     layout (Megatron-LM's string; the flags that ask for it where it is Megatron-LM's best; the
     planner's memory of its largest worker, which the emulated device does not hold)."""
-    from .costs import predict
-
     ms = [m for m, *_ in samples]
     median = statistics.median(ms)
     bubble = statistics.median(b for _, b, _ in samples)
@@ -315,9 +233,6 @@ def row(setup, case, samples) -> dict:
 def add_a2a_critical(setup, cases, rows: list[dict]) -> None:
     """Each row's a2a_critical_ms: its control's (the same variant without overlap, same N and layout),
     from the simulator (costs.a2a_critical_ms)."""
-    from .costs import a2a_critical_ms
-    from .runtimes import without_overlap
-
     critical = {}
     for case in (c for c in cases if not c.overlap):
         model = setup.costs(case.schedule.virtual_stages, case.chosen.layout)
@@ -331,10 +246,6 @@ def overlap_timeline(setup) -> str:
     """One overlapped F&B action drawn (parts.ascii_timeline): a middle stage of the even split, one
     micro-batch's forward beside another's whole backward; its first two layer pairs, the rest repeat
     them (a part is too short to label at the whole action's scale)."""
-    from chimera_schedules.ir import parts
-
-    from .moe import stage_parts
-
     t = setup.times(1)[setup.depth // 2]
     order = parts.interleave(stage_parts(t, "F", t.forward), stage_parts(t, "B", t.input + t.weight))
     return (f"stage {setup.depth // 2} of {setup.depth}: {t.moe_layers} MoE layers, forward {t.forward * 1e3:.1f} ms, "
@@ -343,16 +254,9 @@ def overlap_timeline(setup) -> str:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
-
-    from chimera_schedules.tools.planner import Profile
-    from megatron.chimera.model import cpu_compat
-
-    from . import runtimes
-
     dist.init_process_group("gloo")
     cpu_compat.apply()  # megatron-core's schedules allocate their p2p buffers on "the" CUDA device
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # here: after megatron.chimera, which silences its warnings
 
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
@@ -382,10 +286,6 @@ def forward_ms(args, profile, depth: int) -> float:
     models), else the profile's own median forward at this depth. At the profile's own time a message's
     target is its own time too (Llama 3 8B at D=8 on the H100 profile: a 51 ms stage, a 1.3 ms message),
     which gloo here can meet; at 20 ms the target falls further below gloo's fixed cost per message."""
-    from chimera_schedules.tools.planner import MODELS
-
-    from .costs import unscaled_forward
-
     if args.forward_ms:
         return args.forward_ms
     own = args.selection != "full"
@@ -424,8 +324,6 @@ FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 def _selection(args) -> None:
     """Fill in what was not given: A2A with --a2a-fraction, else FAIRNESS, or everything (GPT-2's
     historical run); every layout kind but with --a2a-fraction."""
-    from .layouts import KINDS
-
     if args.a2a_fraction:
         args.selection = "a2a"
     args.selection = args.selection or ("full" if args.model == "gpt2-1.3b" else "fair")
@@ -438,12 +336,6 @@ def _selection(args) -> None:
 
 def arguments() -> argparse.Namespace:
     """The options; ``--profile`` defaults to the model's (costs.PROFILES) and must exist."""
-    from chimera_schedules.tools.planner import MODELS
-
-    from .costs import default_profile
-    from .layouts import KINDS
-    from .runtimes import MEGATRON, TORCH
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", "--depth", dest="depths", type=int, nargs="+", default=list(DEPTHS),
                    help="pipeline depths D (one launch each)")
@@ -486,8 +378,6 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    from .report import document, markdown, plot, table
-
     args = arguments()
     if args.worker:
         worker(args)

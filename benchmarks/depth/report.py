@@ -414,7 +414,7 @@ def plot(doc: dict, path: str) -> None:
     """Per depth: for each layout kind, each case's speed over megatron-core's 1F1B at its best layout at
     the same N, measured (bars) and predicted (ticks); and measured against predicted iteration time,
     one point per case."""
-    import matplotlib
+    import matplotlib  # here, not at the top: only the plot needs it (2 s to import), and Agg must precede pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -20,6 +20,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer import TransformerConfig
+from torch.distributed import pipelining
 
 from chimera_schedules import Schedule, build, build_spec, check, variant
 from chimera_schedules.ir.channels import P2P_GROUPS, stage_group
@@ -90,8 +94,6 @@ class Setup:
     def config(self, virtual_stages: int = 1):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without
         virtual stages, overlapped p2p (--overlap-p2p-communication) with them."""
-        from megatron.core.transformer import TransformerConfig
-
         interleaved = virtual_stages > 1
         return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                  pipeline_model_parallel_size=self.depth, pipeline_dtype=DTYPE,
@@ -184,9 +186,6 @@ def megatron_order(depth: int, n: int, name: str) -> Schedule:
 def megatron(setup: Setup, name: str, n: int, chosen: Chosen) -> Case:
     """megatron-core's forward_backward_pipelining_without_interleaving (1F1B) or _with_interleaving:
     chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's."""
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel import schedules
-
     v, rank, d = MEGATRON[name], dist.get_rank(), setup.depth
     times, config = setup.times(v, chosen.layout), setup.config(v)
     chunks = [EmulatedStage(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
@@ -224,8 +223,6 @@ def torch_pipelining(setup: Setup, cls_name: str, n: int) -> Case:
     case held at once would not fit in this machine's memory. It runs at the even layout only: its
     order, which a layout search would price, exists only once its stages are built on every rank,
     after the layouts are decided."""
-    from torch.distributed import pipelining
-
     name, v, style = TORCH[cls_name]
     d, rank = setup.depth, dist.get_rank()
     placement = torch_placement(d, v, style)

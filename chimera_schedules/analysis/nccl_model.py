@@ -1,32 +1,14 @@
 """NCCL's rules (shared/NCCL_MODEL.md) as a replay of lowered schedules: the communication checker,
 and the simulator's pricing of communication.
 
-Each worker's host walks its list in order. Compute runs on one compute stream; it starts when the
-previous compute is done and the RECVs of its inputs have completed (an overlapped action's: both
-parts'). Communication is posted without blocking the host onto a FIFO queue (rules 1, 4, 6):
-- p2p: one queue per (worker, group, peer), shared by sends and receives of that pair;
-- collectives: one queue per (worker, communicator): the trainer gives groups with one rank set one
-  process group (setup_parallel), so the replica groups of stages held by the same workers (Chimera's
-  stage s and stage D-1-s) are one queue (``shared_groups``), and their reductions must come in one
-  order on every member;
-- a batch (consecutive operations with one ``batch`` id) sits on every queue it touches and completes
-  when all its operations have met their partners (rule 3).
-
-Modes:
-- ``nccl``: every p2p operation is a rendezvous: a send and its receive complete only while both are
-  at the head of their queues (rule 2). A collective completes when every member has it at the head
-  of the group's queue (rule 4).
-- ``nccl-single-queue``: as ``nccl``, and every communication blocks everything posted after it on
-  its device until it completes (rule 5, ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
-- ``gloo``: sends complete when posted (gloo buffers them); receives and collectives as in ``nccl``.
-
-In every mode messages are matched by order per (group, pair), as both libraries do, so a receive
-that would get another message than it names is an error (wrong data), not just a deadlock. When
-nothing can progress, the wait-for cycle is reported: worker, operation and group at every step.
-
-An overlapped action's expert all-to-alls are issued inside the action, on the expert-parallel group, in
-an order fixed by the action (megatron-core's part order, ``ir/parts.py``), identical on every member of
-that group because they all run the same list; so they cannot cross, and the lists do not name them.
+``check(lowered, mode)`` raises with the reason when a lowered schedule would deadlock or deliver the
+wrong message; ``run_lowered(lowered, mode, costs)`` replays it at the given costs. Each worker's host
+walks its list in order; compute runs on one stream once its inputs' RECVs have completed;
+communication is posted onto FIFO queues, one per (worker, group, peer) for p2p and one per (worker,
+communicator) for collectives (``shared_groups``). Modes: ``nccl`` (every p2p a rendezvous),
+``nccl-single-queue`` (also one queue per device: ``CUDA_DEVICE_MAX_CONNECTIONS=1``) and ``gloo``
+(sends complete when posted). The rules in full, how messages are matched and why expert all-to-alls
+cannot cross: docs/notes/nccl-model.md.
 """
 from __future__ import annotations
 

@@ -2,26 +2,13 @@
 
 Placement and the micro-batches' pipelines: ``placement.py``.
 
-Paper order (two pipelines, N = D, the "basic unit"): a worker whose early stage is s < D/2 holds it
-in pipeline X and its late stage in pipeline Y; with a = D/2 - s, b = s it runs
-    a x F_X; b x (F_Y, F_X); a x (F_Y, B_Y); b x (B_X, B_Y); a x B_X
-with each pipeline's micro-batches in FIFO order.
-
-N = K D micro-batches:
-- direct: K units back to back; from the second unit on, the unit's leading a forwards of X are
-  interleaved with the previous unit's trailing a backwards of X: a x (B_X, F_X).
-- doubling: units in pairs; every forward slot runs two micro-batches of its pipeline, and a pair of
-  units has 2(a+b) - a = a + 2b (B_X, B_Y) slots. With B = 2F a doubled forward slot lasts as long as a
-  backward, so the bubble ratio stays (D-2)/(2N+D-2). Activations double. Needs K even.
-- halving (this project's definition; the paper names it, the reference does not implement it):
-  forward doubling over 2N micro-batches of half the size. A forward slot then runs two halves (one
-  user micro-batch: the basic unit's activation memory), and a backward slot one half (about one
-  forward's time), so slots balance without doubling activations; the price is smaller GEMMs.
-  ``microbatch_scale`` = 0.5 tells the simulator and the executor. Works for any K.
-
-More than two pipelines have no closed-form order here: they are list-scheduled under the given
-costs (backward first, then the deepest stage, each stage at most 1F1B's D - s micro-batches alive),
-which gives D/f - 2 bubbles per worker at unit costs for N = D.
+``chimera(D, N, pipelines, concat)`` builds the paper's order for two pipelines (``paper_pattern``:
+the "basic unit" of N = D micro-batches, each pipeline's micro-batches in FIFO order) and, for
+N = K D, K units concatenated ``direct`` (back to back, each unit's leading forwards interleaved with
+the previous unit's trailing backwards), ``doubling`` (two micro-batches per forward slot; K even) or
+``halving`` (doubling over 2N micro-batches of half the size). More than two pipelines are
+list-scheduled under the given costs. The basic unit's formula, each concatenation's bubbles and
+memory, and the list scheduler's rule: docs/notes/chimera-orders.md.
 """
 from __future__ import annotations
 

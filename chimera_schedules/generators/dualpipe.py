@@ -1,29 +1,12 @@
 """DualPipe (DeepSeek-V3, 2024) on the same IR: Chimera's two-pipeline placement with its own order.
 
-Worker r holds stage r of the down pipeline (0) and stage D-1-r of the up pipeline (1), as Chimera.
-Each pipeline gets N/2 micro-batches (contiguous blocks, as Chimera). With H = D/2, h = min(r, D-1-r),
-M = N/2, E the pipeline in which the worker is early (position h) and L the one in which it is late,
-worker r runs the eight steps of DualPipe's published ``step``:
-
-1. 2 (H-h-1) x F_E
-2. (h+1) x (F_E, F_L)
-3. (H-h-1) x (I_L, W, F_L)
-4. (M-D+h+1) x (F_E, B_L, F_L, B_E)
-5. (H-h-1) x (B_L, F_L, B_E)
-6. (h+1) x (B_L, B_E): the first h+1 of these backwards whole, the last h+1 split (I)
-7. (H-h-1) x (W, I_E)
-8. (h+1) x W
-
-Forwards and backwards take each pipeline's micro-batches in FIFO order; each W completes the oldest
-I whose W has not run (DualPipe's weight-gradient queue). DualPipe overlaps a forward of one pipeline
-with a backward of the other in one kernel stream (MoE communication overlap); without that
-overlap, the pair runs forward first, as DualPipe itself does when no overlap is given.
-
-DualPipeV (``dualpipev``) folds one pipeline of 2D model stages into a V over D workers: worker r
-holds stage r (the way out, E) and stage 2D-1-r (the way back, L), so the last worker hands its
-activation to itself and the first worker holds the embedding and the loss. Every micro-batch runs
-both ways; the eight steps are the same with H = D, h = r and M = N (N >= 2D). The IR says this as one
+``dualpipe(D, N)``: worker r holds stage r of the down pipeline (0) and stage D-1-r of the up pipeline
+(1), as Chimera, each pipeline N/2 micro-batches, and runs the eight steps of DualPipe's published
+``step``, with a split backward (I, then W from DualPipe's weight-gradient queue) where DualPipe has
+one. ``dualpipev(D, N)`` folds one pipeline of 2D model stages into a V over D workers (N >= 2D): one
 pipeline of 2 chunks per worker with a V-shaped placement, so nothing else needs to know about it.
+Without MoE communication overlap, a forward and backward that DualPipe pairs run forward first.
+The eight steps, and how DualPipeV reuses them: docs/notes/dualpipe-order.md.
 """
 from __future__ import annotations
 

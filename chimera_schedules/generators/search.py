@@ -69,7 +69,7 @@ def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:
 
 def _solve(shape: Shape, costs: CostModel, cap: float, seed: Schedule, effort: float,
            split: bool) -> Schedule | None:
-    from ortools.sat.python import cp_model
+    from ortools.sat.python import cp_model  # here, not at the top: 2 s to import, for --order best only
 
     ops = "FIW" if split else "FB"
     model = _Model(cp_model.CpModel(), shape, costs, ops, simulate(seed, costs).makespan)

@@ -2,37 +2,12 @@
 another micro-batch that sit next to each other in its list run as one ``Overlapped`` action, so one
 micro-batch's expert all-to-all is in flight while the other computes (``ir/parts.py`` prices it).
 
-Which pairs: only those that do not lengthen the iteration. With an all-to-all to hide, a pair takes less
-than its two parts one after the other, but it starts only when both parts' inputs are there, and hands
-on the first part's result only when both end:
-in 1F1B's and Chimera's steady states a worker's forward and backward wait on its two neighbours in
-turn, so fusing them makes neighbouring workers' pairs wait for each other, and the iteration grows
-(1F1B at D=8, N=16, all-to-all half a forward: 92 -> 119 with every pair fused). DualPipe's pairs take
-both inputs from the same neighbour (its two pipelines run opposite ways), and they pay.
-
-So the pass replays. Candidates are the adjacent F and B-or-I pairs of two micro-batches (gradient
-reductions between them skipped: they follow the pair; W passes never fuse, they fill bubbles and carry
-no all-to-all), taken in the order they start in the unfused replay, earliest first. Each is fused on
-trial and kept when the schedule still replays (no worker waits, through others, for the pair's own
-result) and the result is no worse: the makespan does not grow, and when it stays the same, the sum of
-the actions' end times does not grow either (a pair that only delays other actions would use up slack
-that later pairs could use). Each action is in at most one pair. Every other action keeps its place, so
-the worker's order of parts is the generator's, with only a pair's two parts run together: the
-generator's reasoning about its order still holds, but for the pair, whose forward now counts before
-its backward frees (a worker's activation peak grows by at most one micro-batch).
-
-The costs that judge: the caller's, when they have an all-to-all; else ``REFERENCE``, an all-to-all of
-half a forward. The trainer builds its schedule at costs without one (it does not know the all-to-all's
-time), and a pair only pays with an all-to-all to hide, so those costs cannot tell which pairs to fuse.
-
-A trial does not replay everything: only the pair and what waits on it, directly or through others,
-can move. The pass keeps each action's times and its tail (the longest chain of actions and transfers
-from its end to the iteration's end, which a pair never shortens for what waits on it), retimes from the
-pair on in the order the actions started before, stops where times stay, and gives up as soon as an
-action's end and its tail pass the makespan; a kept pair updates the tails of what it waits on the same
-way. A deadlock is found before the trial: the pair would wait for its own result when what its first
-part's results lead to includes a maker of its second part's inputs. 0.05 to 1.6 s per schedule at
-D=16, N=64 on this machine (DualPipeV the longest: 1303 pairs kept)."""
+``overlap_forward_backward(schedule, costs)`` fuses only the pairs that do not lengthen the iteration:
+it replays the schedule and keeps each candidate pair, earliest first, when the schedule still replays
+and is no slower, judged at the caller's costs when they have an all-to-all, else at ``REFERENCE`` (an
+all-to-all of half a forward). Why 1F1B's and Chimera's pairs rarely pay and DualPipe's do, the rules
+for keeping a pair, and how a trial avoids replaying everything: docs/notes/overlap-pass.md.
+"""
 from __future__ import annotations
 
 import heapq

@@ -20,8 +20,10 @@ from ..ir.schedule import Schedule
 from ..ir.spec import OPTION, SHARED, ScheduleSpec
 from ..passes.lowering import lower
 from ..registry import SCHEDULES, VARIANTS, build_spec, variant
+from .balancer import Sizes, balance, best_megatron, score
+from .balancer import per_rank as balancer_per_rank
 from .options import add_arguments
-from .planner import MODELS
+from .planner import MODELS, ModelShape, Precision, Profile, as_json, even_layout, explain, plan
 from .render import ascii_timeline, write_picture
 
 
@@ -162,8 +164,6 @@ def _compare(args) -> list[dict]:
 
 def _shape(args):
     """The model: a --model preset with the given fields replaced, or every field given."""
-    from .planner import ModelShape
-
     given = {field: getattr(args, option) for field, option in _SHAPE_OPTIONS.items()
              if getattr(args, option) is not None}
     if args.model:
@@ -179,8 +179,6 @@ _SHAPE_OPTIONS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq
 
 
 def _plan(args) -> int:
-    from .planner import Precision, Profile, as_json, explain, plan
-
     shape = _shape(args)
     for option in ("workers", "global_batch"):
         if getattr(args, option) <= 0:
@@ -212,10 +210,6 @@ def _plan(args) -> int:
 
 def _balanced_pick(ranked, shape, profile, precision) -> dict | None:
     """The balancer's stages for the pick, beside the even split and Megatron-LM's best hand option."""
-    from .balancer import Sizes, balance, best_megatron, score
-    from .balancer import per_rank as balancer_per_rank
-    from .planner import even_layout
-
     pick = next((c for c in ranked if c.fits), None)
     if pick is None:
         return None

@@ -3,27 +3,13 @@
 Given P workers, a global batch, a GPT shape and a hardware profile, enumerate layouts -- depth D,
 data-parallel width W = P / D, micro-batch size B, micro-batches N = global batch / (W B), schedule
 and concatenation -- predict each one's iteration time with the simulator, drop those that do not fit
-in memory, and rank the rest.
+in memory, and rank the rest: ``plan(workers, global_batch, shape, profile)``, printed by ``explain``
+and ``python -m chimera_schedules plan``.
 
-Costs (per worker, per micro-batch):
-- compute: Megatron's count, 24 B s h^2 (1 + s / 6h) FLOPs per layer forward plus 2 B s h V for the
-  logits on the last stage, at the profile's sustained FLOP/s; backward = 2 x forward;
-- p2p: latency + B s h x 2 bytes / bandwidth between stages;
-- gradient all-reduce per stage: Rabenseifner, 2 log2(r) alpha + 2 (r-1)/r beta L over r = copies x W
-  (copies = 2 for Chimera), posted by the schedule's R actions, so the simulator overlaps it exactly
-  as far as the schedule allows.
-Memory: the model state of the stage copies a worker holds (``model_state_bytes``, the formula the
-training program's startup line measures), plus activations: s B h (34 + 5 a s / h) bytes per layer
-per micro-batch (Korthikanti et al.), times the simulator's peak of live micro-batches.
-
-Mixture of experts (``ModelShape.experts``): a MoE layer's MLP is the top-k routed experts' plus the
-shared expert's and the router's FLOPs per token; each forward adds the expert-parallel all-to-all of
-dispatch and combine (each token's hidden state to and from its k experts, the (EP-1)/EP share that
-leaves the rank, at the p2p latency and bandwidth), each backward the same again. A rank holds 1/EP of
-each MoE layer's experts: their weights count in its memory, their optimizer state shards over the
-stage copies' expert-data-parallel ranks (W/EP per pipeline), their gradients add to the stage's
-all-reduce volume (over the stage's whole replica group: a slight overestimate of its group size).
-Activations of a MoE MLP scale the dense MLP's 19 s B h by the routed-plus-shared width over 4h.
+Costs are Megatron's FLOP count at the profile's rate, p2p at its latency and bandwidth, and each
+stage's gradient all-reduce posted by the schedule's R actions; memory is the model state of the stage
+copies a worker holds (``model_state_bytes``) plus the simulator's peak of live micro-batches'
+activations. The formulas, and what experts add (``ModelShape.experts``): docs/notes/planner-model.md.
 """
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def _legend(result: SimResult) -> list[tuple[str, tuple[str, str, str]]]:
 
 
 def png_timeline(result: SimResult, path: str) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: 2 s to import with pyplot, and only a PNG selects Agg
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -30,6 +30,11 @@ import sys
 import tempfile
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from megatron.chimera import parse_args, pretrain
+from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.testing.launch import launch
 
 
@@ -113,9 +118,6 @@ def _run_one(flags: list[str]) -> tuple[int, bool]:
     """One case as ``pretrain_gpt.py`` runs it: its exit code, and whether the launch can go on. A
     configuration refused by ``parse_args`` stops every rank alike before anything starts, so the next
     case can run; a failure after that may leave the ranks out of step, so it ends the launch."""
-    from megatron.chimera import parse_args, pretrain
-    from megatron.chimera.model.gpt_step import forward_step
-
     if flags and flags[0].endswith("pretrain_gpt.py"):
         flags = flags[1:]
     try:
@@ -139,17 +141,12 @@ def _exit_code(e: SystemExit) -> int:
 def _agreed(code: int, go_on: bool) -> tuple[int, bool]:
     """The case's exit code and whether to go on, the same on every rank: the worst code any rank saw,
     and go on only if every rank can (a collective, so no rank waits at a barrier another has left)."""
-    import torch
-    import torch.distributed as dist
-
     verdict = torch.tensor([code, int(not go_on)])
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     return int(verdict[0]), not verdict[1]
 
 
 def main() -> None:
-    import torch.distributed as dist
-
     parser = argparse.ArgumentParser(prog="python -m megatron.chimera.testing.cases")
     parser.add_argument("--cases", required=True)
     parser.add_argument("--out", required=True)

@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import async_utils  # noqa: E402
+from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa: E402
@@ -77,8 +78,6 @@ def no_pipelining_schedule():
 
 def schedule_plan():
     """--overlap-moe-expert-parallel-comm's way through a chunk: its schedule plan's forward, then backward."""
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
-
     model, tokens = gpt(), torch.randint(0, 64, (1, 16))
     plan = model.build_schedule_plan(tokens, torch.arange(16)[None], torch.triu(torch.ones(1, 1, 16, 16), 1).bool(),
                                      labels=tokens)

@@ -19,8 +19,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.training import checkpointing
+from megatron.training.global_vars import set_args
 
 from megatron.chimera import make_run_plan, parse_args
 from megatron.chimera.config.data_spec import DataSpec
@@ -33,11 +41,6 @@ from megatron.chimera.model.chunk import transformer_config
 
 def gpt_model(args):
     """A GPTModel as megatron-core builds and initialises it (not our chunk builder)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(777)
     model_parallel_cuda_manual_seed(777)
@@ -89,12 +92,6 @@ def write_legacy(model, args, folder: str) -> None:
 
 def megatron_lm_on_cpu(args):
     """Megatron-LM's globals for its checkpoint functions, and the two CUDA answers (see above)."""
-    import types
-
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training import checkpointing
-    from megatron.training.global_vars import set_args
-
     set_args(args)
     init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1, False)
     args.no_load_rng = args.no_load_optim = args.no_save_optim = True  # a model alone, as saved here

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
@@ -14,8 +15,6 @@ def forward_backward_once(flags: list[str]) -> tuple[float, dict[str, torch.Tens
     """(loss, each parameter's gradient, bytes autograd kept for the backward) of stage 0 of the model
     ``flags`` describe, on micro-batch-size sequences of --seq-length tokens; the caller's process group
     must exist (one process)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     args = parse_args(flags, world_size=1)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))

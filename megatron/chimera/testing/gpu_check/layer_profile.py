@@ -9,7 +9,17 @@ import statistics
 import sys
 from datetime import date
 
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from chimera_schedules.tools.planner import ModelShape, Profile, plan
+from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.model_spec import ModelSpec
+from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
+from megatron.chimera.model.chunk import build_chunk, uses_transformer_engine
 
 from .launching import ROOT, Machine, child_env, error_line, launch, result
 
@@ -25,7 +35,6 @@ def check_layer_profile(m: Machine) -> dict:
     plans GPT-2 1.3B on 8 GPUs with it; with one GPU none is written."""
     if m.need(1):
         return result("skipped", m.need(1))
-    from chimera_schedules.tools.planner import ModelShape, Profile, plan
 
     timing = layer_times()
     rate = ModelShape(**GPT2_1_3B).layer_forward_flops(1) / timing["forward_s"]
@@ -53,16 +62,6 @@ def check_layer_profile(m: Machine) -> dict:
 def layer_times(repeats: int = 20) -> dict:
     """One GPT-2 1.3B layer in bf16 (Transformer Engine's where installed, as training would build it),
     built by the training program's own build_chunk in this process, on GPU 0."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron.chimera.config.arguments import parse_args
-    from megatron.chimera.config.model_spec import ModelSpec
-    from megatron.chimera.config.run_plan import make_run_plan
-    from megatron.chimera.model.chunk import build_chunk, uses_transformer_engine
-
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
@@ -80,8 +79,6 @@ def layer_times(repeats: int = 20) -> dict:
 
 def _time_layer(layer, repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of one layer, timed with CUDA events after 5 warm-ups."""
-    import torch
-
     x = torch.randn(GPT2_1_3B["seq"], 1, GPT2_1_3B["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fwd, bwd = [], []
     for i in range(repeats + 5):
@@ -101,10 +98,6 @@ def _time_layer(layer, repeats: int) -> tuple[float, float]:
 def write_profile(timing: dict, interconnect: dict) -> str:
     """The planner's profile fields, every one measured here: with one GPU none is written (an
     interconnect is never invented or borrowed from another machine). Returns the path."""
-    import torch
-
-    from chimera_schedules.tools.planner import ModelShape
-
     name = timing["device"].replace(" ", "-").lower()
     profile = {"name": f"gpu-{name} (measured {date.today()})",
                "source": f"Measured by scripts/gpu_check.py on {date.today()} ({timing['device']}, Transformer Engine: "
@@ -136,11 +129,6 @@ def interconnect_worker(out: str) -> None:
     bytes and one activation (the planner's activation_bytes: sequence x hidden x 2). All-reduce over
     r = 2: the planner's 2 log2(r) alpha + 2 (r-1)/r L / beta = 2 alpha + L / beta, from 8 bytes and 4
     layers' bf16 gradients."""
-    import torch
-    import torch.distributed as dist
-
-    from chimera_schedules.tools.planner import ModelShape
-
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
@@ -160,8 +148,6 @@ def interconnect_worker(out: str) -> None:
 
 def _ping_pong(x) -> None:
     """Rank 0 sends to rank 1, which sends it back: two one-way transfers."""
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         dist.send(x, 1)
         dist.recv(x, 1)
@@ -173,8 +159,6 @@ def _ping_pong(x) -> None:
 def _cuda_seconds(nbytes: int, op, repeats: int = 50) -> float:
     """Seconds of one call of ``op`` on ``nbytes``: CUDA events around ``repeats`` calls after 5
     warm-ups (the first sets NCCL's communicator up)."""
-    import torch
-
     x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(5):
         op(x)

@@ -13,6 +13,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
+
 from .launching import (
     BIG,
     DISTOPT,
@@ -73,7 +75,6 @@ def cases(m: Machine) -> list[Case]:
                   Case(f"nccl chimera D={d} TP=2 sequence-parallel", 2 * d,
                        run + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], model,
                        not_on_cpu=only_plain)]
-    from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
 
     bf16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"] + DISTOPT
     found += [Case("nccl chimera D=2 bf16 distributed-optimizer", 2, bf16 + chimera(2), bf16, TOLERANCE["bf16"][0]),

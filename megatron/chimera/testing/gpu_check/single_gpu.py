@@ -11,6 +11,9 @@ import re
 import sys
 import tempfile
 
+from megatron.chimera.model.chunk import delays_weight_gradients
+from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
+
 from .launching import (
     COMMON,
     DISTOPT,
@@ -54,8 +57,6 @@ def check_split_backward_matches(m: Machine) -> dict:
 def check_bf16_distributed_optimizer(m: Machine) -> dict:
     """megatron/chimera/testing/equivalence.py's bf16 Chimera D=2 case, distributed optimizer added, against
     its one-process bf16 reference with the distributed optimizer; its bound."""
-    from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
-
     flags = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1"] + COMMON + DISTOPT
     found = compare(train(m, flags + chimera(2) + m.staging, 2), train(m, flags, 1), TOLERANCE["bf16"][0])
     return {**found, "bound_source": "megatron/chimera/testing/equivalence.py TOLERANCE['bf16'][0] = ITERS x 2^-8"}
@@ -66,8 +67,6 @@ def check_te_split_backward(m: Machine) -> dict:
     process where TE has its weight-gradient split for these flags (chunk.delayed_wgrad_te: 2.3 with
     gradient-accumulation fusion); else refused before anything starts, in one line naming
     --transformer-impl, with nothing written."""
-    from megatron.chimera.model.chunk import delays_weight_gradients
-
     if m.need(1):
         return result("skipped", m.need(1))
     if not m.te:
