@@ -29,7 +29,8 @@ from chimera_schedules import Schedule, build, build_spec, check, variant
 from chimera_schedules.ir.channels import P2P_GROUPS, stage_group
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
-from chimera_schedules.runtime.executor import Transport, make_forward_backward
+from chimera_schedules.runtime.executor import make_forward_backward
+from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.runtime.p2p import TorchP2P
 from chimera_schedules.tools.planner import MODELS, Profile
 

@@ -33,13 +33,11 @@ from ..ir.actions import Action, Op, Overlapped
 from ..ir.dataflow import consumed_messages, forward_only, produced_messages
 from ..ir.schedule import Schedule
 from .clock import Clock
-from .faults import ComputeFault, PipelineFault, action_fault, first_line, located, unattributed_fault, worker_name
+from .faults import PipelineFault, action_fault, first_line, located, worker_name
 from .messages import Messages, Transport
 from .stage import ForwardStep, PlanStage, Stage, StageKey, make_stages
 
-# what callers import from here: the executor's entry point and the types its callers hand it or catch
-__all__ = ["ComputeFault", "GradSync", "Observer", "PipelineFault", "Transport", "make_forward_backward",
-           "unattributed_fault"]
+__all__ = ["GradSync", "Observer", "make_forward_backward"]
 
 
 class GradSync(Protocol):

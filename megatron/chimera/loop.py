@@ -24,7 +24,8 @@ from megatron.training.utils import print_rank_last
 
 from chimera_schedules import ConfigError
 from chimera_schedules.ir.channels import stage_group
-from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Transport, unattributed_fault
+from chimera_schedules.runtime.faults import ComputeFault, PipelineFault, unattributed_fault
+from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
 from .checkpoint.checkpointing import load_checkpoint, save_checkpoint

@@ -19,7 +19,8 @@ from chimera_schedules.ir.costs import CostModel
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.schedule import Schedule
 from chimera_schedules.passes.lowering import RECV_BUFFERS, lower
-from chimera_schedules.runtime.executor import Transport, make_forward_backward
+from chimera_schedules.runtime.executor import make_forward_backward
+from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.tools.cli import main
 from megatron.chimera.distributed.group_guard import UnwarmedGroup, guard_communicators
 from megatron.chimera.distributed.warmup import WarmedUp, megatron_group_names

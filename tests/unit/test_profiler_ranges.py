@@ -16,7 +16,9 @@ from torch.profiler import ProfilerActivity, profile
 from chimera_schedules import build
 from chimera_schedules.ir.actions import Op
 from chimera_schedules.passes.lowering import lower
-from chimera_schedules.runtime.executor import ComputeFault, PipelineFault, Transport, make_forward_backward
+from chimera_schedules.runtime.executor import make_forward_backward
+from chimera_schedules.runtime.faults import ComputeFault, PipelineFault
+from chimera_schedules.runtime.messages import Transport
 
 
 def pp_ranges(events) -> list[str]:

@@ -13,7 +13,8 @@ import dataclasses
 import json
 import os
 
-from chimera_schedules.runtime.executor import PipelineFault, make_forward_backward
+from chimera_schedules.runtime.executor import make_forward_backward
+from chimera_schedules.runtime.faults import PipelineFault
 from megatron.chimera import Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.testing.legacy_lowering import legacy_lower
