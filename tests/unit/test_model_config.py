@@ -4,6 +4,9 @@ import dataclasses
 import functools
 
 import pytest
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.training.argument_utils import core_transformer_config_from_args
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
@@ -50,15 +53,11 @@ def _differing(a, b) -> set[str]:
 def fused_rope(monkeypatch):
     """Transformer Engine's fused RoPE as far as megatron-core's config asks, so that Megatron-LM's own function
     builds its config here for a model with RoPE (RoPE fusion is on by default)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_models_config_is_megatron_lms_own(fused_rope, name):
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     args = parse_args(ONE + MODELS[name], world_size=1)
     before = {key: repr(value) for key, value in vars(args).items()}
     spec = ModelSpec.from_args(args)
@@ -70,8 +69,6 @@ def test_the_models_config_is_megatron_lms_own(fused_rope, name):
 
 
 def test_mla_picks_megatron_cores_latent_config():
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
     config = ModelSpec.from_args(parse_args(ONE + VARIANTS["deepseek-style"], world_size=1)).config
     assert isinstance(config, MLATransformerConfig) and (config.q_lora_rank, config.kv_lora_rank) == (16, 16)
 

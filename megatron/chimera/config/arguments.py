@@ -12,6 +12,11 @@ import sys
 from functools import partial
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
 from chimera_schedules import ConfigError, ScheduleSpec, check
@@ -19,6 +24,7 @@ from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
+from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
 from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
@@ -470,12 +476,6 @@ def _validate_experts(args) -> None:
 def _require_documents(args, prefix: str) -> None:
     """Every part of --split that training reads (train; valid with --eval-iters) gets at least one
     document of ``prefix``, counted as megatron-core splits it."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     documents = IndexedDataset(prefix).sequence_lengths.shape[0]
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
     for name, bookends in zip(("train", "validation"), matrix[:2 if args.eval_iters else 1]):
@@ -557,8 +557,6 @@ def _first_launch(args) -> bool:
     """``--save X --load X`` with nothing at X yet: every Megatron-LM script and Slurm requeue does this,
     so it starts from scratch, unless --exit-on-missing-checkpoint says a missing one is an error. A --load
     elsewhere with no checkpoint is always one (a typo must not train from scratch silently)."""
-    from ..checkpoint.checkpointing import LATEST
-
     same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
     return same and not args.exit_on_missing_checkpoint and not os.path.exists(os.path.join(args.load, LATEST))
 
@@ -577,8 +575,6 @@ def _writable(path: str) -> bool:
 
 def _validate_checkpoint(args) -> None:
     """--load must hold a whole checkpoint of this model's shape (sizes and common state only)."""
-    from ..checkpoint.checkpointing import check_shape, check_sizes, find_checkpoint, read_common
-
     folder, fmt = find_checkpoint(args.load)
     check_sizes(folder, args.load)
     common = read_common(folder, fmt, args.load)

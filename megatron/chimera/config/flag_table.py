@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import megatron.core
+from megatron.training.arguments import add_megatron_arguments
+
 from .flag_classes import VALUES, flag_class
 from .parser import WIDER
 
@@ -15,8 +18,6 @@ DEFAULT_OUT = "docs/flags.md"
 
 
 def megatron_parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import add_megatron_arguments
-
     return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
 
 
@@ -37,8 +38,6 @@ def rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]]:
 
 
 def render(parser: argparse.ArgumentParser) -> str:
-    import megatron.core
-
     table = rows(parser)
     counts = {kind: sum(1 for r in table if r[2] == kind) for kind in ("honoured", "no effect", "refused")}
     lines = [

@@ -14,6 +14,7 @@ import sys
 import traceback
 
 import torch
+from megatron.training import arguments as megatron_arguments
 
 from chimera_schedules.tools.options import add_trainer_group
 
@@ -35,8 +36,6 @@ def fail(line: str):
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     """Megatron-LM's parse_args over ``argv`` (default: the command line), and the parser it built."""
-    from megatron.training.arguments import parse_args
-
     parsers = []
 
     def extra_args_provider(parser):
@@ -49,7 +48,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
         sys.argv = saved
         fail(f"{PROG}: error: --yaml-cfg: {flag_class('--yaml-cfg')[1]}")
     try:
-        args = parse_args(extra_args_provider)
+        args = megatron_arguments.parse_args(extra_args_provider)
     except RuntimeError as e:  # --enable-msc without its package, as Megatron-LM words it
         fail(f"{PROG}: error: {e}")
     finally:
@@ -59,9 +58,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Argument
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser ``parse`` parses with, built as Megatron-LM's parse_args builds it (for tools and tests)."""
-    from megatron.training.arguments import add_megatron_arguments
-
-    return _with_chimera(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return _with_chimera(megatron_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
 
 
 def _with_chimera(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -134,20 +131,18 @@ def _show(value) -> str:
 def megatron_validate(args) -> None:
     """Megatron-LM's validate_args: its derived settings (FFN width, kv channels, data-parallel size,
     virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
-    from megatron.training import arguments
-
-    asked, grouped = arguments.get_device_arch_version, args.moe_grouped_gemm
+    asked, grouped = megatron_arguments.get_device_arch_version, args.moe_grouped_gemm
     if not torch.cuda.is_available():
         # With TP > 1 it asks the GPU's architecture, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 before
         # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does. With
         # --moe-grouped-gemm it asks the GPU's capability for the grouped kernels, which the CPU
         # replaces by sequential experts (the model builder says so): the check is set aside.
-        arguments.get_device_arch_version = lambda: 10
+        megatron_arguments.get_device_arch_version = lambda: 10
         args.moe_grouped_gemm = False
     try:
-        arguments.validate_args(args)
+        megatron_arguments.validate_args(args)
     except (AssertionError, ValueError, RuntimeError, TypeError) as e:
         said = " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line  # a bare assert
         fail(f"{PROG}: error: {said} (Megatron-LM's validate_args)")
     finally:
-        arguments.get_device_arch_version, args.moe_grouped_gemm = asked, grouped
+        megatron_arguments.get_device_arch_version, args.moe_grouped_gemm = asked, grouped
