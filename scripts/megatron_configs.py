@@ -1,0 +1,251 @@
+"""Megatron-LM's own functional-test configurations, run as a user moving to Chimera would run them.
+
+Megatron-LM keeps a ``model_config.yaml`` per functional test (``tests/functional_tests/test_cases/``):
+the flags its CI trains with. They are the best sample of what Megatron-LM users type. This reads the
+GPT, MoE and Mixtral training cases of a Megatron-LM checkout and prepares each as a user would:
+
+- the data and tokenizer stood in (``--mock-data``, the null tokenizer), paths under a temporary folder;
+- the sizes scaled down (4 layers, hidden 16 per head, 64 tokens, 3 iterations, small experts);
+- ``--pipeline-model-parallel-size 2 --pipeline-schedule chimera`` added, the other parallel sizes kept
+  (the data-parallel size is the smallest the expert layout allows);
+- Transformer Engine swapped for the local layers, and the flags ``flag_classes`` calls GPU-only taken out.
+
+Then each goes through ``pretrain_gpt.py``'s parser (in this process, nothing started), and every flag
+that stops it is found by taking the refused one out and parsing again. ``--train K`` trains K of the
+configurations that pass, chosen to cover the most distinct flags, 3 iterations each, in one launch per
+world size. Prints a table; ``--json`` writes every configuration's result.
+
+    git clone --depth 1 https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM
+    python scripts/megatron_configs.py /tmp/Megatron-LM --json configs.json --train 12
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import io
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+
+import yaml
+
+from megatron.chimera import parse_args
+from megatron.chimera.config.flag_classes import REFUSED
+
+FAMILIES = ("gpt", "moe", "mixtral")
+# paths and data: the stand-ins replace them
+DROPPED = {"--data-path", "--data-cache-path", "--tokenizer-model", "--vocab-file", "--merge-file",
+           "--tokenizer-type", "--load", "--per-split-data-args-path", "--data-args-path", "--train-data-path",
+           "--valid-data-path", "--test-data-path", "--pipeline-model-parallel-layout",
+           "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--train-samples",
+           "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples", "--exit-interval",
+           "--exit-duration-in-mins", "--pipeline-model-parallel-size", "--output-path", "--pretrained-checkpoint",
+           "--ckpt-step", "--mock-data", "--vocab-size", "--use-mcore-models",
+           # the interleaved schedule's: Chimera replaces it
+           "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+           "--microbatch-group-size-per-virtual-pipeline-stage"}
+GPU_ONLY = frozenset().union(*(flags for reason, flags in REFUSED.items() if reason.startswith("GPU-only")))
+# sizes scaled down, by flag: a value, or a function of the parallel sizes
+SCALED = {
+    "--num-experts": lambda p: 8 if 8 % p["ep"] == 0 else p["ep"],
+    "--moe-ffn-hidden-size": 32, "--moe-shared-expert-intermediate-size": 32,
+    "--q-lora-rank": 32, "--kv-lora-rank": 16, "--qk-head-dim": 16, "--qk-pos-emb-head-dim": 8, "--v-head-dim": 16,
+    "--kv-channels": 16, "--seq-length": 64, "--max-position-embeddings": 64, "--eval-iters": 1,
+    "--eval-interval": 2, "--save-interval": 2, "--log-interval": 1, "--lr-decay-iters": 3, "--lr-warmup-iters": 1,
+    "--window-size": "16,0", "--micro-batch-size": 1, "--moe-router-num-groups": 2, "--moe-router-group-topk": 1,
+    "--moe-router-topk": lambda p: min(int(p["value"]), 2), "--seed": lambda p: p["value"] if "$" not in p["value"] else 1234,
+    "--moe-layer-freq": lambda p: _scaled_pattern(p["value"]),
+}
+LAYERS = 4
+
+
+def _scaled_pattern(value: str) -> str:
+    """A per-layer MoE pattern (``([0]*3+[1]*5)``) for LAYERS layers: the same share of dense layers first."""
+    if not value.startswith("("):
+        return value
+    pattern = eval(value, {"__builtins__": {}})  # Megatron-LM's own syntax for it is a Python expression
+    dense = round(pattern.count(0) * LAYERS / len(pattern))
+    return f"([0]*{dense}+[1]*{LAYERS - dense})"
+
+
+def training_configs(checkout: str) -> dict[str, dict]:
+    """name -> MODEL_ARGS of every GPT/MoE/Mixtral case that trains (sets --train-iters or --train-samples)."""
+    found = {}
+    root = os.path.join(checkout, "tests", "functional_tests", "test_cases")
+    for family in FAMILIES:
+        for path in sorted(glob.glob(os.path.join(root, family, "*", "model_config.yaml"))):
+            with open(path) as f:
+                model_args = (yaml.safe_load(f) or {}).get("MODEL_ARGS") or {}
+            if "--train-iters" in model_args or "--train-samples" in model_args:
+                found[f"{family}/{os.path.basename(os.path.dirname(path))}"] = model_args
+    return found
+
+
+def parallel_sizes(model_args: dict) -> dict[str, int]:
+    """The config's parallel sizes, PP made 2, DP the smallest the expert layout divides."""
+    def size(flag, default=1):
+        return int(model_args.get(flag, default) or default)
+    tp, cp, ep = size("--tensor-model-parallel-size"), size("--context-parallel-size"), size("--expert-model-parallel-size")
+    etp = size("--expert-tensor-parallel-size", tp)
+    instances = size("--num-distributed-optimizer-instances")
+    dp = math.lcm(etp * ep // math.gcd(etp * ep, tp * cp), instances)
+    return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "world": tp * 2 * cp * dp}
+
+
+def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
+    """The command line a user moving to Chimera would run, and its world size."""
+    sizes = parallel_sizes(model_args)
+    heads = max(4, 2 * sizes["tp"])
+    argv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--train-iters", "3",
+            "--num-layers", str(LAYERS), "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads),
+            "--global-batch-size", str(4 * sizes["dp"])]
+    fixed = {"--num-layers", "--hidden-size", "--num-attention-heads", "--global-batch-size", "--train-iters"}
+    for flag, value in model_args.items():
+        if flag in DROPPED or flag in fixed or flag in GPU_ONLY or value is False or value is None:
+            continue
+        if flag == "--transformer-impl":
+            value = "local"
+        elif flag == "--num-query-groups":
+            value = sizes["tp"]
+        elif flag == "--ffn-hidden-size":
+            value = 32 * heads
+        elif flag in SCALED:
+            value = SCALED[flag](dict(sizes, value=str(value))) if callable(SCALED[flag]) else SCALED[flag]
+        elif isinstance(value, str) and "$" in value:
+            value = os.path.join(workdir, flag.strip("-"))
+        argv += [flag] if value is True else [flag] + _values(value)
+    return argv, sizes["world"]
+
+
+def _values(value) -> list[str]:
+    """A flag's values as the functional tests' launcher passes them: a list, or a string of several
+    written ``"[a b]"``, becomes one word per value."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    text = str(value)
+    return text[1:-1].split() if text.startswith("[") and text.endswith("]") and "," not in text else [text]
+
+
+def parsed(argv: list[str], world: int) -> str | None:
+    """None if the parser takes it, else the one line it printed."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
+            parse_args(argv, world_size=world)
+    except SystemExit:
+        return out.getvalue().strip().splitlines()[-1] if out.getvalue().strip() else "exit without a line"
+    return None
+
+
+def blocking_flags(argv: list[str], world: int) -> tuple[str | None, list[str]]:
+    """The first refusal's line, and every flag that stops the parser (each found by taking the one
+    before it out); a refusal that names no flag ends the search."""
+    first, flags = None, []
+    for _ in range(12):
+        line = parsed(argv, world)
+        if line is None:
+            break
+        first = first or line
+        match = re.search(r"error: (--[a-z0-9_-]+)", line)
+        if not match or match.group(1) not in argv:
+            flags.append(line)
+            break
+        flags.append(match.group(1))
+        argv = _without(argv, match.group(1))
+    return first, flags
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    i = argv.index(flag)
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return argv[:i] + argv[j:]
+
+
+def out_of_scope(model_args: dict) -> str | None:
+    """Context parallelism, Muon and FSDP are outside the parser target (issue 42)."""
+    if int(model_args.get("--context-parallel-size", 1) or 1) > 1:
+        return "context parallelism"
+    if "muon" in str(model_args.get("--optimizer", "")) or any(f.startswith("--muon") for f in model_args):
+        return "Muon"
+    if (model_args.get("--use-megatron-fsdp") or model_args.get("--use-torch-fsdp2")
+            or model_args.get("--ckpt-format") == "fsdp_dtensor"):
+        return "FSDP"
+    return None
+
+
+def survey(configs: dict[str, dict], workdir: str) -> dict[str, dict]:
+    results = {}
+    for name, model_args in configs.items():
+        argv, world = prepared(model_args, os.path.join(workdir, name.replace("/", "_")))
+        first, flags = blocking_flags(argv, world)
+        results[name] = {"argv": argv, "world": world, "passes": first is None, "refusal": first,
+                         "blocking": flags, "out_of_scope": out_of_scope(model_args)}
+    return results
+
+
+def sample(results: dict[str, dict], k: int) -> list[str]:
+    """Greedy cover: k passing configurations that together set the most distinct flags."""
+    flags_of = {name: {a for a in r["argv"] if a.startswith("--")} for name, r in results.items() if r["passes"]}
+    chosen, covered = [], set()
+    while flags_of and len(chosen) < k:
+        best = max(sorted(flags_of), key=lambda n: len(flags_of[n] - covered))
+        chosen.append(best)
+        covered |= flags_of.pop(best)
+    return chosen
+
+
+def train(results: dict[str, dict], names: list[str], workdir: str) -> dict[str, int | None]:
+    """3 iterations of each, one launch per world size; name -> return code (None: did not finish)."""
+    from megatron.chimera.testing.cases import run_cases  # here: only --train launches
+    codes = {}
+    for world in sorted({results[n]["world"] for n in names}):
+        cases = {n: results[n]["argv"] for n in names if results[n]["world"] == world}
+        for name, proc in run_cases(world, cases, timeout=1800).items():
+            codes[name] = proc.returncode
+            if proc.returncode != 0:
+                print(f"--- {name} failed ({proc.returncode}):\n{proc.stderr[-2500:]}", file=sys.stderr)
+    return codes
+
+
+def report(results: dict[str, dict]) -> str:
+    in_scope = [r for r in results.values() if not r["out_of_scope"]]
+    lines = [f"{sum(r['passes'] for r in results.values())} of {len(results)} configurations pass the parser; "
+             f"{sum(r['passes'] for r in in_scope)} of the {len(in_scope)} that ask for no context parallelism, "
+             "Muon or FSDP", "", "| stopping flag or refusal | configs |", "|---|---|"]
+    counts = collections.Counter(f for r in results.values() for f in dict.fromkeys(r["blocking"]))
+    lines += [f"| {flag[:140]} | {n} |" for flag, n in counts.most_common()]
+    return "\n".join(lines)
+
+
+def main():
+    cli = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cli.add_argument("checkout", help="a Megatron-LM checkout (its tests/functional_tests)")
+    cli.add_argument("--json", help="write every configuration's result here")
+    cli.add_argument("--train", type=int, default=0, help="train this many passing configurations, 3 iterations each")
+    opts = cli.parse_args()
+    os.environ.setdefault("RANK", "0")
+    logging.disable(logging.INFO)  # the tokenizer's padding line, once per configuration
+    with tempfile.TemporaryDirectory(prefix="megatron-configs-") as workdir:
+        results = survey(training_configs(opts.checkout), workdir)
+        print(report(results))
+        if opts.train:
+            names = sample(results, opts.train)
+            for name, code in train(results, names, workdir).items():
+                results[name]["trained"] = code
+                print(f"trained {name}: {'ok' if code == 0 else f'exit {code}'}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
