@@ -118,6 +118,8 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
             value = 32 * heads
         elif flag in SCALED:
             value = SCALED[flag](dict(sizes, value=str(value))) if callable(SCALED[flag]) else SCALED[flag]
+        elif flag == "--wandb-exp-name":
+            value = os.path.basename(workdir)
         elif isinstance(value, str) and "$" in value:
             value = os.path.join(workdir, flag.strip("-"))
         argv += [flag] if value is True else [flag] + _values(value)
@@ -192,9 +194,11 @@ def survey(configs: dict[str, dict], workdir: str) -> dict[str, dict]:
     return results
 
 
-def sample(results: dict[str, dict], k: int) -> list[str]:
-    """Greedy cover: k passing configurations that together set the most distinct flags."""
-    flags_of = {name: {a for a in r["argv"] if a.startswith("--")} for name, r in results.items() if r["passes"]}
+def sample(results: dict[str, dict], k: int, max_world: int) -> list[str]:
+    """Greedy cover: k passing configurations of at most ``max_world`` processes that together set the
+    most distinct flags."""
+    flags_of = {name: {a for a in r["argv"] if a.startswith("--")} for name, r in results.items()
+                if r["passes"] and r["world"] <= max_world}
     chosen, covered = [], set()
     while flags_of and len(chosen) < k:
         best = max(sorted(flags_of), key=lambda n: len(flags_of[n] - covered))
@@ -231,6 +235,8 @@ def main():
     cli.add_argument("checkout", help="a Megatron-LM checkout (its tests/functional_tests)")
     cli.add_argument("--json", help="write every configuration's result here")
     cli.add_argument("--train", type=int, default=0, help="train this many passing configurations, 3 iterations each")
+    cli.add_argument("--max-world", type=int, default=8,
+                     help="train only configurations of at most this many processes (each holds about 1 GB)")
     opts = cli.parse_args()
     os.environ.setdefault("RANK", "0")
     logging.disable(logging.INFO)  # the tokenizer's padding line, once per configuration
@@ -238,7 +244,7 @@ def main():
         results = survey(training_configs(opts.checkout), workdir)
         print(report(results))
         if opts.train:
-            names = sample(results, opts.train)
+            names = sample(results, opts.train, opts.max_world)
             for name, code in train(results, names, workdir).items():
                 results[name]["trained"] = code
                 print(f"trained {name}: {'ok' if code == 0 else f'exit {code}'}")
