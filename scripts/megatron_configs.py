@@ -59,7 +59,8 @@ SCALED = {
     "--kv-channels": 16, "--seq-length": 64, "--max-position-embeddings": 64, "--eval-iters": 1,
     "--eval-interval": 2, "--save-interval": 2, "--log-interval": 1, "--lr-decay-iters": 3, "--lr-warmup-iters": 1,
     "--window-size": "16,0", "--micro-batch-size": 1, "--moe-router-num-groups": 2, "--moe-router-group-topk": 1,
-    "--moe-router-topk": lambda p: min(int(p["value"]), 2), "--seed": lambda p: p["value"] if "$" not in p["value"] else 1234,
+    "--moe-router-topk": lambda p: min(int(p["value"]), 2),
+    "--seed": lambda p: p["value"] if "$" not in p["value"] else 1234,
     "--moe-layer-freq": lambda p: _scaled_pattern(p["value"]),
 }
 LAYERS = 4
@@ -91,7 +92,8 @@ def parallel_sizes(model_args: dict) -> dict[str, int]:
     """The config's parallel sizes, PP made 2, DP the smallest the expert layout divides."""
     def size(flag, default=1):
         return int(model_args.get(flag, default) or default)
-    tp, cp, ep = size("--tensor-model-parallel-size"), size("--context-parallel-size"), size("--expert-model-parallel-size")
+    tp, cp = size("--tensor-model-parallel-size"), size("--context-parallel-size")
+    ep = size("--expert-model-parallel-size")
     etp = size("--expert-tensor-parallel-size", tp)
     instances = size("--num-distributed-optimizer-instances")
     dp = math.lcm(etp * ep // math.gcd(etp * ep, tp * cp), instances)
