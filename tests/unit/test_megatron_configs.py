@@ -30,7 +30,8 @@ MODEL_ARGS:
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("megatron_configs", os.path.join(ROOT, "scripts", "megatron_configs.py"))
+    path = os.path.join(ROOT, "scripts", "megatron_configs.py")
+    spec = importlib.util.spec_from_file_location("megatron_configs", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
