@@ -92,7 +92,7 @@ class Writers:
                   world: int) -> None:
         """training_log's series, every --tensorboard-log-interval iterations: this iteration's values."""
         spec = self.spec
-        if iteration % spec.tensorboard_interval:
+        if not (self.tensorboard or self.wandb) or iteration % spec.tensorboard_interval:
             return
         samples = iteration * batch_size
         if self.wandb:
