@@ -45,6 +45,7 @@ from .model.chunk import build_chunk, uses_transformer_engine
 from .model.moe import auxiliary_loss_fields, fresh_metrics, mtp_loss_fields, scale_auxiliary_losses, update_expert_bias
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
+from .observability.series import Writers, params_norm, set_logging_level, validation_ppl
 from .observability.startup import (
     print_building,
     print_layout,
@@ -229,9 +230,11 @@ class Trainer:
             update_expert_bias(self.chunks, self.rt, model.config.moe_router_bias_update_rate)
         finite = math.isfinite(loss) and math.isfinite(norm)
         steps = finite or not (self.job.train.check_for_nan or self.scaler)
-        self._step(norm, finite, steps)
+        zeros = self._step(norm, finite, steps)
+        series = self.job.log.series
         return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
-                "nan": self._nan_iteration(loss, finite, steps), "moe": moe}
+                "nan": self._nan_iteration(loss, finite, steps), "moe": moe, "num zeros": zeros,
+                "params norm": params_norm(self) if series.params_norm else None}
 
     def _nan_iteration(self, loss: float, finite: bool, steps: bool) -> bool:
         """With the NaN check (Megatron-LM's default): a NaN/Inf loss, or gradient norm without a loss scaler
@@ -264,12 +267,18 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(divisor)
 
-    def _step(self, norm: float, finite: bool, steps: bool) -> None:
-        """Clip (a finite norm) and step, or skip the step."""
+    def _step(self, norm: float, finite: bool, steps: bool) -> int | None:
+        """Clip (a finite norm) and step, or skip the step. With --log-num-zeros-in-grad, the zeros of
+        the clipped gradient of a step taken (megatron-core's optimizer counts them there)."""
         timers, spec = self.timers, self.job.train.optimizer
         if finite and spec.clip_grad > 0:
             self.main.clip(spec.clip_grad, norm)
         timers("optimizer-clip-main-grad").stop()
+        zeros = None
+        if steps and self.job.log.series.num_zeros_in_grad:
+            timers("optimizer-count-zeros", log_level=1).start(barrier=self.job.log.barrier_with_l1_time)
+            zeros = self.main.zeros(self.rt, self.tied)
+            timers("optimizer-count-zeros").stop()
         timers("optimizer-inner-step", log_level=1).start()
         if self.scaler:
             self.scaler.update(found_inf=not finite)
@@ -281,6 +290,7 @@ class Trainer:
             self.main.zero_grad(self.optimizer)
         timers("optimizer-inner-step").stop()
         timers("optimizer").stop()
+        return zeros
 
     def optimizer_steps(self) -> int:
         steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
@@ -303,23 +313,6 @@ class Trainer:
         losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * batches + i, forward_only=True))[0]
                   for i in range(batches)]
         return sum(losses) / len(losses)
-
-
-class _Board:
-    """TensorBoard scalars, written by the last rank (the one that logs), when --tensorboard-dir is set."""
-
-    def __init__(self, path: str | None):
-        self.writer = None
-        if path and dist.get_rank() == dist.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter  # here: the tensorboard package is optional
-
-            self.writer = SummaryWriter(path)
-
-    def add(self, scalars: dict, step: int) -> None:
-        if self.writer:
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, step)
-            self.writer.flush()
 
 
 def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
@@ -372,16 +365,18 @@ class _ExitPolicy:
 
 def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_group: bool) -> list[dict]:
     train, log = job.train, job.log
+    set_logging_level(log.series)
     exit_policy = _ExitPolicy(train.exit)
     trainer = Trainer(job, make_run_plan(job.megatron_args), forward_step_func, hooks)
     first = _resume(trainer)
     print_model_state(trainer, log.memory_per_rank)
-    board = _Board(log.tensorboard_dir)
+    board = Writers(log, vars(job.megatron_args))
     if first >= train.train_iters:  # a requeued or chained job after the run's end: write nothing
         print_rank_last(f" training already complete at iteration {first} (--train-iters {train.train_iters}):"
                         " nothing to train")
         if train.eval_iters:  # as Megatron-LM, evaluate what was loaded
             _evaluate_and_print(trainer, board, first)
+        board.close()
         _shut_down(trainer, owns_process_group)
         return []
     print_rank_last("done with setup ...")
@@ -397,6 +392,7 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
         history = _train(trainer, first, progress, housekeeping, board, exit_policy)
     finally:
         housekeeping.stop()
+    board.close()
     _shut_down(trainer, owns_process_group)
     return history
 
@@ -465,7 +461,7 @@ class _Progress:
     iterations themselves (not of logging, evaluation or saving). With the NaN check, stops the run after too many NaN
     iterations in a row."""
 
-    def __init__(self, train: TrainSpec, log: LogSpec, first: int, board: _Board, timers, *,
+    def __init__(self, train: TrainSpec, log: LogSpec, first: int, board: Writers, timers, *,
                  flops: float | None = None, world: int = 1, loaded: bool = False, save_dir: str | None = None):
         """``flops``: Megatron-LM's model FLOPs of one iteration, with --log-throughput; ``world``: the
         ranks they are shared by; ``loaded``: whether the run resumed (the loaded iteration is its last
@@ -479,10 +475,13 @@ class _Progress:
     def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
+        self.board.iteration(stats, done, lr, loss_scale, self.train.global_batch_size, self.world)
         if done % self.log.interval == 0 or done == self.train.train_iters or self.nan_run:
             iterations = done - self.logged
-            self._log(done, lr, loss_scale)
-            if self.log.timing_level >= 1:
+            elapsed = self._log(done, lr, loss_scale)
+            timed = ITERATION if self.log.timing_level >= 1 else ()
+            self.board.log_line(done, elapsed, self.timers, timed, normalizer=iterations)
+            if timed:
                 print_times(self.timers, ITERATION, normalizer=iterations)
         if self.train.check_for_nan and self.nan_run >= self.train.max_consecutive_nan:
             raise TrainingStopped(self._nan_message(done))
@@ -491,10 +490,11 @@ class _Progress:
         if done == self.logged:
             self.start = time.time()
 
-    def _log(self, done: int, lr: float, loss_scale: float | None) -> None:
+    def _log(self, done: int, lr: float, loss_scale: float | None) -> float:
         """Megatron-LM's iteration line: the loss averaged over the iterations since the last line that
-        stepped (none stepped: no loss field), 'loss scale' with --fp16, no 'grad norm' after a skipped
-        step, and the skipped and NaN iterations since the last line."""
+        stepped (none stepped: no loss field), 'loss scale' with --fp16, no 'grad norm' (nor 'num zeros')
+        after a skipped step, 'params norm' with --log-params-norm, and the skipped and NaN iterations since
+        the last line. Returns the seconds per iteration."""
         train = self.train
         recent = self.history[self.logged - self.first:]
         elapsed = (time.time() - self.start) / len(recent)
@@ -502,7 +502,7 @@ class _Progress:
         loss = sum(stepped) / len(stepped) if stepped else None
         moe = _mean_fields([s["moe"] for s in recent if not s["skipped"]])
         throughput = train.global_batch_size * train.seq_length / elapsed
-        norm = recent[-1]["grad norm"]
+        norm, zeros, params = (recent[-1][key] for key in ("grad norm", "num zeros", "params norm"))
         skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
         print_rank_last(
             f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{train.train_iters:8d} |"
@@ -513,18 +513,13 @@ class _Progress:
             + ("" if loss is None else f" lm loss: {loss:.6E} |")
             + "".join(f" {name}: {value:.6E} |" for name, value in moe.items() if value > 0)
             + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
-            + ("" if norm is None else f" grad norm: {norm:.3f} |") +
+            + ("" if norm is None else f" grad norm: {norm:.3f} |")
+            + ("" if zeros is None else f" num zeros: {float(zeros)} |")  # Megatron-LM's: a float
+            + ("" if params is None else f" params norm: {params:.3f} |") +
             f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |")
-        scalars = {"learning-rate": lr, "throughput": throughput}
-        if loss is not None:
-            scalars["lm loss"] = loss
-        scalars.update(moe)
-        if norm is not None:
-            scalars["grad-norm"] = norm
-        if loss_scale is not None:
-            scalars["loss-scale"] = loss_scale
-        self.board.add(scalars, done)
+        self.board.add({"throughput": throughput}, done)
         self.logged = done
+        return elapsed
 
     def _tflops(self, seconds: float) -> str:
         """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
@@ -548,8 +543,8 @@ def _mean_fields(fields: list[dict]) -> dict[str, float]:
     return {name: sum(f[name] for f in fields if name in f) / sum(name in f for f in fields) for name in names}
 
 
-def _evaluate_and_print(trainer, board: _Board, iteration: int) -> None:
+def _evaluate_and_print(trainer, board: Writers, iteration: int) -> None:
     loss = trainer.evaluate(evaluation_index(trainer.job.data, iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-                    f" lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |")
-    board.add({"lm loss validation": loss}, iteration)
+                    f" lm loss PPL: {validation_ppl(loss):.6E} |")
+    board.validation(loss, iteration, iteration * trainer.job.train.global_batch_size)

@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from chimera_schedules.tools.planner import Precision, model_state_bytes
@@ -18,15 +19,22 @@ from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import VALID, losses, run, train_args
+from megatron.chimera.testing.run_files import tensorboard_scalars, wandb_history
 
 CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+# Megatron-LM's optional log series, to TensorBoard and to W&B (offline, everything under the test's folder)
+SERIES = ["--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--timing-log-level", "1",
+          "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
+          "--wandb-project", "chimera-tests", "--wandb-exp-name", "uninterrupted"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt") / "a"
+    wandb = {f"WANDB_{d}_DIR": str(save.parent / "wandb_home") for d in ("CONFIG", "CACHE", "DATA")}
     proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
-                              "--tensorboard-dir", str(save.parent / "tb")))
+                              "--tensorboard-dir", str(save.parent / "tb"), *SERIES,
+                              "--wandb-save-dir", str(save.parent / "wandb")), env={"WANDB_MODE": "offline", **wandb})
     return proc, save
 
 
@@ -43,6 +51,38 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert any(f.startswith("events.out.tfevents") for f in written), f"no TensorBoard event file in {written}"
     # the saved args differ by rank (rank, local_rank): Megatron-LM's preprocessing keeps megatron-core quiet
     assert not any("common state dict differs" in out for out in (proc.stdout, proc.stderr)), proc.stderr[-3000:]
+
+
+SERIES_LINE = re.compile(r" grad norm: (\S+) \| num zeros: (\d+\.0) \| params norm: (\S+) \| number of skipped")
+# Megatron-LM's tags (training_log, evaluate_and_print_results), each with its ' vs samples' twin ...
+PAIRED = {"learning-rate", "batch-size", "lm loss", "loss-scale", "world-size", "grad-norm", "num-zeros", "params-norm",
+          "lm loss validation", "lm loss validation ppl"}
+# ... and without one: the timers (level 1, seconds) and the time per iteration
+TIMES = {"iteration-time", "forward-backward-time", "optimizer-clip-main-grad-time", "optimizer-count-zeros-time",
+         "optimizer-inner-step-time", "optimizer-time"}
+MEMORY = {"mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes", "mem-allocated-count"}
+
+
+def test_megatron_lms_log_series_reach_the_line_tensorboard_and_wandb(uninterrupted):
+    """The iteration line carries 'num zeros' and 'params norm' after 'grad norm', as Megatron-LM's;
+    TensorBoard has Megatron-LM's tags (the memory ones on CUDA only: a CPU has no caching allocator),
+    written every iteration (--tensorboard-log-interval 1); the W&B offline run logged the same keys."""
+    proc, save = uninterrupted
+    printed = SERIES_LINE.findall(proc.stdout)
+    assert len(printed) == 4, f"iteration lines with the series: {printed}"
+    board = tensorboard_scalars(str(save.parent / "tb"))
+    memory = MEMORY if torch.cuda.is_available() else set()
+    expected = PAIRED | {f"{tag} vs samples" for tag in PAIRED} | TIMES | memory
+    assert expected <= board.keys(), f"missing TensorBoard tags: {sorted(expected - board.keys())}"
+    norms = [v for _, v in board["params-norm"]]
+    assert all(abs(v - float(p)) <= 6e-4 for v, (_, _, p) in zip(norms, printed, strict=True)), (norms, printed)
+    assert [s for s, _ in board["params-norm vs samples"]] == [4, 8, 12, 16], board["params-norm vs samples"]
+    assert [s for s, _ in board["lm loss validation ppl"]] == [2, 4], board["lm loss validation ppl"]
+    history = wandb_history(str(save.parent / "wandb"))
+    plain = {tag for tag in board if not tag.endswith(" vs samples")}
+    assert plain | {"samples vs steps"} == history.keys(), f"W&B keys {sorted(history)}, TensorBoard {sorted(plain)}"
+    logged = history["params-norm"]
+    assert [s for s, _ in logged] == [1, 2, 3, 4] and [v for _, v in logged] == pytest.approx(norms, rel=1e-6), logged
 
 
 def test_resume_in_a_new_launch_repeats_the_uninterrupted_losses(uninterrupted, corpus, tmp_path):

@@ -15,11 +15,12 @@ from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.job import job_config
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.loop import Trainer, TrainingStopped, _Board, _Progress
+from megatron.chimera.loop import Trainer, TrainingStopped, _Progress
 from megatron.chimera.model import recompute
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.hooks import Hooks
+from megatron.chimera.observability.series import Writers
 from megatron.chimera.observability.startup import print_building
 from megatron.chimera.testing.one_step import forward_backward_once
 
@@ -158,7 +159,7 @@ def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, ch
         assert stats["lm loss"] != stats["lm loss"]  # NaN
         expected = (True, True, 0) if checked else (False, False, 1)
         assert (stats["skipped"], stats["nan"], t.optimizer_steps()) == expected
-        progress = _Progress(t.job.train, t.job.log, 0, _Board(None), t.timers)
+        progress = _Progress(t.job.train, t.job.log, 0, Writers(t.job.log), t.timers)
         with pytest.raises(TrainingStopped) if checked else contextlib.nullcontext():
             progress.record(stats, 1, 1e-3, None)
 

@@ -7,6 +7,7 @@ its derived settings (FFN width, query groups) and the checkpoint's run after it
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from functools import partial
@@ -113,6 +114,7 @@ def _validate(args) -> None:
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
+    _validate_series(args)
     _pad_vocabulary(args)
     _validate_layout(args)
 
@@ -225,6 +227,22 @@ def _validate_run(args) -> None:
         require(args.recompute_num_layers is not None, "--recompute-num-layers", None,
                 "--recompute-granularity full needs it (megatron-core's rule)")
     _validate_recompute_modules(args)
+
+
+def _validate_series(args) -> None:
+    """The optional log series (observability/series.py). W&B: the package installed (Megatron-LM fails on
+    its import, in the last rank alone, after setup), and a directory, --wandb-save-dir or Megatron-LM's
+    default <--save>/wandb (without either, Megatron-LM fails on os.path.join(None, 'wandb'))."""
+    require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval", args.tensorboard_log_interval,
+            "must be positive")
+    if not args.wandb_project:
+        return
+    require(importlib.util.find_spec("wandb") is not None, "--wandb-project", args.wandb_project,
+            "needs the wandb package, which is not installed: pip install wandb")
+    require(bool(args.wandb_save_dir or args.save), "--wandb-save-dir", args.wandb_save_dir,
+            "is needed without --save (W&B writes under <--save>/wandb by default)")
+    path = args.wandb_save_dir or os.path.join(args.save, "wandb")
+    require(_writable(path), "--wandb-save-dir", path, "must be a writable directory, or creatable in a writable one")
 
 
 # megatron-core 0.19's choices for TransformerConfig.recompute_modules

@@ -48,6 +48,10 @@ HONOURED = _flags("""
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
     --tokenizer-model --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
     --no-barrier-with-level-1-timing --nvtx-ranges
+    --log-params-norm --log-num-zeros-in-grad --tensorboard-log-interval --tensorboard-queue-size
+    --log-timers-to-tensorboard --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard
+    --log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard
+    --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --logging-level
     --num-experts --moe-ffn-hidden-size --moe-router-topk --moe-layer-freq --moe-router-load-balancing-type
     --moe-aux-loss-coeff --moe-z-loss-coeff --moe-token-dispatcher-type --moe-router-score-function
     --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-num-groups --moe-router-group-topk
@@ -71,13 +75,9 @@ NO_EFFECT = {
         --use-cpu-initialization
     """),
     'a log series or report this trainer does not write; training is unaffected': _flags("""
-        --config-logger-dir --log-params-norm --log-progress --tensorboard-log-interval
-        --tensorboard-queue-size --log-timers-to-tensorboard --no-log-loss-scale-to-tensorboard
-        --disable-log-loss-scale-to-tensorboard --log-validation-ppl-to-tensorboard
-        --log-memory-to-tensorboard --log-memory-interval --log-device-memory-used --log-num-zeros-in-grad
-        --log-world-size-to-tensorboard --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity
-        --logging-level --log-energy --no-one-logger --one-logger-project --one-logger-run-name
-        --one-logger-async --app-tag-run-name --app-tag-run-version
+        --config-logger-dir --log-progress --log-memory-interval --log-device-memory-used --log-energy
+        --no-one-logger --one-logger-project --one-logger-run-name --one-logger-async --app-tag-run-name
+        --app-tag-run-version
     """),
     ('per-layer MoE values: the iteration line and TensorBoard carry the means over the MoE layers (the '
      'routers number their layers within a stage)'): _flags("""

@@ -1,8 +1,9 @@
-"""Logging: the iteration line, timers, TensorBoard, and what Megatron-LM does around iterations
+"""Logging: the iteration line, timers, TensorBoard and W&B, and what Megatron-LM does around iterations
 (observability/housekeeping.py: garbage collection, the CUDA cache, profiling)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 
@@ -24,11 +25,56 @@ class ProfileSpec:
 
 
 @dataclass(frozen=True)
+class WandbSpec:
+    """Megatron-LM's Weights & Biases run: ``project`` (--wandb-project), the run's name (--wandb-exp-name),
+    its directory (--wandb-save-dir, else Megatron-LM's default: <--save>/wandb) and --wandb-entity."""
+
+    project: str
+    exp_name: str | None
+    save_dir: str | None
+    entity: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WandbSpec | None:
+        if not args.wandb_project:
+            return None
+        save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+        return cls(args.wandb_project, args.wandb_exp_name, save_dir, args.wandb_entity)
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    """Megatron-LM's optional log series (observability/series.py writes them): the parameter norm and the
+    gradient's zeros in the iteration line, and what TensorBoard and W&B get every ``tensorboard_interval``
+    iterations (timers, memory, validation perplexity, world size, loss scale)."""
+
+    params_norm: bool
+    num_zeros_in_grad: bool
+    timers_to_tensorboard: bool
+    memory_to_tensorboard: bool
+    validation_ppl_to_tensorboard: bool
+    world_size_to_tensorboard: bool
+    loss_scale_to_tensorboard: bool
+    tensorboard_interval: int
+    tensorboard_queue_size: int
+    logging_level: int | None
+    wandb: WandbSpec | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SeriesSpec:
+        return cls(args.log_params_norm, args.log_num_zeros_in_grad, args.log_timers_to_tensorboard,
+                   args.log_memory_to_tensorboard, args.log_validation_ppl_to_tensorboard,
+                   args.log_world_size_to_tensorboard, args.log_loss_scale_to_tensorboard,
+                   args.tensorboard_log_interval, args.tensorboard_queue_size, args.logging_level,
+                   WandbSpec.from_args(args))
+
+
+@dataclass(frozen=True)
 class LogSpec:
     """The iteration line every ``interval`` iterations (with --log-throughput its TFLOP/s field), the
     timers at ``timing_level`` (``barrier_with_l1_time``: a barrier before each level-1 timer), the
     TensorBoard directory, the model-state line per rank (``memory_per_rank``), NVTX ranges, and
-    housekeeping: --manual-gc, --empty-unused-memory-level, profiling."""
+    housekeeping: --manual-gc, --empty-unused-memory-level, profiling; the optional series (``series``)."""
 
     interval: int
     throughput: bool
@@ -43,10 +89,11 @@ class LogSpec:
     manual_gc_eval: bool
     empty_unused_memory_level: int
     profile: ProfileSpec
+    series: SeriesSpec
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LogSpec:
         return cls(args.log_interval, args.log_throughput, args.timing_log_level, args.timing_log_option,
                    args.barrier_with_L1_time, args.tensorboard_dir, args.log_memory_per_rank, args.nvtx_ranges,
                    args.manual_gc, args.manual_gc_interval, args.manual_gc_eval, args.empty_unused_memory_level,
-                   ProfileSpec.from_args(args))
+                   ProfileSpec.from_args(args), SeriesSpec.from_args(args))

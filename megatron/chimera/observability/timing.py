@@ -3,8 +3,8 @@ prints them ("(min, max) time across ranks (ms):" and one padded line per timer)
 
 Level 0: setup (model and optimizer, data iterators), printed once before training.
 Level 1: per iteration, forward-backward (the whole schedule, communication included), the gradient
-norm and clipping, and the optimizer step; averaged over the log interval and printed under each
-iteration line.
+norm and clipping, the zeros of the gradient (--log-num-zeros-in-grad), and the optimizer step; averaged
+over the log interval and printed under each iteration line.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from megatron.core.timers import Timers
 from ..config.logging_spec import LogSpec
 
 SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
-ITERATION = ("forward-backward", "optimizer-clip-main-grad", "optimizer-inner-step", "optimizer")
+ITERATION = ("forward-backward", "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+             "optimizer")
 
 
 def make_timers(log: LogSpec) -> Timers:

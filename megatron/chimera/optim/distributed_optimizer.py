@@ -265,6 +265,22 @@ class ShardedMainParams:
         self.rt.all_reduce(total)
         return math.sqrt(total.item())
 
+    def weight_norm(self, runtime, tied: bool) -> float:
+        """The main weights' L2 norm, as ``grad_norm``: each element lives in exactly one shard."""
+        pieces = [piece.detach() for piece in self.all() if param_is_not_tensor_parallel_duplicate(piece.source)]
+        total = weighted_square_sum(pieces, [1.0] * len(pieces), self.rt.device)
+        self.rt.all_reduce(total)
+        return math.sqrt(total.item())
+
+    def zeros(self, runtime, tied: bool) -> int:
+        """megatron-core's count_zeros_fp32 over the shards (its distributed optimizer's: the whole world)."""
+        total = torch.zeros((), dtype=torch.int64, device=self.rt.device)
+        for piece in self.all():
+            if param_is_not_tensor_parallel_duplicate(piece.source):
+                total += piece.grad.numel() - torch.count_nonzero(piece.grad)
+        self.rt.all_reduce(total)
+        return int(total.item())
+
     def clip(self, max_norm: float, norm: float) -> None:
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:

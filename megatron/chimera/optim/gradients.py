@@ -233,17 +233,34 @@ def copies(chunks: dict, runtime, tied: bool) -> dict[int, float]:
     return per_param
 
 
-def global_grad_norm(chunks: dict, runtime, tied: bool) -> float:
-    """L2 norm of the gradient of the whole model, each logical parameter counted once: a copy weighs
-    1/copies, a tensor-parallel duplicate (norms, row-parallel biases) counts on TP rank 0 only, and
-    data-parallel replicas (identical after the reduction) are divided out."""
+def _counted_once(chunks: dict, runtime, tied: bool, of: Callable) -> tuple[list[torch.Tensor], list[float]]:
+    """``of(parameter)`` for every local parameter that has it, and the weight that counts each logical
+    parameter once over all ranks: a copy weighs 1/copies, a tensor-parallel duplicate (norms, row-parallel
+    biases) counts on TP rank 0 only; data-parallel replicas (identical) are the caller's to divide out."""
     weight = copies(chunks, runtime, tied)
     counted = [p for c in chunks.values() for p in c
-               if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
-    total = weighted_square_sum([p.grad.detach() for p in counted], [1.0 / weight[id(p)] for p in counted],
-                                runtime.device)
+               if of(p) is not None and param_is_not_tensor_parallel_duplicate(p)]
+    return [of(p).detach() for p in counted], [1.0 / weight[id(p)] for p in counted]
+
+
+def global_norm(chunks: dict, runtime, tied: bool, of: Callable = lambda p: p.grad) -> float:
+    """L2 norm over the whole model of ``of(parameter)`` (by default its gradient; the parameter itself for
+    Megatron-LM's params norm), each logical parameter counted once (``_counted_once``)."""
+    tensors, weights = _counted_once(chunks, runtime, tied, of)
+    total = weighted_square_sum(tensors, weights, runtime.device)
     runtime.all_reduce(total)
     return math.sqrt(total.item() / runtime.dp)
+
+
+def global_zeros(chunks: dict, runtime, tied: bool) -> int:
+    """megatron-core's count_zeros_fp32 of the whole model's gradient, each logical parameter once: run
+    after the reduction, when every copy holds the summed gradient."""
+    grads, weights = _counted_once(chunks, runtime, tied, lambda p: p.grad)
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for g, w in zip(grads, weights):
+        total += (g.numel() - torch.count_nonzero(g)).double() * w
+    runtime.all_reduce(total)
+    return round(total.item() / runtime.dp)
 
 
 # torch's CPU norm kernel accumulates each vector lane sequentially in fp32: measured 1.9e-3 relative

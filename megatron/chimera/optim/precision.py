@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..config.train_spec import PrecisionSpec
-from .gradients import clip_, global_grad_norm
+from .gradients import clip_, global_norm, global_zeros
 
 
 class MainParams:
@@ -86,7 +86,14 @@ class MainParams:
         self._point_main_grads()
 
     def grad_norm(self, runtime, tied: bool) -> float:
-        return global_grad_norm(self.by_chunk, runtime, tied)
+        return global_norm(self.by_chunk, runtime, tied)
+
+    def weight_norm(self, runtime, tied: bool) -> float:
+        """The main weights' L2 norm, each logical parameter once (Megatron-LM's params norm under bf16)."""
+        return global_norm(self.by_chunk, runtime, tied, of=lambda p: p)
+
+    def zeros(self, runtime, tied: bool) -> int:
+        return global_zeros(self.by_chunk, runtime, tied)
 
     def clip(self, max_norm: float, norm: float) -> None:
         clip_(self.by_chunk, max_norm, norm)

@@ -33,6 +33,7 @@ from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_ar
 from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.observability.series import validation_ppl
 
 ITERS = 3
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -43,8 +44,11 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--attention-dropout", "0", "--lr", "1e-3", "--mock-data", "--train-iters", str(ITERS),
          "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "1000", "--seed", "4321",
          # Biases off: the key bias has an exactly-zero true gradient, and AdamW turns its rounding noise
-         # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way.
-         "--disable-bias-linear"]
+         # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way. (Its
+         # rounding noise is also exactly zero in some layouts and not others: num zeros would differ.)
+         "--disable-bias-linear",
+         # Megatron-LM's series over the logical model, each stage once however many copies a layout holds
+         "--log-params-norm", "--log-num-zeros-in-grad"]
 MIXTRAL = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
            "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss",
            "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "allgather"]
@@ -238,6 +242,9 @@ CASES = {
     1: {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS},
     2: {name: ("tied-learned", flags) for name, flags in D2.items()} | {
         "1f1b D=2 emulated NCCL": ("tied-learned", D2["1f1b D=2"] + ["--emulate-nccl"]),
+        # untied: the input embedding's rows of tokens the batch lacks have exactly zero gradient, so
+        # num zeros counts something that every layout shares (and a copy counted twice would show)
+        "chimera untied D=2": ("untied", CHIMERA2),
         "chimera fp16 D=2": ("fp16", CHIMERA2),
         "chimera bf16 D=2": ("bf16", CHIMERA2),
         "chimera halving D=2": ("tied-learned", ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
@@ -529,17 +536,19 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
-    losses, kappas, differing, moe_fields, lrs = [], [], [], [], []
+    losses, kappas, differing, moe_fields, lrs, norms, zeros = [], [], [], [], [], [], []
     for i in range(ITERS):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])  # the learning rate this step takes
         stats = trainer.train_step(i)
         losses.append(stats["lm loss"])
+        norms.append(stats["params norm"])
+        zeros.append(stats["num zeros"])
         moe_fields.append(stats["moe"])  # the iteration line's MoE fields
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         differing += [f"iteration {i + 1}: {tensor}" for tensor in copies_differing(trainer)]
     return trainer, {  # in this order: the checks on the trained state before evaluation runs
         "losses": losses, "kappa": None if None in kappas else max(kappas), "moe_fields": moe_fields,
-        "lr_sum": sum(lrs),
+        "lr_sum": sum(lrs), "params_norms": norms, "num_zeros": zeros,
         "copies_differing": differing,
         "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
         "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
@@ -560,6 +569,9 @@ def compared(run: dict, trainer, ref: dict) -> dict:
         "weight_steps": weight["model_steps"], "worst_tensor_steps": weight["tensor_steps"],
         "copies_differing": run["copies_differing"],
         "evaluation": run["evaluation"], "eval_rel": abs(run["eval"] - ref["eval"]) / abs(ref["eval"]),
+        "ppl_rel": abs(validation_ppl(run["eval"]) / validation_ppl(ref["eval"]) - 1),
+        "params_norm_rel": max(abs(a / b - 1) for a, b in zip(run["params_norms"], ref["params_norms"])),
+        "num_zeros": run["num_zeros"], "num_zeros_reference": ref["num_zeros"],
         "precision": "fp16" if precision.fp16 else "bf16" if precision.bf16 else "fp32",
         "hooks": run["hooks"], "layout_held": run["layout_held"],
         "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.job.train.optimizer.overlap_grad_reduce,
@@ -587,7 +599,8 @@ def main() -> None:
                                 drop_expert=name == DROPPED_EXPERT)
         if world == 1:
             weights = {k[0]: v for k, v in local_weights(trainer).items()}
-            torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"]},
+            torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"],
+                        "params_norms": run["params_norms"], "num_zeros": run["num_zeros"]},
                        os.path.join(out, f"ref_{variant}.pt"))
             results[name] = {"losses": run["losses"], "eval": run["eval"], "kappa": run["kappa"]}
             trainer.close()
