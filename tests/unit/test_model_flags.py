@@ -63,6 +63,8 @@ def test_megatron_lm_defaults_for_derived_settings():
     (["--squared-relu", "--swiglu"], "--squared-relu=True: cannot be combined with --swiglu"),
     (["--squared-relu"], "--squared-relu=True: needs --no-bias-gelu-fusion or --disable-bias-linear"),
     (["--qk-l2-norm", "--multi-latent-attention"], "--qk-l2-norm=True: is not supported with --multi-latent"),
+    (["--attention-output-gate", "--multi-latent-attention"], "--attention-output-gate=True: is not supported with"),
+    (["--no-weight-decay-cond-type", "all"], "--no-weight-decay-cond-type: invalid choice: 'all'"),
     (["--embedding-init-method-std", "-1"], "--embedding-init-method-std=-1.0: must not be negative"),
     (["--no-rope-freq", "3"], "--no-rope-freq=3: must give one entry per layer or a number that divides them"),
     (["--no-rope-freq", "[0]*3"], "--no-rope-freq=[0, 0, 0]: must give one entry per layer"),

@@ -464,8 +464,9 @@ def _validate_config_fields(args) -> None:
     require(not (args.squared_relu and args.bias_gelu_fusion), "--squared-relu", True,
             "needs --no-bias-gelu-fusion or --disable-bias-linear (megatron-core fuses the bias with gelu, swiglu "
             "and quick_geglu only)")
-    require(not (args.qk_l2_norm and args.multi_latent_attention), "--qk-l2-norm", True,
-            "is not supported with --multi-latent-attention (megatron-core's rule)")
+    for flag, given in (("--qk-l2-norm", args.qk_l2_norm), ("--attention-output-gate", args.attention_output_gate)):
+        require(not (given and args.multi_latent_attention), flag, True,
+                "is not supported with --multi-latent-attention (megatron-core's rule)")
     std = args.embedding_init_method_std
     require(std is None or std >= 0, "--embedding-init-method-std", std, "must not be negative")
     freq, layers = args.no_rope_freq, args.num_layers

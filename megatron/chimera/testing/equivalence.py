@@ -241,7 +241,7 @@ EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
 # gradient is zeroed in every backward, on every copy). test_training checks that it fails them.
 DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
 
-# --deterministic-mode on the CPU (docs/determinism.md)
+# --deterministic-mode on the CPU (docs/megatron.md, "Determinism")
 DETERMINISTIC = "chimera direct D=2 deterministic mode"
 
 # Every case, by the number of processes that runs it: name -> (reference variant, flags)
