@@ -11,9 +11,9 @@ from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.training import num_floating_point_operations
 
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.job import job_config
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.config.train_spec import TrainSpec
 from megatron.chimera.loop import _param_groups
 from megatron.chimera.model.chunk import (
     _layer_spec,
@@ -186,8 +186,8 @@ def test_deterministic_mode_refuses_a_nondeterministic_nccl_algorithm(capsys, mo
 
 
 def test_te_rng_tracker_reaches_the_seeding():
-    assert job_config(parse_args(BASE + ["--te-rng-tracker"])).train.te_rng_tracker
-    assert not job_config(parse_args(BASE)).train.te_rng_tracker
+    assert TrainSpec.from_args(parse_args(BASE + ["--te-rng-tracker"])).te_rng_tracker
+    assert not TrainSpec.from_args(parse_args(BASE)).te_rng_tracker
 
 
 @pytest.mark.parametrize("flags", [["--apply-wd-to-qk-layernorm"], ["--no-weight-decay-cond-type",
@@ -203,7 +203,7 @@ def test_weight_decay_on_the_query_and_key_norms_is_megatron_cores_rule(flags):
         params[-1].global_name = "decoder.layers.0." + name
 
     def decayed(argv):
-        groups = _param_groups(params, job_config(parse_args(BASE + argv)).train.optimizer)
+        groups = _param_groups(params, TrainSpec.from_args(parse_args(BASE + argv)).optimizer)
         return {p.global_name.split(".")[-2] for g in groups if g["wd_mult"] for p in g["params"]}
 
     assert decayed([]) == {"linear_qkv"}
