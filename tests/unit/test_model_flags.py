@@ -70,6 +70,8 @@ def test_megatron_lm_defaults_for_derived_settings():
     (["--no-rope-freq", "[0]*3"], "--no-rope-freq=[0, 0, 0]: must give one entry per layer"),
     (["--no-rope-freq", "2", "--position-embedding-type", "rope", "--mtp-num-layers", "1"],
      "--mtp-num-layers=1: with --no-rope-freq is not supported yet"),
+    (["--ddp-average-in-collective", "--calculate-per-token-loss"],
+     "--ddp-average-in-collective=True: cannot be combined with --calculate-per-token-loss"),
     (["--num-distributed-optimizer-instances", "2"],
      "--num-distributed-optimizer-instances=2: a partial distributed optimizer"),
     (["--init-method-xavier-uniform"], "--init-method-xavier-uniform=True: Megatron-LM 0.19 fails with it itself"),

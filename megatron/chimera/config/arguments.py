@@ -99,6 +99,8 @@ def _validate_precision(args) -> None:
     require(not (args.fp16 and args.bf16), "--fp16", True, "give one of --fp16 and --bf16")
     require(not args.overlap_param_gather or args.use_distributed_optimizer, "--overlap-param-gather", True,
             "needs --use-distributed-optimizer (Megatron-LM's rule)")
+    require(not (args.ddp_average_in_collective and args.calculate_per_token_loss), "--ddp-average-in-collective",
+            True, "cannot be combined with --calculate-per-token-loss (megatron-core's rule)")
     for flag, value in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
                         ("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis),
                         ("--loss-scale", args.loss_scale or 1)):
