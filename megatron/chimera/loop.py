@@ -61,15 +61,16 @@ from .optim.precision import LossScaler, MainParams, scaled_loss
 
 
 def _param_groups(params, optimizer: OptimizerSpec):
-    """Megatron's rules: no weight decay on biases and norms (the 1-D parameters); with --decoupled-lr,
-    the input embedding and output layer follow their own LR schedule. A piece of a parameter (the
-    distributed optimizer's) follows the rules of the parameter it is cut from."""
+    """Megatron's rules: no weight decay on biases and norms (the 1-D parameters), but on the query and key
+    norms with --apply-wd-to-qk-layernorm; with --decoupled-lr, the input embedding and output layer follow
+    their own LR schedule. A piece of a parameter (the distributed optimizer's) follows the rules of the
+    parameter it is cut from."""
     decoupled = optimizer.decoupled_lr is not None
     groups = {}
     for p in params:
         source = getattr(p, "source", p)
         own_lr = decoupled and getattr(source, "is_embedding_or_output_parameter", False)
-        groups.setdefault((source.dim() > 1, own_lr), []).append(p)
+        groups.setdefault((_decays(source, optimizer), own_lr), []).append(p)
     out = []
     for (decays, own_lr), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
         group = {"params": members, "wd_mult": 1.0 if decays else 0.0}
@@ -77,6 +78,12 @@ def _param_groups(params, optimizer: OptimizerSpec):
             group.update(max_lr=optimizer.decoupled_lr, min_lr=optimizer.decoupled_min_lr)
         out.append(group)
     return out
+
+
+def _decays(param, optimizer: OptimizerSpec) -> bool:
+    """megatron-core's standard weight-decay rule (get_standard_config_overrides), on the global name."""
+    qk_norm = "q_layernorm." in param.global_name or "k_layernorm." in param.global_name
+    return param.dim() > 1 or (optimizer.apply_wd_to_qk_layernorm and qk_norm)
 
 
 def _allocate_state(optimizer) -> None:
@@ -120,7 +127,7 @@ class Trainer:
         fresh_metrics(job.model, plan.layout.chunk_slots())
         print_schedule_proof(plan, agree_on_schedule(plan))
         torch.manual_seed(train.seed)
-        model_parallel_cuda_manual_seed(train.seed)
+        model_parallel_cuda_manual_seed(train.seed, te_rng_tracker=train.te_rng_tracker)
         self.timers = make_timers(job.log)
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         self._build_model_and_optimizer(forward_step_func, device)

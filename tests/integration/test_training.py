@@ -14,7 +14,14 @@ import pytest
 
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.observability.series import PPL_CAP
-from megatron.chimera.testing.equivalence import DROPPED_EXPERT, EVERY_PAIR, KAPPA_MAX, TOLERANCE, cases
+from megatron.chimera.testing.equivalence import (
+    DETERMINISTIC,
+    DROPPED_EXPERT,
+    EVERY_PAIR,
+    KAPPA_MAX,
+    TOLERANCE,
+    cases,
+)
 from megatron.chimera.testing.launch import ENV, ROOT, launch
 
 HARNESS = ["-m", "megatron.chimera.testing.equivalence"]
@@ -76,6 +83,15 @@ def test_the_per_tensor_bound_catches_a_dropped_expert_gradient(results):
     r, bounds = results[DROPPED_EXPERT], TOLERANCE["fp32"]
     assert r["worst_tensor_steps"] > 10 * bounds.tensor_steps, f"{DROPPED_EXPERT}: {r['worst_tensor_steps']:.2e} steps"
     assert r["weight_steps"] > 10 * bounds.model_steps, f"{DROPPED_EXPERT}: whole model {r['weight_steps']:.2e} steps"
+
+
+def test_deterministic_mode_repeats_the_same_run_to_the_last_bit(results):
+    """--deterministic-mode on the CPU (gloo): the same Chimera D=2 run again, in the same launch, with the mode
+    on gives the same losses, evaluation loss and distances of the weights to the reference, to the last bit:
+    runs here repeat bitwise anyway, and the mode changes no arithmetic of theirs (docs/megatron.md)."""
+    kept = ("losses", "eval_rel", "weight_rel", "worst_tensor_rel", "copies_differing")
+    plain, deterministic = results["chimera direct D=2"], results[DETERMINISTIC]
+    assert {k: deterministic[k] for k in kept} == {k: plain[k] for k in kept}, (deterministic, plain)
 
 
 def test_moe_log_fields_equal_the_one_process_reference(results):

@@ -19,13 +19,15 @@ CHIMERA = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimer
 MODELS = {"gpt": [], "rope": VARIANTS["rope"], "mixtral": MIXTRAL, "mla": VARIANTS["deepseek-style"],
           # megatron-core appends "moe" to the recomputed modules it is given
           "recomputed-moe": MIXTRAL + ["--moe-layer-recompute", "--recompute-granularity", "selective",
-                                       "--recompute-modules", "core_attn"]}
+                                       "--recompute-modules", "core_attn"],
+          "config-fields": VARIANTS["config-fields"]}
 # Every field in which a chunk's config may differ from the run's, and why
 CHUNK_OWN = {
     "num_layers": "the chunk's layers",
     "moe_layer_freq": "the chunk's slice of the model's MoE layer pattern (megatron-core numbers a chunk's layers "
                       "from its first)",
     "window_attn_skip_freq": "the chunk's slice of the sliding-window pattern (likewise)",
+    "no_rope_freq": "the chunk's slice of the layers without RoPE (likewise)",
     **dict.fromkeys(chunk.ONE_STAGE, "a chunk is built as a model of one stage"),
     **dict.fromkeys(chunk.BATCHED_P2P, "megatron-core's own schedules batch their p2p, as the warm-up expects"),
     **dict.fromkeys(chunk.FUSIONS, "the fusions this device runs"),
@@ -108,7 +110,11 @@ def test_attention_softmax_in_fp32_is_megatron_lms_flag():
 
 def test_flags_with_no_effect_here_stay_out_of_the_config(tmp_path):
     """--moe-permute-fusion and --moe-router-fusion (Transformer Engine's kernels, which megatron-core requires
-    at construction) and --config-logger-dir (megatron-core would write there) have no effect here."""
-    flags = ["--moe-permute-fusion", "--moe-router-fusion", "--config-logger-dir", str(tmp_path)]
-    config = ModelSpec.from_args(parse_args(ONE + MIXTRAL + flags, world_size=1)).config
+    at construction), --config-logger-dir (megatron-core would write there), --test-mode (a collective inside
+    attention's forward) and --defer-embedding-wgrad-compute (the output layer would keep its weight gradient
+    for megatron-core's schedules) have no effect here."""
+    flags = ["--moe-permute-fusion", "--moe-router-fusion", "--config-logger-dir", str(tmp_path), "--test-mode",
+             "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
+    config = ModelSpec.from_args(parse_args(ONE + MIXTRAL + CHIMERA + flags, world_size=2)).config
     assert (config.moe_permute_fusion, config.moe_router_fusion, config.config_logger_dir) == (False, False, "")
+    assert (config.test_mode, config.defer_embedding_wgrad_compute, config.wgrad_deferral_limit) == (False, False, 0)

@@ -1,15 +1,28 @@
 """Megatron-LM's model-architecture flags reach megatron-core's TransformerConfig, with Megatron-LM's
 derived settings; impossible values fail in one line."""
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core.activations import squared_relu
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.training import num_floating_point_operations
 
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.model.chunk import mark_tensor_parallel_sums, transformer_config
+from megatron.chimera.config.train_spec import TrainSpec
+from megatron.chimera.loop import _param_groups
+from megatron.chimera.model.chunk import (
+    _layer_spec,
+    init_method,
+    mark_tensor_parallel_sums,
+    transformer_config,
+)
+from megatron.chimera.testing.cases import process_state_kept
+from megatron.chimera.testing.equivalence import VARIANTS
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -45,6 +58,23 @@ def test_megatron_lm_defaults_for_derived_settings():
                                   "(Megatron-LM's validate_args)"),
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups=3: must divide --num-attention-heads"),
     (["--exit-signal-handle"], "unrecognized arguments"),  # no abbreviation of --exit-signal-handler
+    (["--deterministic-mode", "--cross-entropy-loss-fusion"],
+     "--deterministic-mode requires: cross_entropy_loss_fusion=False (got True)"),
+    (["--squared-relu", "--swiglu"], "--squared-relu=True: cannot be combined with --swiglu"),
+    (["--squared-relu"], "--squared-relu=True: needs --no-bias-gelu-fusion or --disable-bias-linear"),
+    (["--qk-l2-norm", "--multi-latent-attention"], "--qk-l2-norm=True: is not supported with --multi-latent"),
+    (["--attention-output-gate", "--multi-latent-attention"], "--attention-output-gate=True: is not supported with"),
+    (["--no-weight-decay-cond-type", "all"], "--no-weight-decay-cond-type: invalid choice: 'all'"),
+    (["--embedding-init-method-std", "-1"], "--embedding-init-method-std=-1.0: must not be negative"),
+    (["--no-rope-freq", "3"], "--no-rope-freq=3: must give one entry per layer or a number that divides them"),
+    (["--no-rope-freq", "[0]*3"], "--no-rope-freq=[0, 0, 0]: must give one entry per layer"),
+    (["--no-rope-freq", "2", "--position-embedding-type", "rope", "--mtp-num-layers", "1"],
+     "--mtp-num-layers=1: with --no-rope-freq is not supported yet"),
+    (["--ddp-average-in-collective", "--calculate-per-token-loss"],
+     "--ddp-average-in-collective=True: cannot be combined with --calculate-per-token-loss"),
+    (["--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances=2: a partial distributed optimizer"),
+    (["--init-method-xavier-uniform"], "--init-method-xavier-uniform=True: Megatron-LM 0.19 fails with it itself"),
 ])
 def test_unsupported_model_flags_fail_in_one_line(capsys, extra, needle):
     with pytest.raises(SystemExit) as exit_info:
@@ -110,3 +140,73 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
     assert marks(False, True) == {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
     assert marks(True, False) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias"}
     assert marks(False, False) == set()
+
+
+def test_config_field_flags_reach_megatron_cores_config():
+    """Flags whose meaning is a TransformerConfig field reach the run's config and every chunk's (the equivalence
+    harness's "config-fields" case trains them equal to one process); RoPE's skipped layers as each chunk's
+    slice of the model's pattern."""
+    args = parse_args(BASE + VARIANTS["config-fields"] + ["--num-layers", "8", "--disable-bias-linear",
+                                                          "--pipeline-model-parallel-size", "2",
+                                                          "--pipeline-schedule", "chimera"], world_size=2)
+    spec = ModelSpec.from_args(args)
+    config = spec.config
+    assert config.apply_query_key_layer_scaling and config.attention_softmax_in_fp32  # Megatron-LM ties the two
+    assert config.attention_output_gate and config.qk_l2_norm and config.activation_func is squared_relu
+    assert config.embedding_init_method_std == 0.01 and config.init_method_std == 0.02
+    assert init_method(config, "embedding.word_embeddings.weight").keywords["std"] == 0.01
+    assert init_method(config, "decoder.layers.0.mlp.linear_fc1.weight").keywords["std"] == 0.02
+    assert config.no_rope_freq == [0, 0, 0, 1, 1, 0, 0, 1]
+    chunks = [transformer_config(spec, 4, first) for first in (0, 4)]
+    assert [c.no_rope_freq for c in chunks] == [[0, 0, 0, 1], [1, 0, 0, 1]]
+    attention = _layer_spec(chunks[0]).layer_specs[0].submodules.self_attention.submodules
+    assert attention.q_layernorm.__name__ == attention.k_layernorm.__name__ == "L2Norm"
+    assert attention.core_attention is DotProductAttention
+
+
+def test_deterministic_mode_is_megatron_lms():
+    """--deterministic-mode: Megatron-LM's validate_args turns on torch's deterministic algorithms and sets the
+    environment of its deterministic tests (where not already set), and megatron-core's config field reaches
+    every chunk (its embedding then gathers rows rather than calling F.embedding)."""
+    with process_state_kept():
+        for key in DETERMINISM_ENV_VAR_DEFAULTS:
+            os.environ.pop(key, None)
+        args = parse_args(BASE + ["--deterministic-mode"])
+        assert torch.are_deterministic_algorithms_enabled(), "torch's deterministic algorithms are off"
+        assert {key: os.environ.get(key) for key in DETERMINISM_ENV_VAR_DEFAULTS} == DETERMINISM_ENV_VAR_DEFAULTS
+    spec = ModelSpec.from_args(args)
+    assert spec.config.deterministic_mode and transformer_config(spec, 2).deterministic_mode
+    assert not ModelSpec.from_args(parse_args(BASE)).config.deterministic_mode
+
+
+def test_deterministic_mode_refuses_a_nondeterministic_nccl_algorithm(capsys, monkeypatch):
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--deterministic-mode"])
+    err = capsys.readouterr().err.strip()
+    assert "NCCL_ALGO='Tree': each token must be in" in err and len(err.splitlines()) == 1, err
+
+
+def test_te_rng_tracker_reaches_the_seeding():
+    assert TrainSpec.from_args(parse_args(BASE + ["--te-rng-tracker"])).te_rng_tracker
+    assert not TrainSpec.from_args(parse_args(BASE)).te_rng_tracker
+
+
+@pytest.mark.parametrize("flags", [["--apply-wd-to-qk-layernorm"], ["--no-weight-decay-cond-type",
+                                                                      "apply_wd_to_qk_layernorm"]])
+def test_weight_decay_on_the_query_and_key_norms_is_megatron_cores_rule(flags):
+    """Megatron's rule: no weight decay on 1-D parameters (norms, biases), but on the query and key norms with
+    --apply-wd-to-qk-layernorm (or its deprecated spelling)."""
+    names = {"self_attention.q_layernorm.weight": 1, "self_attention.k_layernorm.bias": 1,
+             "input_layernorm.weight": 1, "self_attention.linear_qkv.weight": 2}
+    params = []
+    for name, dims in names.items():
+        params.append(torch.nn.Parameter(torch.ones([2] * dims)))
+        params[-1].global_name = "decoder.layers.0." + name
+
+    def decayed(argv):
+        groups = _param_groups(params, TrainSpec.from_args(parse_args(BASE + argv)).optimizer)
+        return {p.global_name.split(".")[-2] for g in groups if g["wd_mult"] for p in g["params"]}
+
+    assert decayed([]) == {"linear_qkv"}
+    assert decayed(flags) == {"linear_qkv", "q_layernorm", "k_layernorm"}

@@ -100,6 +100,8 @@ def _validate_precision(args) -> None:
     require(not (args.fp16 and args.bf16), "--fp16", True, "give one of --fp16 and --bf16")
     require(not args.overlap_param_gather or args.use_distributed_optimizer, "--overlap-param-gather", True,
             "needs --use-distributed-optimizer (Megatron-LM's rule)")
+    require(not (args.ddp_average_in_collective and args.calculate_per_token_loss), "--ddp-average-in-collective",
+            True, "cannot be combined with --calculate-per-token-loss (megatron-core's rule)")
     for flag, value in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
                         ("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis),
                         ("--loss-scale", args.loss_scale or 1)):
@@ -445,6 +447,7 @@ def _validate_architecture(args) -> None:
             "norm and query projection, which megatron-core 0.19's local layers lack: give --q-lora-rank, or "
             "run Transformer Engine on a GPU")
     _validate_recipe_layers(args, device_type)
+    _validate_config_fields(args)
     if args.num_experts is not None:
         _validate_experts(args)
 
@@ -471,6 +474,29 @@ def _validate_recipe_layers(args, device_type: str) -> None:
             "with --window-size and --window-attn-skip-freq is not supported yet: megatron-core numbers MTP "
             "layers 1, 2, ... apart from the model's, and a pipeline stage's slice of the window pattern numbers "
             "them as its own layers")
+
+
+def _validate_config_fields(args) -> None:
+    """Flags whose meaning is a field of megatron-core's config: the rules Megatron-LM's config builder and
+    megatron-core check at construction (with a traceback), in one line before anything starts."""
+    require(not (args.squared_relu and args.swiglu), "--squared-relu", True,
+            "cannot be combined with --swiglu (Megatron-LM's rule)")
+    require(not (args.squared_relu and args.bias_gelu_fusion), "--squared-relu", True,
+            "needs --no-bias-gelu-fusion or --disable-bias-linear (megatron-core fuses the bias with gelu, swiglu "
+            "and quick_geglu only)")
+    for flag, given in (("--qk-l2-norm", args.qk_l2_norm), ("--attention-output-gate", args.attention_output_gate)):
+        require(not (given and args.multi_latent_attention), flag, True,
+                "is not supported with --multi-latent-attention (megatron-core's rule)")
+    std = args.embedding_init_method_std
+    require(std is None or std >= 0, "--embedding-init-method-std", std, "must not be negative")
+    freq, layers = args.no_rope_freq, args.num_layers
+    if freq is None:
+        return
+    require(len(freq) == layers if isinstance(freq, list) else freq > 0 and layers % freq == 0, "--no-rope-freq",
+            freq, f"must give one entry per layer or a number that divides them ({layers}; megatron-core's rule)")
+    require(not args.mtp_num_layers, "--mtp-num-layers", args.mtp_num_layers,
+            "with --no-rope-freq is not supported yet: megatron-core numbers MTP layers 1, 2, ... apart from the "
+            "model's, and a pipeline stage's slice of the pattern numbers them as its own layers")
 
 
 def _validate_experts(args) -> None:

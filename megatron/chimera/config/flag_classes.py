@@ -68,6 +68,9 @@ HONOURED = _flags("""
     --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
     --window-size --window-attn-skip-freq --softmax-type --quick-geglu --glu-linear-offset
     --activation-func-clamp-value --enable-experimental --disable-bf16-reduced-precision-matmul
+    --deterministic-mode --apply-query-key-layer-scaling --attention-output-gate --squared-relu --qk-l2-norm
+    --embedding-init-method-std --no-rope-freq --apply-wd-to-qk-layernorm
+    --no-weight-decay-cond-type --te-rng-tracker
 """)
 
 NO_EFFECT = {
@@ -127,6 +130,34 @@ NO_EFFECT = {
     'gradients are reduced per stage copy, not in DDP buckets': _flags("""
         --ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw
     """),
+    "defined by Megatron-LM 0.19 but read nowhere in it (GELU stays torch's)": _flags("""
+        --openai-gelu --onnx-safe
+    """),
+    ("every copy's weights are drawn from --seed and the parameter's name, so the data-parallel copies start "
+     "equal, as Megatron-LM's broadcast from DP rank 0 leaves them under this flag (the per-DP-rank seed "
+     "offset it also gives dropout is not applied)"): _flags("""
+        --data-parallel-random-init
+    """),
+    ("megatron-core's real-time check compares the query and key norms across data-parallel ranks inside "
+     "attention's forward, a collective outside the proven schedule; here every copy of a weight takes the "
+     "same reduced update (the equivalence tests check the copies bitwise)"): _flags("""
+        --test-mode
+    """),
+    ("how megatron-core's interleaved 1F1B overlaps its p2p: megatron-core's schedules here always batch "
+     "theirs (what --no-overlap-p2p-communication asks), and our executor posts every receive ahead of "
+     "need (chimera_schedules/passes/lowering.py)"): _flags("""
+        --no-overlap-p2p-communication --overlap-p2p-communication-warmup-flush
+    """),
+    ("where megatron-core's 1F1B computes the output layer's weight gradient (deferred to the flush, with "
+     "gradient-accumulation fusion); ours computes it in the backward (in W under --split-backward): the "
+     "same gradient"): _flags("""
+        --defer-embedding-wgrad-compute --wgrad-deferral-limit
+    """),
+    ("gradients are summed over data-parallel replicas, then divided by their number (after the "
+     "reduction: neither before it, Megatron-LM's default, nor inside it, this flag's); the same mean, "
+     "to rounding (bitwise when DP is a power of two)"): _flags("""
+        --ddp-average-in-collective
+    """),
     ("the rerun state machine is not used: a NaN/Inf iteration is skipped, and --max-consecutive-nan-iterations "
      "of them in a row stop the run"): _flags("""
         --rerun-mode
@@ -145,16 +176,20 @@ REFUSED = {
         --no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec
         --model-parallel-size
         --ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation
-        --ddp-average-in-collective --overlap-param-gather-with-optimizer-step --no-align-param-gather
+         --overlap-param-gather-with-optimizer-step --no-align-param-gather
         --no-use-layer-wise-param-layout --use-nccl-ub --disable-symmetric-registration
-        --create-all-gather-group --no-gradient-reduce-div-fusion --num-distributed-optimizer-instances
+        --create-all-gather-group --no-gradient-reduce-div-fusion 
         --fake-process-group
+    """),
+    ("a partial distributed optimizer (several optimizer instances, each sharding over part of the "
+     "data-parallel group) is not implemented: 1 only"): _flags("""
+        --num-distributed-optimizer-instances
     """),
     "the pipeline schedule is --pipeline-schedule's, run by one executor": _flags("""
         --pipeline-model-parallel-comm-backend --delay-wgrad-compute --use-ring-exchange-p2p
-        --defer-embedding-wgrad-compute --wgrad-deferral-limit --overlap-p2p-communication-warmup-flush
+          
         --microbatch-group-size-per-virtual-pipeline-stage --encoder-num-layers --decoder-num-layers
-        --no-overlap-p2p-communication --encoder-seq-length
+         --encoder-seq-length
         --decoder-seq-length
     """),
     'context parallelism is not supported yet (1 only)': _flags("""
@@ -196,20 +231,20 @@ REFUSED = {
         --moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights
     """),
     'a model, precision or initialisation variant this trainer does not implement yet': _flags("""
-        --deterministic-mode --flash-attention-version --fp32-residual-connection
-        --qk-l2-norm --qk-clip --qk-clip-alpha
-        --qk-clip-threshold --attention-output-gate --embedding-init-method-std
-        --apply-query-key-layer-scaling
+         --flash-attention-version --fp32-residual-connection
+         --qk-clip --qk-clip-alpha
+        --qk-clip-threshold  
+        
         --use-fused-weighted-squared-relu --fused-residual-rmsnorm --use-transformer-engine-op-fuser
         --distribute-saved-activations --no-clone-scatter-output-in-embedding
         --disable-clone-scatter-output-in-embedding --use-te-activation-func --mrope-section
         --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
         --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int
         --relative-attention-num-buckets --relative-attention-max-distance
-        --no-rope-freq
-        --openai-gelu --squared-relu --onnx-safe --apply-wd-to-qk-layernorm
-        --no-weight-decay-cond-type --te-rng-tracker --data-parallel-random-init
-        --init-method-xavier-uniform --freeze-all-layers --fp16-lm-cross-entropy
+        
+           
+          
+         --freeze-all-layers --fp16-lm-cross-entropy
         --no-pad-vocab-size --disable-pad-vocab-size --log-max-attention-logit
     """),
     "Transformer Engine's tensor-parallel communication overlap is not supported yet": _flags("""
@@ -313,6 +348,10 @@ REFUSED = {
         --exit-signal-handler-for-dataloader --exit-signal-handler-for-training --iterations-to-skip
         --dump-param-to-param-group-map
     """),
+    ("Megatron-LM 0.19 fails with it itself: its core_transformer_config_from_args gives TransformerConfig a "
+     "scaled_init_method it does not take"): _flags("""
+        --init-method-xavier-uniform
+    """),
     'removed from Megatron-LM (its own validate_args refuses it)': _flags("""
         --batch-size --checkpoint-activations --warmup
     """),
@@ -368,7 +407,7 @@ REFUSED = {
         --dist-ckpt-format
     """),
     'validation runs --eval-iters global batches every --eval-interval; other modes are not supported yet': _flags("""
-        --start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size --skip-train --test-mode
+        --start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size --skip-train 
         --full-validation --multiple-validation-sets --validation-set-names
     """),
     'data comes from --data-path (a prefix or a blend) or --mock-data, with causal attention': _flags("""

@@ -27,8 +27,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 # --config-logger-dir (megatron-core would write its configs there); --moe-permute-fusion and
-# --moe-router-fusion, GPU kernels of Transformer Engine's that megatron-core requires at construction
-NO_EFFECT = {"config_logger_dir": "", "moe_permute_fusion": False, "moe_router_fusion": False}
+# --moe-router-fusion, GPU kernels of Transformer Engine's that megatron-core requires at construction;
+# --test-mode (a collective inside attention's forward) and --defer-embedding-wgrad-compute (its output
+# layer would keep the weight gradient for megatron-core's schedules to compute), whose reasons flag_classes gives
+NO_EFFECT = {"config_logger_dir": "", "moe_permute_fusion": False, "moe_router_fusion": False, "test_mode": False,
+             "defer_embedding_wgrad_compute": False, "wgrad_deferral_limit": 0}
 
 
 @dataclass(frozen=True)

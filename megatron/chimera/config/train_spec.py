@@ -32,6 +32,7 @@ class OptimizerSpec:
     distributed: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
+    apply_wd_to_qk_layernorm: bool  # validate_args sets it for --no-weight-decay-cond-type too
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerSpec:
@@ -40,7 +41,7 @@ class OptimizerSpec:
                    args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler, args.weight_decay,
                    (args.adam_beta1, args.adam_beta2), args.adam_eps, args.decoupled_lr, decoupled_min,
                    args.clip_grad, args.use_distributed_optimizer, args.overlap_grad_reduce,
-                   args.overlap_param_gather)
+                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class TrainSpec:
     seq_length: int
     train_iters: int
     seed: int
+    te_rng_tracker: bool  # megatron-core's CUDA RNG tracker is Transformer Engine's, where it is installed
     eval_iters: int
     eval_interval: int | None
     per_token_loss: bool
@@ -102,6 +104,6 @@ class TrainSpec:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainSpec:
         return cls(args.global_batch_size, args.micro_batch_size, args.seq_length, args.train_iters, args.seed,
-                   args.eval_iters, args.eval_interval, args.calculate_per_token_loss,
+                   args.te_rng_tracker, args.eval_iters, args.eval_interval, args.calculate_per_token_loss,
                    args.check_for_nan_in_loss_and_grad, args.max_consecutive_nan_iterations,
                    OptimizerSpec.from_args(args), PrecisionSpec.from_args(args), ExitSpec.from_args(args))

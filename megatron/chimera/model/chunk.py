@@ -11,15 +11,15 @@ Initialisation is a function of (seed, global parameter name) only: every tensor
 generator seeded with both, at its full (unsharded) shape, then sliced to this rank's tensor-parallel
 shard. So every copy of a stage, in every pipeline and layout, and the one-process reference start
 from the same weights without any broadcast; the tied output layer is drawn under the input
-embedding's name. Distributions are Megatron's: normal(0, std) for weights, std / sqrt(2 L) for the
-output projections of attention and MLP, ones and zeros for norms, zeros for biases.
+embedding's name. Distributions are Megatron's: the config's init methods for weights (normal(0, std),
+std / sqrt(2 L) for the output projections of attention and MLP, --embedding-init-method-std for the
+embeddings), ones and zeros for norms, zeros for biases.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import re
 import zlib
 
@@ -186,13 +186,15 @@ def _layer_spec(config: TransformerConfig):
         return dataclasses.replace(spec, layer_specs=[]) if hasattr(spec, "layer_specs") else _block([])
     te = config.transformer_impl == "transformer_engine"
     if config.num_moe_experts is not None:
-        specs = get_gpt_decoder_layer_specs(config, te, normalization=config.normalization)
+        specs = get_gpt_decoder_layer_specs(config, te, normalization=config.normalization,
+                                            qk_l2_norm=config.qk_l2_norm)
         return _block(specs) if te else _with_local_norms(specs, config)
     mla = config.multi_latent_attention
     if te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
+                                                          qk_l2_norm=config.qk_l2_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
-                                    multi_latent_attention=mla)
+                                    multi_latent_attention=mla, qk_l2_norm=config.qk_l2_norm)
     return _with_local_norms([spec] * config.num_layers, config)
 
 
@@ -275,8 +277,9 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
     """The fields megatron-core reads by layer number, for a chunk's layers. It numbers layers through the
     whole model in Megatron-LM (after the pipeline offset) but in a chunk from its first layer: so the chunk
     gets its slice of the model's pattern, as a list. --moe-layer-freq (every layer MoE stays megatron-core's
-    1, so a chunk's checkpoint keys stack its layers exactly when the whole model's do) and, with
-    --window-size, --window-attn-skip-freq (1: sliding window; unset, every layer windowed)."""
+    1, so a chunk's checkpoint keys stack its layers exactly when the whole model's do), with --window-size,
+    --window-attn-skip-freq (1: sliding window; unset, every layer windowed), and --no-rope-freq (1: no RoPE;
+    the run's config holds it as a list, megatron-core's reading of a number N: every Nth layer)."""
     fields = {}
     pattern = moe_layer_pattern(config)
     if pattern is not None and config.moe_layer_freq != 1:
@@ -285,6 +288,8 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
         fields["window_attn_skip_freq"] = [
             int(is_layer_window_attention(config.window_size, config.window_attn_skip_freq, first_layer + i + 1))
             for i in range(num_layers)]
+    if config.no_rope_freq:
+        fields["no_rope_freq"] = config.no_rope_freq[first_layer:first_layer + num_layers]
     return fields
 
 
@@ -480,10 +485,20 @@ def first_local_expert(config: TransformerConfig) -> int:
     return parallel_state.get_expert_model_parallel_rank() * per_rank
 
 
+def init_method(config: TransformerConfig, gname: str):
+    """megatron-core's init method for a weight of the whole model's config, by the weight's global name: the
+    embeddings' (--embedding-init-method-std), the output projections' of attention and MLP (std / sqrt(2 L)),
+    the others' (the untied output layer's too)."""
+    if gname.startswith("embedding."):
+        return config.embedding_init_method
+    if gname.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return config.output_layer_init_method
+    return config.init_method
+
+
 def init_chunk(model, spec: ModelSpec, layer_offset: int) -> None:
     config = spec.config
     tied = spec.share_embeddings_and_output_weights
-    scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
     first_expert = first_local_expert(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -496,13 +511,12 @@ def init_chunk(model, spec: ModelSpec, layer_offset: int) -> None:
             if gname.endswith("bias"):
                 param.zero_()
                 continue
-            std = scaled_std if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) else config.init_method_std
             shape, (tp, tp_rank) = list(param.shape), _tensor_parallel(gname)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:
                 shape[dim] *= tp
             g = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}/{gname}".encode()))
-            full = torch.empty(shape).normal_(0.0, std, generator=g)
+            full = init_method(config, gname)(torch.empty(shape), generator=g)
             param.copy_(tp_shard(full, dim, tp, tp_rank, gated=is_gated(config, gname)))
 
 

@@ -98,14 +98,17 @@ def _output_to(stem: str):
 
 
 @contextlib.contextmanager
-def _process_state_kept():
+def process_state_kept():
     """What a run may change for its whole process and a launch of its own would not pass on: the
-    environment (megatron-core sets NVTE_*_ATTN for the attention backend it builds) and the garbage
+    environment (megatron-core sets NVTE_*_ATTN for the attention backend it builds, --deterministic-mode
+    NCCL_ALGO and others), torch's deterministic algorithms (--deterministic-mode) and the garbage
     collector (--manual-gc turns it off). Each case starts from the launch's."""
     environment, collecting = dict(os.environ), gc.isenabled()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         yield
     finally:
+        torch.use_deterministic_algorithms(deterministic)
         for key in set(os.environ) - set(environment):
             del os.environ[key]
         for key, value in environment.items():
@@ -159,7 +162,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank = dist.get_rank()
     for index, flags in enumerate(cases.values()):
-        with _output_to(os.path.join(options.out, f"{index}.{rank}")), _process_state_kept():
+        with _output_to(os.path.join(options.out, f"{index}.{rank}")), process_state_kept():
             code, go_on = _agreed(*_run_one(flags))
         if rank == 0:
             with open(os.path.join(options.out, f"{index}.rc"), "w") as f:

@@ -34,6 +34,7 @@ from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.series import validation_ppl
+from megatron.chimera.testing.cases import process_state_kept
 
 ITERS = 3
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -129,6 +130,13 @@ FAMILIES = {
                 "1e-3", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "32", "--moe-z-loss-coeff", "1e-3"] + ROUTED,
 }
 VARIANTS |= FAMILIES
+# Megatron-LM flags whose meaning is a field of megatron-core's config, at once: query-key layer scaling (each
+# chunk numbers its layers from its first, which only rounds differently), an attention output gate, squared
+# ReLU, L2-normalised queries and keys, the embeddings' own init std, RoPE skipped on layers 4, 5 (one on each
+# side of the D=2 split) and 8
+VARIANTS["config-fields"] = ["--apply-query-key-layer-scaling", "--attention-output-gate", "--squared-relu",
+                             "--qk-l2-norm", "--embedding-init-method-std", "0.01", "--position-embedding-type",
+                             "rope", "--no-rope-freq", "[0]*3+[1]*2+[0]*2+[1]"]
 
 
 # How close a layout must come to the one-process reference (docs/equivalence_bounds.md derives each).
@@ -237,6 +245,9 @@ EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
 # gradient is zeroed in every backward, on every copy). test_training checks that it fails them.
 DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
 
+# --deterministic-mode on the CPU (docs/megatron.md, "Determinism")
+DETERMINISTIC = "chimera direct D=2 deterministic mode"
+
 # Every case, by the number of processes that runs it: name -> (reference variant, flags)
 CASES = {
     1: {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS},
@@ -255,6 +266,9 @@ CASES = {
         "mixtral capacity chimera D=2": ("mixtral-capacity", CHIMERA2),
         "deepseek-style chimera split D=2": ("deepseek-style", D2["chimera split D=2"]),
         "qwen3 chimera D=2": ("qwen3", CHIMERA2),
+        "config-fields chimera D=2": ("config-fields", CHIMERA2),
+        # the same run as "chimera direct D=2": test_training checks its losses and weights bitwise equal
+        DETERMINISTIC: ("tied-learned", CHIMERA2 + ["--deterministic-mode"]),
     } | LAYOUT_CASES[2],
     4: {name: ("tied-learned", flags) for name, flags in D4.items()} | {
         "chimera direct D=4 emulated NCCL overlapped reduce": ("tied-learned", CHIMERA4 + ["--emulate-nccl"] + OVERLAP),
@@ -595,8 +609,9 @@ def main() -> None:
     for name, (variant, flags) in cases(world).items():
         if options.only not in name:
             continue
-        trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR,
-                                drop_expert=name == DROPPED_EXPERT)
+        with process_state_kept():  # --deterministic-mode's torch switch and environment stay the case's
+            trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR,
+                                    drop_expert=name == DROPPED_EXPERT)
         if world == 1:
             weights = {k[0]: v for k, v in local_weights(trainer).items()}
             torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"],
