@@ -20,13 +20,15 @@ from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import VALID, losses, run, train_args
 
 CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+ASYNC = ["--async-save", "--use-persistent-ckpt-worker"]  # Megatron-LM's validate_args wants both
+FAULTY = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt") / "a"
     proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
-                              "--tensorboard-dir", str(save.parent / "tb")))
+                              "--tensorboard-dir", str(save.parent / "tb"), *ASYNC))
     return proc, save
 
 
@@ -64,14 +66,20 @@ def test_chimera_checkpoint_loads_into_one_process(uninterrupted, corpus):
     assert abs(single_valid - chimera_valid) <= 1e-6 * chimera_valid
 
 
-def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
+def test_crash_while_an_async_save_is_in_flight_keeps_the_previous_one(corpus, tmp_path):
+    """--async-save: checkpoint 2 is published once its writers are done, while training goes on; every rank
+    dies while checkpoint 4, written in the background, is being finalised, before it is published. A new
+    launch resumes from checkpoint 2. (A synchronous save publishes through the same steps, at once:
+    tests/unit/test_recipe_flags_loop.py fails one before it is published.)"""
     save = tmp_path / "crash"
-    faulty = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
-    proc = run(2, *faulty, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2")[1:],
+    proc = run(2, *FAULTY, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2", *ASYNC)[1:],
                env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
     assert proc.returncode != 0
+    assert "scheduled an async checkpoint save at iteration 4" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    written = set(os.listdir(save / "iter_0000004.tmp"))  # every file but our manifest, which publishing writes
+    assert written == set(os.listdir(save / "iter_0000002")) - {"manifest.json"}, written
     resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
                                    "--use-checkpoint-opt_param-scheduler"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
