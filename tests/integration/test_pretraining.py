@@ -1,10 +1,10 @@
 """The pretraining program as a user runs it: the shipped corpus, tokenizer and preprocessing,
-Chimera with evaluation, checkpoints that resume exactly, load into another layout, and survive a
-crash mid-save, and profiler traces that show every action. The resume in a new launch, the crash and
-the loads into one process are launches of their own, as on a cluster. The other runs share one launch
-per world size (megatron.chimera.testing's cases launcher), each with its own output and exit code; a
-case that loads an earlier case's checkpoint does so through a new ``pretrain`` (a new Trainer, its
-optimizer, loss scaler and data built afresh) in the same processes."""
+Chimera with evaluation, checkpoints that resume exactly (written in the background: --async-save),
+load into another layout, and survive a crash mid-save, and profiler traces that show every action.
+The resume in a new launch, the crash and the loads into one process are launches of their own, as on
+a cluster. The other runs share one launch per world size (megatron.chimera.testing's cases launcher),
+each with its own output and exit code; a case that loads an earlier case's checkpoint does so through
+a new ``pretrain`` (a new Trainer, its optimizer, loss scaler and data built afresh) in the same processes."""
 import json
 import os
 import re
@@ -45,6 +45,12 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert any(f.startswith("events.out.tfevents") for f in written), f"no TensorBoard event file in {written}"
     # the saved args differ by rank (rank, local_rank): Megatron-LM's preprocessing keeps megatron-core quiet
     assert not any("common state dict differs" in out for out in (proc.stdout, proc.stderr)), proc.stderr[-3000:]
+    # --async-save: each save is handed to the writer, then published once written; Megatron-LM's timer says how
+    # long each stopped training
+    for i in (2, 4):
+        scheduled = proc.stdout.index(f" scheduled an async checkpoint save at iteration {i} to {save}\n")
+        assert scheduled < proc.stdout.index(f" saved checkpoint at iteration {i} to {save}/iter_000000{i}\n")
+    assert len(re.findall(r"\n    save-checkpoint \.+: \(\d+\.\d\d, \d+\.\d\d\)\n", proc.stdout)) == 2
 
 
 def test_resume_in_a_new_launch_repeats_the_uninterrupted_losses(uninterrupted, corpus, tmp_path):
@@ -122,7 +128,8 @@ def four_ranks(corpus, tmp_path_factory):
     d4, moe = tmp_path_factory.mktemp("d4"), tmp_path_factory.mktemp("moe")
     return run_cases(4, {
         "chimera D=4": train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
-                                  "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+                                  "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3",
+                                  "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"),
         "1f1b D=2 TP=2": train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                     "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
                                     "--make-vocab-size-divisible-by", "64", "--load", str(d4 / "iter_0000002")),
@@ -216,7 +223,10 @@ def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
 def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):
     """Weights and AdamW moments re-cut by dist_checkpointing: the resumed iteration 3 repeats the
     Chimera run's (tensor parallelism reorders fp32 sums, hence 1e-5). As in Megatron-LM, TP=2 pads the
-    vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape."""
+    vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape. The Chimera
+    run shards its optimizer state (--use-distributed-optimizer, Chimera's two copies of each stage) and says
+    --dist-ckpt-optim-fully-reshardable, Megatron-LM's flag for the format it always writes: the state loads
+    at another data-parallel size, tensor-parallel size, layout and schedule, without the distributed optimizer."""
     chimera, resharded = ok(four_ranks, "chimera D=4"), ok(four_ranks, "1f1b D=2 TP=2")
     assert list(losses(resharded)) == [3]
     for i in (3,):

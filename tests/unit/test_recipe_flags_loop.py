@@ -12,7 +12,13 @@ from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.chimera.checkpoint.async_saves import async_saves
-from megatron.chimera.checkpoint.checkpointing import LATEST, load_checkpoint, read_common, save_checkpoint
+from megatron.chimera.checkpoint.checkpointing import (
+    LATEST,
+    check_digests,
+    load_checkpoint,
+    read_common,
+    save_checkpoint,
+)
 from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
@@ -235,6 +241,7 @@ def test_an_async_save_writes_the_synchronous_files_and_publishes_them_only_at_f
 def written(folder) -> tuple:
     """What a torch_dist checkpoint holds: the tensor files (their sizes and digests), the index of what is where
     in them, and the common state (.metadata also records the folder it was written to and a random save id)."""
+    check_digests(str(folder), str(folder))  # the manifest's digests, taken by the writers, are the files'
     files = json.loads((folder / "manifest.json").read_text())["files"]
     metadata = FileSystemReader(str(folder)).read_metadata()
     return ({name: digest for name, digest in files.items() if name.endswith(".distcp")}, metadata.state_dict_metadata,

@@ -19,6 +19,8 @@ import queue
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+from .format import digest
+
 
 def async_saves() -> AsyncCallsQueue:
     """An empty queue of asynchronous saves, for one run (``pretrain``)."""
@@ -31,20 +33,24 @@ class WriteResults:
     ``get_nowait`` when the save is finalised, in a file at ``path``. megatron-core's own is a queue served
     by a Manager process, which re-imports the launch script (spawned) or, forked, outlives a killed rank
     holding its output open; a pipe would block a writer whose results outgrow it until they are read,
-    which is only after the writer exits. A file does neither."""
+    which is only after the writer exits. A file does neither. The writer also takes the digests of the
+    files it wrote (``digests`` once taken), so the manifest costs the training process no reading."""
 
     def __init__(self, path: str):
-        self.path = path
+        self.path, self.digests = path, {}
 
     def put(self, results) -> None:
+        folder = os.path.dirname(self.path)
+        written = set() if isinstance(results, Exception) else {
+            r.storage_data.relative_path for rs in results.values() for r in rs}
         with open(self.path + ".tmp", "wb") as f:
-            pickle.dump(results, f)
+            pickle.dump((results, {name: digest(os.path.join(folder, name)) for name in written}), f)
         os.replace(self.path + ".tmp", self.path)
 
     def get_nowait(self):
         try:
             with open(self.path, "rb") as f:
-                results = pickle.load(f)  # written by this rank's own writer, above
+                results, self.digests = pickle.load(f)  # written by this rank's own writer, above
         except FileNotFoundError:
             raise queue.Empty from None
         os.remove(self.path)

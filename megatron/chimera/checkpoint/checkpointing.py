@@ -24,7 +24,6 @@ runs code. A foreign checkpoint (no manifest) is loaded as it is.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from megatron.training.training import preprocess_common_state_dict
 
 from ..config.checkpoint_spec import CheckpointSpec
 from .async_saves import WriteResults
-from .format import CheckpointError, safe_globals
+from .format import CheckpointError, digest, safe_globals
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
 from .states import State, StateMismatch
@@ -91,14 +90,6 @@ def checkpoint_format(folder: str) -> str | None:
     return None
 
 
-def _digest(path: str) -> dict:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
-
-
 def _manifest(folder: str, root: str) -> dict | None:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
@@ -123,7 +114,7 @@ def check_sizes(folder: str, root: str) -> None:
 def check_digests(folder: str, root: str) -> None:
     manifest = _manifest(folder, root) or {"files": {}}
     for rel, want in sorted(manifest["files"].items()):
-        if _digest(os.path.join(folder, rel)) != want:
+        if digest(os.path.join(folder, rel)) != want:
             raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
 
 
@@ -152,7 +143,7 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
     manifest = _manifest(folder, root)
     holders = [name for name in COMMON_FILES if manifest and name in manifest["files"]]
     for name in holders:  # checked before anything in them is unpickled
-        if _digest(os.path.join(folder, name)) != manifest["files"][name]:
+        if digest(os.path.join(folder, name)) != manifest["files"][name]:
             raise CheckpointError(root, f"{name} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
     try:
         with safe_globals(), warnings.catch_warnings():
@@ -215,14 +206,14 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
         os.makedirs(tmp)
     dist.barrier()
     state = _megatron_layout(states, spec, rt, megatron_args)
-    filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
+    results = filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
     # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
     # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
     # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
     # unchanged state, args included.
     request = dist_checkpointing.save(state, tmp, async_sharded_save=saves is not None, async_strategy="mcore",
                                       preprocess_common_before_consistancy_check=preprocess_common_state_dict)
-    finish = partial(_finish, tmp, final, spec, iteration, on_written, on_published)
+    finish = partial(_finish, tmp, final, spec, iteration, results, on_written, on_published)
     if saves is None:
         finish()
     else:
@@ -231,13 +222,15 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
     return final
 
 
-def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, on_written: Callable[[], None],
-            on_published: Callable[[str], None]) -> None:
-    """Collective, once every rank's files are written: publish the checkpoint."""
+def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, results: WriteResults,
+            on_written: Callable[[], None], on_published: Callable[[str], None]) -> None:
+    """Collective, once every rank's files are written: publish the checkpoint, with the digests each rank's
+    writer took of its files (so rank 0 reads only the files written at finalisation)."""
     on_written()
-    dist.barrier()
+    digests = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(results.digests, digests, dst=0)
     if dist.get_rank() == 0:
-        _publish(tmp, final, spec.save, iteration, spec.retain_interval)
+        _publish(tmp, final, spec.save, iteration, spec.retain_interval, {k: v for d in digests for k, v in d.items()})
     dist.barrier()
     on_published(final)
 
@@ -268,15 +261,18 @@ class _NotAsync(logging.Filter):
 logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_NotAsync())
 
 
-def _publish(tmp: str, final: str, root: str, iteration: int, retain_interval: int | None = None) -> None:
-    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next. With
+def _publish(tmp: str, final: str, root: str, iteration: int, retain_interval: int | None = None,
+             digests: dict | None = None) -> None:
+    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next. The
+    manifest takes the ``digests`` given (by file, relative to ``tmp``) and computes the others. With
     --save-retain-interval, as Megatron-LM: the checkpoint the latest file named before goes, unless its
     iteration is a multiple of the interval."""
     files = {}
     for folder, _, names in os.walk(tmp):
         for name in names:
             path = os.path.join(folder, name)
-            files[os.path.relpath(path, tmp)] = _digest(path)
+            rel = os.path.relpath(path, tmp)
+            files[rel] = (digests or {}).get(rel) or digest(path)
     _write_durably(os.path.join(tmp, MANIFEST), json.dumps({"iteration": iteration, "files": files}, indent=1))
     if os.path.exists(final):
         shutil.rmtree(final)
