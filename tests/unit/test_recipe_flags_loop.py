@@ -262,3 +262,17 @@ def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(one_pr
                             t.job.megatron_args, crash)
     assert (tmp_path / LATEST).read_text() == "1"
     assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
+
+
+def test_use_checkpoint_args_takes_the_models_settings_from_the_checkpoint(one_process_group, tmp_path, monkeypatch):
+    """Megatron-LM's --use-checkpoint-args: the model's shape and dropout come from the args the checkpoint
+    saved (through Megatron-LM's load_args_from_checkpoint), so a resume need not repeat them. The flags are
+    parsed as pretrain_gpt.py parses them, before any process group exists (Megatron-LM's reader of the latest
+    file would otherwise agree on it with the other ranks, on a GPU)."""
+    with trainer(["--save", str(tmp_path), "--save-interval", "1", "--hidden-dropout", "0.25"]) as t:
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+    shapeless = ["--seq-length", "8", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+                 "--vocab-size", "64", "--eval-iters", "0"]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    args = parse_args(shapeless + ["--load", str(tmp_path), "--use-checkpoint-args"], world_size=1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.hidden_dropout) == (2, 16, 2, 0.25), args

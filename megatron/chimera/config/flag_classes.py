@@ -40,7 +40,8 @@ HONOURED = _flags("""
     --use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler --start-weight-decay
     --end-weight-decay --weight-decay-incr-style --lr --min-lr --decoupled-lr --decoupled-min-lr --save
     --save-interval --persistent-save-interval --load --finetune --exit-on-missing-checkpoint --ckpt-format
-    --async-save --use-persistent-ckpt-worker --save-retain-interval
+    --async-save --use-persistent-ckpt-worker --save-retain-interval --use-checkpoint-args
+    --no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args
     --no-load-optim --no-load-rng --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
     --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
@@ -364,8 +365,7 @@ REFUSED = {
         --save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt
         --non-persistent-save-interval --non-persistent-ckpt-type --non-persistent-global-ckpt-dir
         --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo --pretrained-checkpoint --ckpt-step
-        --use-checkpoint-args --use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args
-        --disable-use-tokenizer-model-from-checkpoint-args --ckpt-convert-format --ckpt-convert-save
+        --use-mp-args-from-checkpoint-args --ckpt-convert-format --ckpt-convert-save
         --ckpt-convert-update-legacy-dist-opt-format
         --no-ckpt-load-validate-sharding-integrity
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
