@@ -397,9 +397,6 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     saves = async_saves() if job.checkpoint.async_save else None
     try:
         history = _train(trainer, first, progress, housekeeping, board, exit_policy, saves)
-    except TrainingStopped:  # every rank stops at the same iteration: they finalise the save in flight together
-        _finalise(saves)
-        raise
     finally:
         housekeeping.stop()
     _finalise(saves)
@@ -408,8 +405,9 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
 
 
 def _finalise(saves) -> None:
-    """Collective: the asynchronous save in flight written and published (--async-save). Not on a fault a peer
-    caused, which no longer answers: that save stays unpublished, the previous checkpoint the latest."""
+    """Collective: the asynchronous save in flight written and published (--async-save), at the end of the
+    run. Not on a fault a peer caused, which no longer answers: that save stays unpublished, the previous
+    checkpoint the latest."""
     if saves is not None:
         saves.close()
 
@@ -427,7 +425,8 @@ def _shut_down(trainer, owns_process_group: bool) -> None:
 
 def _train(trainer, first: int, progress, housekeeping, board, exit_policy, saves) -> list[dict]:
     """The iterations from ``first``; ``saves``: the queue of asynchronous saves (--async-save), whose
-    finished ones are published at each iteration's end, as Megatron-LM does."""
+    finished ones are published at each iteration's end, as Megatron-LM does; after a NaN iteration (which
+    may stop the run, naming the last checkpoint) or before an early exit, the one in flight too."""
     train = trainer.job.train
     for iteration in range(first, train.train_iters):
         housekeeping.before_iteration(iteration)
@@ -435,7 +434,7 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
         stats = trainer.train_step(iteration)
         done = iteration + 1
         if saves is not None:
-            saves.maybe_finalize_async_calls(blocking=False)
+            saves.maybe_finalize_async_calls(blocking=stats["nan"])
         housekeeping.after_iteration(done)
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
         if train.eval_iters and (train.eval_interval and done % train.eval_interval == 0 or done == train.train_iters):
@@ -444,6 +443,8 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
         stop = exit_policy.reason(done, trainer.rt) if done < train.train_iters else None
         _maybe_save(trainer, progress, stats, done, stop, saves)
         if stop:
+            if saves is not None:
+                saves.maybe_finalize_async_calls(blocking=True)
             saved = " after saving it" if trainer.job.checkpoint.save else ""
             print_rank_last(f" exiting on {stop} at iteration {done}" + saved)
             return progress.history
