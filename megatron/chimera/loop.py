@@ -28,6 +28,7 @@ from chimera_schedules.runtime.faults import ComputeFault, PipelineFault, unattr
 from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 
+from .checkpoint.async_saves import async_saves
 from .checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from .checkpoint.states import DataPosition, ModelChunks, OptimizerState, RNGState, State
 from .config.job import JobConfig, job_config
@@ -395,13 +396,23 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     progress = _Progress(train, log, first, board, trainer.timers, flops=flops, world=job.parallel.world,
                          loaded=bool(job.checkpoint.load), save_dir=job.checkpoint.save)
     housekeeping = Housekeeping(log, trainer.rt.rank)
+    saves = async_saves() if job.checkpoint.async_save else None
     try:
-        history = _train(trainer, first, progress, housekeeping, board, exit_policy)
+        history = _train(trainer, first, progress, housekeeping, board, exit_policy, saves)
     finally:
         housekeeping.stop()
+    _finalise(saves)
     board.close()
     _shut_down(trainer, owns_process_group)
     return history
+
+
+def _finalise(saves) -> None:
+    """Collective: the asynchronous save in flight written and published (--async-save), at the end of the
+    run. Not on a fault a peer caused, which no longer answers: that save stays unpublished, the previous
+    checkpoint the latest."""
+    if saves is not None:
+        saves.close()
 
 
 def _shut_down(trainer, owns_process_group: bool) -> None:
@@ -415,21 +426,28 @@ def _shut_down(trainer, owns_process_group: bool) -> None:
         dist.destroy_process_group()
 
 
-def _train(trainer, first: int, progress, housekeeping, board, exit_policy) -> list[dict]:
+def _train(trainer, first: int, progress, housekeeping, board, exit_policy, saves) -> list[dict]:
+    """The iterations from ``first``; ``saves``: the queue of asynchronous saves (--async-save), whose
+    finished ones are published at each iteration's end, as Megatron-LM does; after a NaN iteration (which
+    may stop the run, naming the last checkpoint) or before an early exit, the one in flight too."""
     train = trainer.job.train
     for iteration in range(first, train.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
         done = iteration + 1
+        if saves is not None:
+            saves.maybe_finalize_async_calls(blocking=stats["nan"])
         housekeeping.after_iteration(done)
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
         if train.eval_iters and (train.eval_interval and done % train.eval_interval == 0 or done == train.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
         stop = exit_policy.reason(done, trainer.rt) if done < train.train_iters else None
-        _maybe_save(trainer, progress, stats, done, stop)
+        _maybe_save(trainer, progress, stats, done, stop, saves)
         if stop:
+            if saves is not None:
+                saves.maybe_finalize_async_calls(blocking=True)
             saved = " after saving it" if trainer.job.checkpoint.save else ""
             print_rank_last(f" exiting on {stop} at iteration {done}" + saved)
             return progress.history
@@ -450,17 +468,26 @@ def _resume(trainer) -> int:
     return position.iteration
 
 
-def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None) -> None:
+def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, saves) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
-    check, never the state of a NaN iteration."""
+    check, never the state of a NaN iteration. Megatron-LM's 'save-checkpoint' timer: how long the save
+    stopped training (with --async-save, until its files were handed to the writer)."""
     train, spec = trainer.job.train, trainer.job.checkpoint
     kept = not (stats["nan"] and train.check_for_nan)
     if spec.save and kept and (done % spec.save_interval == 0 or done == train.train_iters or stop):
         states = {**trainer.states(), "data": DataPosition.after(done, train.global_batch_size)}
-        folder = save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args,
-                                 lambda: trainer.hooks.during_save(trainer, done))
-        progress.last_saved = done
-        print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
+
+        def published(folder: str) -> None:
+            progress.last_saved = done
+            print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
+
+        trainer.timers("save-checkpoint", log_level=0).start(barrier=False)
+        save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args,
+                        lambda: trainer.hooks.during_save(trainer, done), published, saves)
+        trainer.timers("save-checkpoint").stop(barrier=False)
+        if saves is not None:
+            print_rank_last(f" scheduled an async checkpoint save at iteration {done} to {spec.save}")
+        print_times(trainer.timers, ("save-checkpoint",))
 
 
 class _Progress:

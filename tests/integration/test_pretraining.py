@@ -1,10 +1,10 @@
 """The pretraining program as a user runs it: the shipped corpus, tokenizer and preprocessing,
-Chimera with evaluation, checkpoints that resume exactly, load into another layout, and survive a
-crash mid-save, and profiler traces that show every action. The resume in a new launch, the crash and
-the loads into one process are launches of their own, as on a cluster. The other runs share one launch
-per world size (megatron.chimera.testing's cases launcher), each with its own output and exit code; a
-case that loads an earlier case's checkpoint does so through a new ``pretrain`` (a new Trainer, its
-optimizer, loss scaler and data built afresh) in the same processes."""
+Chimera with evaluation, checkpoints that resume exactly (written in the background: --async-save),
+load into another layout, and survive a crash mid-save, and profiler traces that show every action.
+The resume in a new launch, the crash and the loads into one process are launches of their own, as on
+a cluster. The other runs share one launch per world size (megatron.chimera.testing's cases launcher),
+each with its own output and exit code; a case that loads an earlier case's checkpoint does so through
+a new ``pretrain`` (a new Trainer, its optimizer, loss scaler and data built afresh) in the same processes."""
 import json
 import os
 import re
@@ -26,6 +26,8 @@ CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chime
 SERIES = ["--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard", "--timing-log-level", "1",
           "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
           "--wandb-project", "chimera-tests", "--wandb-exp-name", "uninterrupted"]
+ASYNC = ["--async-save", "--use-persistent-ckpt-worker"]  # Megatron-LM's validate_args wants both
+FAULTY = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def uninterrupted(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt") / "a"
     wandb = {f"WANDB_{d}_DIR": str(save.parent / "wandb_home") for d in ("CONFIG", "CACHE", "DATA")}
     proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
-                              "--tensorboard-dir", str(save.parent / "tb"), *SERIES,
+                              "--tensorboard-dir", str(save.parent / "tb"), *SERIES, *ASYNC,
                               "--wandb-save-dir", str(save.parent / "wandb")), env={"WANDB_MODE": "offline", **wandb})
     return proc, save
 
@@ -51,6 +53,12 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert any(f.startswith("events.out.tfevents") for f in written), f"no TensorBoard event file in {written}"
     # the saved args differ by rank (rank, local_rank): Megatron-LM's preprocessing keeps megatron-core quiet
     assert not any("common state dict differs" in out for out in (proc.stdout, proc.stderr)), proc.stderr[-3000:]
+    # --async-save: each save is handed to the writer, then published once written; Megatron-LM's timer says how
+    # long each stopped training
+    for i in (2, 4):
+        scheduled = proc.stdout.index(f" scheduled an async checkpoint save at iteration {i} to {save}\n")
+        assert scheduled < proc.stdout.index(f" saved checkpoint at iteration {i} to {save}/iter_000000{i}\n")
+    assert len(re.findall(r"\n    save-checkpoint \.+: \(\d+\.\d\d, \d+\.\d\d\)\n", proc.stdout)) == 2
 
 
 SERIES_LINE = re.compile(r" grad norm: (\S+) \| num zeros: (\d+\.0) \| params norm: (\S+) \| number of skipped")
@@ -104,14 +112,20 @@ def test_chimera_checkpoint_loads_into_one_process(uninterrupted, corpus):
     assert abs(single_valid - chimera_valid) <= 1e-6 * chimera_valid
 
 
-def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
+def test_crash_while_an_async_save_is_in_flight_keeps_the_previous_one(corpus, tmp_path):
+    """--async-save: checkpoint 2 is published once its writers are done, while training goes on; every rank
+    dies while checkpoint 4, written in the background, is being finalised, before it is published. A new
+    launch resumes from checkpoint 2. (A synchronous save publishes through the same steps, at once:
+    tests/unit/test_recipe_flags_loop.py fails one before it is published.)"""
     save = tmp_path / "crash"
-    faulty = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
-    proc = run(2, *faulty, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2")[1:],
+    proc = run(2, *FAULTY, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2", *ASYNC)[1:],
                env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
     assert proc.returncode != 0
+    assert "scheduled an async checkpoint save at iteration 4" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    written = set(os.listdir(save / "iter_0000004.tmp"))  # every file but our manifest, which publishing writes
+    assert written == set(os.listdir(save / "iter_0000002")) - {"manifest.json"}, written
     resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
                                    "--use-checkpoint-opt_param-scheduler"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
@@ -154,7 +168,8 @@ def four_ranks(corpus, tmp_path_factory):
     d4, moe = tmp_path_factory.mktemp("d4"), tmp_path_factory.mktemp("moe")
     return run_cases(4, {
         "chimera D=4": train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
-                                  "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+                                  "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3",
+                                  "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"),
         "1f1b D=2 TP=2": train_args(corpus, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                     "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
                                     "--make-vocab-size-divisible-by", "64", "--load", str(d4 / "iter_0000002")),
@@ -248,7 +263,10 @@ def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
 def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):
     """Weights and AdamW moments re-cut by dist_checkpointing: the resumed iteration 3 repeats the
     Chimera run's (tensor parallelism reorders fp32 sums, hence 1e-5). As in Megatron-LM, TP=2 pads the
-    vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape."""
+    vocabulary to a multiple of 128 x 2 unless --make-vocab-size-divisible-by keeps the shape. The Chimera
+    run shards its optimizer state (--use-distributed-optimizer, Chimera's two copies of each stage) and says
+    --dist-ckpt-optim-fully-reshardable, Megatron-LM's flag for the format it always writes: the state loads
+    at another data-parallel size, tensor-parallel size, layout and schedule, without the distributed optimizer."""
     chimera, resharded = ok(four_ranks, "chimera D=4"), ok(four_ranks, "1f1b D=2 TP=2")
     assert list(losses(resharded)) == [3]
     for i in (3,):

@@ -1,11 +1,12 @@
 """Checkpointing sees named states, a CheckpointSpec and the process-group runtime, never the trainer
 (issue 41): no function of megatron/chimera/checkpoint/ takes one, and none reads a field of Megatron-LM's
-namespace; the spec reads the namespace once."""
+namespace; the spec reads the namespace once. The checkpoint flags of issue 42 that the spec carries."""
 import ast
 import os
 
 import pytest
 
+from megatron.chimera.checkpoint.checkpointing import LATEST, _publish
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.checkpoint_spec import CheckpointSpec
@@ -53,3 +54,25 @@ def test_a_data_position_without_a_record_of_samples_counts_full_batches():
     position.load_state_dict({"iteration": 3, "consumed_samples": 20})  # a batch-size ramp-up
     assert position.consumed_samples == 20, position
     assert DataPosition.after(3, 8).state_dict() == {"iteration": 3, "consumed_samples": 24}
+
+
+@pytest.mark.parametrize("flags, async_save", [(["--async-save", "--use-persistent-ckpt-worker"], True),
+                                               (["--async-save"], False)])
+def test_async_save_reaches_the_spec_only_with_the_persistent_worker_flag(tmp_path, flags, async_save):
+    """As in Megatron-LM, whose validate_args turns --async-save off (with a warning) without
+    --use-persistent-ckpt-worker."""
+    spec = CheckpointSpec.from_args(parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "2",
+                                                       "--save-retain-interval", "4"] + flags, world_size=1))
+    assert (spec.async_save, spec.retain_interval) == (async_save, 4), spec
+
+
+def test_save_retain_interval_removes_the_previous_checkpoint_unless_a_multiple(tmp_path):
+    """Megatron-LM's --save-retain-interval: publishing a checkpoint removes the one the latest file named
+    before, unless its iteration is a multiple of the interval (saves every 2, retained every 4)."""
+    for iteration in (2, 4, 6, 8):
+        tmp = tmp_path / f"iter_{iteration:07d}.tmp"
+        tmp.mkdir()
+        (tmp / "__0_0.distcp").write_text("x")
+        _publish(str(tmp), str(tmp_path / f"iter_{iteration:07d}"), str(tmp_path), iteration, 4)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000008", LATEST]
+    assert (tmp_path / LATEST).read_text() == "8"

@@ -2,13 +2,23 @@
 process: --recompute-modules, --moe-shared-expert-overlap, --moe-router-force-load-balancing,
 --no-check-for-nan-in-loss-and-grad, --dist-ckpt-strictness, --trust-remote-code."""
 import contextlib
+import json
+from dataclasses import replace
 
 import pytest
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_parallel_cuda_manual_seed
+from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.chimera.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+from megatron.chimera.checkpoint.async_saves import async_saves
+from megatron.chimera.checkpoint.checkpointing import (
+    LATEST,
+    check_digests,
+    load_checkpoint,
+    read_common,
+    save_checkpoint,
+)
 from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
@@ -202,3 +212,68 @@ def test_trust_remote_code_reaches_huggingfaces_auto_tokenizer(gpt2_files, monke
     for flag in ([], ["--trust-remote-code"]):
         parse_args(TINY + hf + flag, world_size=1)
     assert asked == [False, True]
+
+
+def test_an_async_save_writes_the_synchronous_files_and_publishes_them_only_at_finalisation(one_process_group,
+                                                                                           tmp_path):
+    """--async-save: the save returns with its files handed to a writer; training goes on, changing the weights;
+    the ``latest`` file still names the previous checkpoint until the save is finalised, and then the files are,
+    byte for byte, those a synchronous save of the same state wrote."""
+    background, sync = tmp_path / "async", tmp_path / "sync"
+    with trainer(["--save", str(background), "--save-interval", "1", "--async-save",
+                  "--use-persistent-ckpt-worker"]) as t:
+        spec, published = t.job.checkpoint, []
+        assert spec.async_save, "--async-save with --use-persistent-ckpt-worker reaches the checkpoint spec"
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, spec, t.rt, t.job.megatron_args)
+        save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, replace(spec, save=str(sync)), t.rt,
+                        t.job.megatron_args)
+        saves = async_saves()
+        save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, spec, t.rt, t.job.megatron_args,
+                        on_published=published.append, saves=saves)
+        t.train_step(1)
+        assert (background / LATEST).read_text() == "1" and not (background / "iter_0000002").exists(), \
+            "an async save in flight is not published"
+        saves.close()
+        assert published == [str(background / "iter_0000002")] and (background / LATEST).read_text() == "2"
+    assert written(sync / "iter_0000002") == written(background / "iter_0000002"), \
+        "the async save's files differ from the synchronous save's"
+
+
+def written(folder) -> tuple:
+    """What a torch_dist checkpoint holds: the tensor files (their sizes and digests), the index of what is where
+    in them, and the common state (.metadata also records the folder it was written to and a random save id)."""
+    check_digests(str(folder), str(folder))  # the manifest's digests, taken by the writers, are the files'
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    return ({name: digest for name, digest in files.items() if name.endswith(".distcp")}, metadata.state_dict_metadata,
+            metadata.storage_data, read_common(str(folder), "torch_dist", str(folder)))
+
+
+def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(one_process_group, tmp_path):
+    """A rank that fails once its files are written (as tests/integration's crash during an async save): the
+    ``latest`` file still names the previous checkpoint, and the new one is left in its ``.tmp`` folder."""
+
+    def crash():
+        raise RuntimeError("crashed before publishing")
+
+    with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+        with pytest.raises(RuntimeError, match="crashed before publishing"):
+            save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, t.job.checkpoint, t.rt,
+                            t.job.megatron_args, crash)
+    assert (tmp_path / LATEST).read_text() == "1"
+    assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
+
+
+def test_use_checkpoint_args_takes_the_models_settings_from_the_checkpoint(one_process_group, tmp_path, monkeypatch):
+    """Megatron-LM's --use-checkpoint-args: the model's shape and dropout come from the args the checkpoint
+    saved (through Megatron-LM's load_args_from_checkpoint), so a resume need not repeat them. The flags are
+    parsed as pretrain_gpt.py parses them, before any process group exists (Megatron-LM's reader of the latest
+    file would otherwise agree on it with the other ranks, on a GPU)."""
+    with trainer(["--save", str(tmp_path), "--save-interval", "1", "--hidden-dropout", "0.25"]) as t:
+        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+    shapeless = ["--seq-length", "8", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+                 "--vocab-size", "64", "--eval-iters", "0"]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    args = parse_args(shapeless + ["--load", str(tmp_path), "--use-checkpoint-args"], world_size=1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.hidden_dropout) == (2, 16, 2, 0.25), args

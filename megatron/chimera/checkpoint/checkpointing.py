@@ -15,31 +15,34 @@ process-group runtime, never the trainer.
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
-checkpoint the latest one. At load every file is checked against the manifest (sizes before any
-process starts, sha256 before anything is unpickled), so a truncated or corrupted file is named,
-never used, and no tampered file runs code. A foreign checkpoint (no manifest) is loaded as it is.
+checkpoint the latest one. With --async-save the files are written in the background (async_saves.py)
+and all of that happens at the save's finalisation, so the same holds while a save is in flight.
+At load every file is checked against the manifest (sizes before any process starts, sha256 before
+anything is unpickled), so a truncated or corrupted file is named, never used, and no tampered file
+runs code. A foreign checkpoint (no manifest) is loaded as it is.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
-import queue
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
 from megatron.training.training import preprocess_common_state_dict
 
 from ..config.checkpoint_spec import CheckpointSpec
-from .format import CheckpointError, safe_globals
+from .async_saves import WriteResults
+from .format import CheckpointError, digest, safe_globals
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
 from .states import State, StateMismatch
@@ -87,14 +90,6 @@ def checkpoint_format(folder: str) -> str | None:
     return None
 
 
-def _digest(path: str) -> dict:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
-
-
 def _manifest(folder: str, root: str) -> dict | None:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
@@ -119,7 +114,7 @@ def check_sizes(folder: str, root: str) -> None:
 def check_digests(folder: str, root: str) -> None:
     manifest = _manifest(folder, root) or {"files": {}}
     for rel, want in sorted(manifest["files"].items()):
-        if _digest(os.path.join(folder, rel)) != want:
+        if digest(os.path.join(folder, rel)) != want:
             raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
 
 
@@ -148,7 +143,7 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
     manifest = _manifest(folder, root)
     holders = [name for name in COMMON_FILES if manifest and name in manifest["files"]]
     for name in holders:  # checked before anything in them is unpickled
-        if _digest(os.path.join(folder, name)) != manifest["files"][name]:
+        if digest(os.path.join(folder, name)) != manifest["files"][name]:
             raise CheckpointError(root, f"{name} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
     try:
         with safe_globals(), warnings.catch_warnings():
@@ -190,11 +185,19 @@ def _saved_args(megatron_args: argparse.Namespace, consumed_samples: int) -> arg
 
 
 def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args: argparse.Namespace,
-                    on_written: Callable[[], None] = lambda: None) -> str:
+                    on_written: Callable[[], None] = lambda: None, on_published: Callable[[str], None] = lambda _: None,
+                    saves: AsyncCallsQueue | None = None) -> str:
     """Collective: ``states`` (named as states.py lists them) into ``spec.save``, as iteration
     the data position's iteration, with Megatron-LM's ``megatron_args`` written as its checkpoints hold them;
     ``rt`` gives this rank's place. ``on_written`` runs once every rank has written its part, before the
-    checkpoint is published. Returns the final directory."""
+    checkpoint is published; ``on_published`` with the final directory, which it returns, once it is.
+
+    With ``saves`` (--async-save: megatron-core's queue of asynchronous saves, async_saves.py) the files
+    are written in the background: this returns once they are planned and handed to the writer, and the
+    save is finalised (written, checked by every rank, published) by ``saves.maybe_finalize_async_calls``.
+    A save still in flight is finalised before this one starts."""
+    if saves is not None:
+        saves.maybe_finalize_async_calls(blocking=True)
     iteration = states["data"].state_dict()["iteration"]
     final = iteration_dir(spec.save, iteration)
     tmp = final + ".tmp"
@@ -203,18 +206,33 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
         os.makedirs(tmp)
     dist.barrier()
     state = _megatron_layout(states, spec, rt, megatron_args)
-    _synchronous_writer()
+    results = filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
     # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
     # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
     # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
     # unchanged state, args included.
-    dist_checkpointing.save(state, tmp, preprocess_common_before_consistancy_check=preprocess_common_state_dict)
-    on_written()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _publish(tmp, final, spec.save, iteration)
-    dist.barrier()
+    request = dist_checkpointing.save(state, tmp, async_sharded_save=saves is not None, async_strategy="mcore",
+                                      preprocess_common_before_consistancy_check=preprocess_common_state_dict)
+    finish = partial(_finish, tmp, final, spec, iteration, results, on_written, on_published)
+    if saves is None:
+        finish()
+    else:
+        request.add_finalize_fn(finish)
+        saves.schedule_async_request(request)
     return final
+
+
+def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, results: WriteResults,
+            on_written: Callable[[], None], on_published: Callable[[str], None]) -> None:
+    """Collective, once every rank's files are written: publish the checkpoint, with the digests each rank's
+    writer took of its files (so rank 0 reads only the files written at finalisation)."""
+    on_written()
+    digests = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(results.digests, digests, dst=0)
+    if dist.get_rank() == 0:
+        _publish(tmp, final, spec.save, iteration, spec.retain_interval, {k: v for d in digests for k, v in d.items()})
+    dist.barrier()
+    on_published(final)
 
 
 def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args) -> dict:
@@ -232,8 +250,9 @@ def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, mega
 
 
 class _NotAsync(logging.Filter):
-    """megatron-core 0.19's synchronous torch_dist save runs through its async path, which then warns on
-    every rank that "MCore's async save is deprecated": not true of a synchronous save, so dropped."""
+    """megatron-core 0.19 writes every torch_dist save through its own asynchronous writer (a synchronous one
+    runs it at once) and then warns on every rank that "MCore's async save is deprecated" in favour of
+    nvidia-resiliency-ext's, which writes the same files: not an action for the user, so dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "async save is deprecated" not in record.getMessage()
@@ -242,28 +261,37 @@ class _NotAsync(logging.Filter):
 logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_NotAsync())
 
 
-def _synchronous_writer() -> None:
-    """megatron-core's file writer reports its results through a queue served by a spawned Manager
-    process, made for asynchronous saves. Ours are synchronous: the queue is filled and read by this
-    process, so a plain one does. No helper process re-imports the launch script (5 s here) or outlives
-    a killed rank while holding its output open."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-def _publish(tmp: str, final: str, root: str, iteration: int) -> None:
-    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next."""
+def _publish(tmp: str, final: str, root: str, iteration: int, retain_interval: int | None = None,
+             digests: dict | None = None) -> None:
+    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next. The
+    manifest takes the ``digests`` given (by file, relative to ``tmp``) and computes the others. With
+    --save-retain-interval, as Megatron-LM: the checkpoint the latest file named before goes, unless its
+    iteration is a multiple of the interval."""
     files = {}
     for folder, _, names in os.walk(tmp):
         for name in names:
             path = os.path.join(folder, name)
-            files[os.path.relpath(path, tmp)] = _digest(path)
+            rel = os.path.relpath(path, tmp)
+            files[rel] = (digests or {}).get(rel) or digest(path)
     _write_durably(os.path.join(tmp, MANIFEST), json.dumps({"iteration": iteration, "files": files}, indent=1))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
+    previous = _latest_iteration(root)
     _write_durably(os.path.join(root, LATEST + ".tmp"), str(iteration))
     os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+    if retain_interval and previous not in (None, iteration) and previous % retain_interval:
+        shutil.rmtree(iteration_dir(root, previous), ignore_errors=True)
+
+
+def _latest_iteration(root: str) -> int | None:
+    """The iteration the latest file names, if it names one."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _write_durably(path: str, text: str) -> None:

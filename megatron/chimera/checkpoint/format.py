@@ -1,9 +1,11 @@
-"""What every checkpoint reader shares: the error that names --load, and torch.load's allow-list for
-the classes Megatron-LM's checkpoints pickle."""
+"""What every checkpoint reader shares: the error that names --load, torch.load's allow-list for
+the classes Megatron-LM's checkpoints pickle, and the digest of a file our manifest records."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import os
 
 import torch
 from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
@@ -24,3 +26,12 @@ def safe_globals():
     weights_only unpickler (which runs no code)."""
     return torch.serialization.safe_globals([argparse.Namespace, io.BytesIO, AttnBackend, ModelType,
                                              RerunDiagnostic, RerunMode, RerunState])
+
+
+def digest(path: str) -> dict:
+    """A file's size and sha256, as manifest.json records them."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}

@@ -19,6 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+from megatron.training.checkpointing import load_args_from_checkpoint
 
 from chimera_schedules import ConfigError, ScheduleSpec, check
 from chimera_schedules.ir.errors import require
@@ -26,6 +27,7 @@ from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
 from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
+from ..checkpoint.format import safe_globals
 from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
@@ -57,6 +59,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     args, parser = parse(argv)
     args.world_size = world_size or args.world_size
     try:
+        if args.use_checkpoint_args:
+            _checkpoint_args(args)
         enforce_classes(args, parser, sys.argv[1:] if argv is None else argv)
         _validate(args)
         _megatron_validate(args)
@@ -615,6 +619,21 @@ def _writable(path: str) -> bool:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     return os.path.isdir(parent) and os.access(parent, os.W_OK)
+
+
+def _checkpoint_args(args) -> None:
+    """--use-checkpoint-args, as Megatron-LM's parse_and_validate_args: before any check (so a setting taken
+    that we refuse fails as if given), Megatron-LM's load_args_from_checkpoint takes the model's settings, and
+    the tokenizer's unless --no-use-tokenizer-model-from-checkpoint-args, from the args the --load checkpoint
+    saved, once our manifest vouches for the file they are read from. Without a checkpoint there yet (a first
+    launch), it says so and the flags stay as given, as in Megatron-LM."""
+    require(args.load is not None, "--use-checkpoint-args", True, "needs --load (Megatron-LM's rule)")
+    if os.path.isfile(os.path.join(args.load, LATEST)):
+        folder, fmt = find_checkpoint(args.load)
+        check_sizes(folder, args.load)
+        read_common(folder, fmt, args.load)  # checks the digests of what is unpickled
+    with safe_globals():
+        load_args_from_checkpoint(args)
 
 
 def _validate_checkpoint(args) -> None:

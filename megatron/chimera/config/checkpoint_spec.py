@@ -15,7 +15,10 @@ class CheckpointSpec:
     the optimizer, LR scheduler and loss scale (``load_optimizer``: neither --finetune nor --no-load-optim),
     the RNG states (``load_rng``: neither --finetune nor --no-load-rng), the iteration (not with
     ``finetune``). ``strictness``: --dist-ckpt-strictness, megatron-core's handling of keys the checkpoint
-    and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout."""
+    and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout.
+    ``async_save``: --async-save, which Megatron-LM's validate_args keeps only with --use-persistent-ckpt-worker
+    (checkpoint/async_saves.py). ``retain_interval``: --save-retain-interval, as Megatron-LM: a save removes
+    the checkpoint before it unless that one's iteration is a multiple of it."""
 
     save: str | None
     save_interval: int | None
@@ -26,10 +29,13 @@ class CheckpointSpec:
     load_rng: bool
     strictness: str
     schedule: str
+    async_save: bool
+    retain_interval: int | None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSpec:
         return cls(save=args.save, save_interval=args.save_interval, load=args.load, fresh_start=args.fresh_start,
                    finetune=args.finetune, load_optimizer=not (args.finetune or args.no_load_optim),
                    load_rng=not (args.finetune or args.no_load_rng), strictness=args.dist_ckpt_strictness,
-                   schedule=args.pipeline_schedule)
+                   schedule=args.pipeline_schedule, async_save=args.async_save,
+                   retain_interval=args.save_retain_interval)

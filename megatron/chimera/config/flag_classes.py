@@ -40,6 +40,8 @@ HONOURED = _flags("""
     --use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler --start-weight-decay
     --end-weight-decay --weight-decay-incr-style --lr --min-lr --decoupled-lr --decoupled-min-lr --save
     --save-interval --persistent-save-interval --load --finetune --exit-on-missing-checkpoint --ckpt-format
+    --async-save --use-persistent-ckpt-worker --save-retain-interval --use-checkpoint-args
+    --no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args
     --no-load-optim --no-load-rng --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
     --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
@@ -120,12 +122,19 @@ NO_EFFECT = {
     'the Multi-Storage Client is off by default': _flags("""
         --disable-msc
     """),
-    ("how torch_dist files are written or read (asynchronously, in parallel, by how many threads): ours saves "
-     "synchronously, every rank its own shards, and the files hold the same either way"): _flags("""
-        --async-save --async-strategy --use-persistent-ckpt-worker --async-ckpt-cpu-priority
-        --async-ckpt-io-priority --async-ckpt-use-cpu-shm --ckpt-fully-parallel-load
-        --ckpt-fully-parallel-load-exchange-algo --ckpt-assume-constant-structure --dist-ckpt-workers
-        --ckpt-fully-parallel-save-process-group --ckpt-fully-parallel-load-process-group
+    ("how torch_dist files are written or read (in parallel, by how many threads, with which process group): "
+     "every rank writes and reads its own shards, and the files hold the same either way"): _flags("""
+        --ckpt-fully-parallel-load --ckpt-fully-parallel-load-exchange-algo --ckpt-assume-constant-structure
+        --dist-ckpt-workers --ckpt-fully-parallel-save-process-group --ckpt-fully-parallel-load-process-group
+    """),
+    ("which asynchronous writer --async-save uses and at what priority: megatron-core's (mcore), a process forked "
+     "per save at the trainer's priority; nvidia-resiliency-ext's (nvrx) and the persistent worker's priorities "
+     "write the same files"): _flags("""
+        --async-strategy --async-ckpt-cpu-priority --async-ckpt-io-priority --async-ckpt-use-cpu-shm
+    """),
+    ("the optimizer state is always written whole, sharded like the parameters (Megatron's fully reshardable "
+     "format): it loads at any DP, TP, PP, layout and schedule, with or without the distributed optimizer"): _flags("""
+        --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient
     """),
     'gradients are reduced per stage copy, not in DDP buckets': _flags("""
         --ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw
@@ -392,17 +401,15 @@ REFUSED = {
     """),
     'a checkpoint option this trainer does not implement (it saves and loads whole torch_dist checkpoints)': _flags("""
         --save-params-interval --save-activations-interval --save-tokens-per-expert-interval
-        --save-wgrads-interval --save-dgrads-interval --save-retain-interval --load-main-params-from-ckpt
+        --save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt
         --non-persistent-save-interval --non-persistent-ckpt-type --non-persistent-global-ckpt-dir
         --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo --pretrained-checkpoint --ckpt-step
-        --use-checkpoint-args --use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args
-        --disable-use-tokenizer-model-from-checkpoint-args --ckpt-convert-format --ckpt-convert-save
+        --use-mp-args-from-checkpoint-args --ckpt-convert-format --ckpt-convert-save
         --ckpt-convert-update-legacy-dist-opt-format
         --no-ckpt-load-validate-sharding-integrity
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
         --disable-strict-fsdp-dtensor-load --dist-ckpt-save-pre-mcore-014
-        --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient --replication
-        --replication-jump --replication-factor --verify-integrity --no-stream-ckpt-dequant
+        --replication --replication-jump --replication-factor --verify-integrity --no-stream-ckpt-dequant
         --disable-stream-ckpt-dequant --no-save-optim --no-save-rng --override-ckpt-iteration
         --dist-ckpt-format
     """),
