@@ -25,7 +25,7 @@ CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chime
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt") / "a"
-    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
+    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2", "--verify-integrity",
                               "--tensorboard-dir", str(save.parent / "tb")))
     return proc, save
 
@@ -37,7 +37,9 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert {int(i) for i, _ in VALID.findall(proc.stdout)} == {2, 4}
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     files = os.listdir(save / "iter_0000002")  # megatron-core 0.19's torch_dist files, and our manifest
-    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "manifest.json", "metadata.json"}
+    # integrity.json: megatron-core's manifest, written with --verify-integrity
+    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "manifest.json", "metadata.json",
+                                                               "integrity.json"}
     assert {f.split("_")[2] for f in files if f.endswith(".distcp")} == {"0", "1"}  # written by both ranks
     written = os.listdir(save.parent / "tb")
     assert any(f.startswith("events.out.tfevents") for f in written), f"no TensorBoard event file in {written}"
@@ -50,7 +52,9 @@ def test_resume_in_a_new_launch_repeats_the_uninterrupted_losses(uninterrupted, 
     resume = tmp_path / "resume"
     shutil.copytree(save / "iter_0000002", resume / "iter_0000002")
     (resume / "latest_checkpointed_iteration.txt").write_text("2")
-    again = run(2, *train_args(corpus, *CHIMERA2, "--load", str(resume)))
+    # without megatron-core's gloo groups beside the others, which nothing of ours uses
+    again = run(2, *train_args(corpus, *CHIMERA2, "--load", str(resume), "--verify-integrity",
+                               "--disable-gloo-process-groups"))
     assert "loaded checkpoint" in again.stdout
     assert losses(again) == {3: losses(proc)[3], 4: losses(proc)[4]}
     assert VALID.findall(again.stdout)[-1] == VALID.findall(proc.stdout)[-1]
@@ -86,9 +90,11 @@ def probe(*argv: str) -> str:
 def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupted, corpus):
     """Megatron-LM's own load_checkpoint of the Chimera run's --save directory (iteration 2, as its
     --ckpt-step picks) into a plain GPTModel: its loss on batch 2 is the loss Chimera logged at
-    iteration 3, the first one computed from the iteration-2 weights."""
+    iteration 3, the first one computed from the iteration-2 weights. With --verify-integrity, megatron-core
+    checks the files against the integrity manifest Chimera's save wrote."""
     proc, save = uninterrupted
-    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2") \
+    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2",
+                 "--verify-integrity") \
         == losses(proc)[3]
 
 

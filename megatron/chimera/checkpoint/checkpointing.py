@@ -40,6 +40,7 @@ from megatron.training.training import preprocess_common_state_dict
 
 from ..config.checkpoint_spec import CheckpointSpec
 from .format import CheckpointError, safe_globals
+from .integrity import verify as verify_integrity
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
 from .states import State, StateMismatch
@@ -208,7 +209,8 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
     # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
     # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
     # unchanged state, args included.
-    dist_checkpointing.save(state, tmp, preprocess_common_before_consistancy_check=preprocess_common_state_dict)
+    dist_checkpointing.save(state, tmp, preprocess_common_before_consistancy_check=preprocess_common_state_dict,
+                            verify_integrity=spec.verify_integrity)
     on_written()
     dist.barrier()
     if dist.get_rank() == 0:
@@ -285,6 +287,8 @@ def load_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt) -> No
         states["model"].weights_loaded()
     else:
         _verified_by_rank0(folder, spec.load)
+        if spec.verify_integrity:
+            verify_integrity(folder, spec.load)
         common = _load_dist(states, spec, rt, folder)
     if spec.load_optimizer and "opt_param_scheduler" in common:
         states["lr_scheduler"].load_state_dict(common["opt_param_scheduler"])

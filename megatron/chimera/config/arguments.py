@@ -25,6 +25,7 @@ from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
 from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
+from ..checkpoint.integrity import unverifiable
 from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
@@ -209,6 +210,8 @@ def _validate_run(args) -> None:
             "is required with --save (Megatron-LM's rule)")
     require(args.ckpt_format == "torch_dist" or not args.save, "--ckpt-format", args.ckpt_format,
             "is read, not written: --save writes torch_dist (loading detects the format)")
+    require(not args.verify_integrity or args.ckpt_format == "torch_dist", "--verify-integrity", True,
+            "needs --ckpt-format torch_dist (Megatron-LM's rule: the torch format has no integrity manifest)")
     _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
@@ -579,6 +582,9 @@ def _validate_checkpoint(args) -> None:
     check_sizes(folder, args.load)
     common = read_common(folder, fmt, args.load)
     check_shape(args, common, args.load)
+    if args.verify_integrity:
+        reason = unverifiable(folder, fmt)
+        require(reason is None, "--verify-integrity", True, reason)
     loads_optimizer = not (args.finetune or args.no_load_optim)
     require(fmt != "torch" or not loads_optimizer, "--load", args.load,
             "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")

@@ -15,7 +15,9 @@ class CheckpointSpec:
     the optimizer, LR scheduler and loss scale (``load_optimizer``: neither --finetune nor --no-load-optim),
     the RNG states (``load_rng``: neither --finetune nor --no-load-rng), the iteration (not with
     ``finetune``). ``strictness``: --dist-ckpt-strictness, megatron-core's handling of keys the checkpoint
-    and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout."""
+    and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout.
+    ``verify_integrity``: --verify-integrity, megatron-core's integrity manifest written at a save and
+    checked at a load (checkpoint/integrity.py)."""
 
     save: str | None
     save_interval: int | None
@@ -26,10 +28,11 @@ class CheckpointSpec:
     load_rng: bool
     strictness: str
     schedule: str
+    verify_integrity: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSpec:
         return cls(save=args.save, save_interval=args.save_interval, load=args.load, fresh_start=args.fresh_start,
                    finetune=args.finetune, load_optimizer=not (args.finetune or args.no_load_optim),
                    load_rng=not (args.finetune or args.no_load_rng), strictness=args.dist_ckpt_strictness,
-                   schedule=args.pipeline_schedule)
+                   schedule=args.pipeline_schedule, verify_integrity=args.verify_integrity)

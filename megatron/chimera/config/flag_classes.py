@@ -64,6 +64,7 @@ HONOURED = _flags("""
     --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
     --window-size --window-attn-skip-freq --softmax-type --quick-geglu --glu-linear-offset
     --activation-func-clamp-value --enable-experimental --disable-bf16-reduced-precision-matmul
+    --verify-integrity --disable-gloo-process-groups
 """)
 
 NO_EFFECT = {
@@ -137,7 +138,7 @@ REFUSED = {
     'a data-parallel or process-group option this trainer does not implement': _flags("""
         --tensor-parallel-num-weight-shards --no-initialization --no-align-grad-reduce
         --disable-align-grad-reduce --lazy-mpu-init --nccl-communicator-config-path --use-tp-pp-dp-mapping
-        --disable-gloo-process-groups --use-sharp --sharp-enabled-group --high-priority-stream-groups
+        --use-sharp --sharp-enabled-group --high-priority-stream-groups
         --distributed-timeout-seconds-after-init --flight-recorder-dump-path
         --flight-recorder-trace-buffer-size --no-flight-recorder-dump-on-timeout
         --disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace
@@ -363,7 +364,7 @@ REFUSED = {
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
         --disable-strict-fsdp-dtensor-load --dist-ckpt-save-pre-mcore-014
         --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient --replication
-        --replication-jump --replication-factor --verify-integrity --no-stream-ckpt-dequant
+        --replication-jump --replication-factor --no-stream-ckpt-dequant
         --disable-stream-ckpt-dequant --no-save-optim --no-save-rng --override-ckpt-iteration
         --dist-ckpt-format
     """),
