@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from chimera_schedules.tools.planner import Precision, model_state_bytes
@@ -69,17 +70,23 @@ def test_chimera_checkpoint_loads_into_one_process(uninterrupted, corpus):
 
 
 def test_crash_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
-    save = tmp_path / "crash"
+    """A rank killed mid-save leaves the previous checkpoint the latest; one process resumes it. That run
+    saves --ckpt-format torch (iteration 3), which Megatron-LM's own load_checkpoint reads into a plain
+    GPTModel: its loss on batch 3 is the loss the run logged at iteration 4."""
+    save, legacy = tmp_path / "crash", tmp_path / "legacy"
     faulty = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt.py with fault_hooks.py
     proc = run(2, *faulty, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2")[1:],
                env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
     assert proc.returncode != 0
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
-    resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
-                                   "--use-checkpoint-opt_param-scheduler"))
+    resumed = run(1, *train_args(corpus, "--load", str(save), "--use-checkpoint-opt_param-scheduler",
+                                   "--ckpt-format", "torch", "--no-save-optim", "--save", str(legacy),
+                                   "--save-interval", "3", "--eval-iters", "0"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
-    assert list(losses(resumed)) == [3]
+    assert list(losses(resumed)) == [3, 4]
+    assert probe("load", str(legacy), "--", *train_args(corpus)[1:], "--probe-batch", "3", "--probe-step", "3") \
+        == losses(resumed)[4]
 
 
 def probe(*argv: str) -> str:
@@ -135,8 +142,8 @@ def four_ranks(corpus, tmp_path_factory):
 def two_ranks(corpus, tmp_path_factory):
     """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
     profiled run last, so that no profiler is left on for another case."""
-    mcore, fp16, distopt, traces, mtp = (tmp_path_factory.mktemp(n)
-                                         for n in ("mcore", "fp16", "distopt", "traces", "mtp"))
+    mcore, fp16, distopt, traces, mtp, legacy = (tmp_path_factory.mktemp(n)
+                                                 for n in ("mcore", "fp16", "distopt", "traces", "mtp", "legacy"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -155,6 +162,10 @@ def two_ranks(corpus, tmp_path_factory):
                                            "--load", str(mtp / "iter_0000002")),
         "mtp resumed even 1f1b": train_args(corpus, *MTP, "--pipeline-model-parallel-size", "2",
                                             "--pipeline-schedule", "1f1b", "--load", str(mtp / "iter_0000002")),
+        "torch format": train_args(corpus, *CHIMERA2, "--ckpt-format", "torch", "--no-save-optim", "--save",
+                                   str(legacy), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+        "torch format resumed": train_args(corpus, *CHIMERA2, "--load", str(legacy / "iter_0000002"), "--no-load-optim",
+                                           "--eval-iters", "0", "--train-iters", "3"),
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
         "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
@@ -209,6 +220,22 @@ def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     expected, runs, _, _ = two_ranks
     dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
+
+
+def test_torch_format_is_megatron_lms_per_rank_files_and_loads_back(two_ranks):
+    """--ckpt-format torch --no-save-optim: worker i writes its down-pipeline copy as pipeline rank i, in
+    the files Megatron-LM's legacy save writes (no optimizer state, so no LR scheduler either); loaded back
+    with --no-load-optim, iteration 3's loss, computed from the saved weights, is the uninterrupted one."""
+    runs = two_ranks[1]
+    saved, resumed = ok(runs, "torch format"), ok(runs, "torch format resumed")
+    folder = re.search(r"saved checkpoint at iteration 2 to (\S+)", saved.stdout).group(1)
+    assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001"], os.listdir(folder)
+    last = torch.load(os.path.join(folder, "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
+    assert sorted(last) == ["args", "checkpoint_version", "iteration", "model", "rng_state"], sorted(last)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in last["model"] and "output_layer.weight" in last["model"]
+    assert sorted(last["rng_state"][0]) == ["cuda_rng_state", "np_rng_state", "random_rng_state",
+                                            "rng_tracker_states", "torch_rng_state"], last["rng_state"]
+    assert losses(resumed) == {3: losses(saved)[3]}
 
 
 def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):

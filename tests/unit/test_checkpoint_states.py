@@ -53,3 +53,22 @@ def test_a_data_position_without_a_record_of_samples_counts_full_batches():
     position.load_state_dict({"iteration": 3, "consumed_samples": 20})  # a batch-size ramp-up
     assert position.consumed_samples == 20, position
     assert DataPosition.after(3, 8).state_dict() == {"iteration": 3, "consumed_samples": 24}
+
+
+@pytest.mark.parametrize("flags, world, said", [
+    (["--ckpt-format", "torch"], 1, "add --no-save-optim"),
+    (["--ckpt-format", "torch", "--no-save-optim", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "interleaved", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4", "--num-layers", "4"],
+     2,
+     "one stage per rank"),
+    (["--verify-integrity", "--ckpt-format", "torch", "--no-save-optim"], 1, "needs --ckpt-format torch_dist")])
+def test_what_the_torch_format_cannot_save_is_refused_before_start(tmp_path, capsys, flags, world, said):
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5"] + flags, world_size=world)
+    assert said in capsys.readouterr().err
+
+
+def test_the_spec_says_what_a_save_writes(tmp_path):
+    spec = CheckpointSpec.from_args(parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5", "--ckpt-format",
+                                                       "torch", "--no-save-optim"], world_size=1))
+    assert (spec.format, spec.save_optimizer, spec.verify_integrity) == ("torch", False, False), spec

@@ -208,8 +208,9 @@ def _validate_run(args) -> None:
             require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
     require(not args.save or args.save_interval, "--save-interval", args.save_interval,
             "is required with --save (Megatron-LM's rule)")
-    require(args.ckpt_format == "torch_dist" or not args.save, "--ckpt-format", args.ckpt_format,
-            "is read, not written: --save writes torch_dist (loading detects the format)")
+    require(args.ckpt_format == "torch_dist" or not args.save or args.no_save_optim, "--ckpt-format", args.ckpt_format,
+            "is written without the optimizer state only (Megatron-LM keys it by its own parameter groups, which "
+            "this trainer does not reproduce): add --no-save-optim, or save torch_dist")
     require(not args.verify_integrity or args.ckpt_format == "torch_dist", "--verify-integrity", True,
             "needs --ckpt-format torch_dist (Megatron-LM's rule: the torch format has no integrity manifest)")
     _validate_data(args)
@@ -280,6 +281,11 @@ def _validate_layout(args) -> None:
             "cannot be combined with --num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
     request = schedule_request(args)
     stages = model_stages(args, request)
+    if args.save and args.ckpt_format == "torch":  # legacy_save.py: Megatron-LM's per-rank files
+        require(stages == pp, "--ckpt-format", "torch", f"--pipeline-schedule {name} runs {stages} model stages on "
+                f"{pp} pipeline ranks; Megatron-LM's torch format holds one stage per rank (save torch_dist)")
+        require(args.expert_model_parallel_size == 1, "--ckpt-format", "torch",
+                "is not written with --expert-model-parallel-size > 1 (save torch_dist)")
     if args.balance_pipeline_layout:
         args.pipeline_model_parallel_layout = str(balanced_layout(args, stages, request))
     _check_mtp(args, stage_layout(args, stages), request)

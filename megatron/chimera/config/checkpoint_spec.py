@@ -17,7 +17,9 @@ class CheckpointSpec:
     ``finetune``). ``strictness``: --dist-ckpt-strictness, megatron-core's handling of keys the checkpoint
     and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout.
     ``verify_integrity``: --verify-integrity, megatron-core's integrity manifest written at a save and
-    checked at a load (checkpoint/integrity.py)."""
+    checked at a load (checkpoint/integrity.py). ``format``: --ckpt-format, what --save writes (a load
+    detects the format). ``save_optimizer``: not --no-save-optim, whether a save holds the optimizer state
+    and the LR scheduler."""
 
     save: str | None
     save_interval: int | None
@@ -29,10 +31,13 @@ class CheckpointSpec:
     strictness: str
     schedule: str
     verify_integrity: bool
+    format: str
+    save_optimizer: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSpec:
         return cls(save=args.save, save_interval=args.save_interval, load=args.load, fresh_start=args.fresh_start,
                    finetune=args.finetune, load_optimizer=not (args.finetune or args.no_load_optim),
                    load_rng=not (args.finetune or args.no_load_rng), strictness=args.dist_ckpt_strictness,
-                   schedule=args.pipeline_schedule, verify_integrity=args.verify_integrity)
+                   schedule=args.pipeline_schedule, verify_integrity=args.verify_integrity,
+                   format=args.ckpt_format, save_optimizer=not args.no_save_optim)

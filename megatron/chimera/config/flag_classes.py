@@ -64,7 +64,7 @@ HONOURED = _flags("""
     --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
     --window-size --window-attn-skip-freq --softmax-type --quick-geglu --glu-linear-offset
     --activation-func-clamp-value --enable-experimental --disable-bf16-reduced-precision-matmul
-    --verify-integrity --disable-gloo-process-groups
+    --verify-integrity --disable-gloo-process-groups --no-save-optim
 """)
 
 NO_EFFECT = {
@@ -365,7 +365,7 @@ REFUSED = {
         --disable-strict-fsdp-dtensor-load --dist-ckpt-save-pre-mcore-014
         --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient --replication
         --replication-jump --replication-factor --no-stream-ckpt-dequant
-        --disable-stream-ckpt-dequant --no-save-optim --no-save-rng --override-ckpt-iteration
+        --disable-stream-ckpt-dequant --no-save-rng --override-ckpt-iteration
         --dist-ckpt-format
     """),
     'validation runs --eval-iters global batches every --eval-interval; other modes are not supported yet': _flags("""
