@@ -217,6 +217,7 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
 
 
 def _write_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args, tmp: str) -> None:
+    """Collective: every rank's part of a torch_dist checkpoint into ``tmp``, through megatron-core."""
     state = _megatron_layout(states, spec, rt, megatron_args)
     _synchronous_writer()
     # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
