@@ -198,6 +198,15 @@ def test_every_process_group_waits_as_long_as_the_flag_says(one_process_group):
             == [30.0] * len(groups))
 
 
+def test_megatron_core_makes_gloo_groups_unless_disable_gloo_process_groups(one_process_group):
+    """Megatron-LM's --disable-gloo-process-groups: megatron-core creates no gloo groups beside its others
+    (nothing of ours uses them). Default last, so later tests find megatron-core's usual state."""
+    for flags, created in ((["--disable-gloo-process-groups"], False), ([], True)):
+        args = parse_args([*MODEL, *flags], world_size=1)
+        setup_parallel(ParallelDims.from_args(args), make_run_plan(args), "gloo", torch.device("cpu"))
+        assert (parallel_state._DATA_PARALLEL_GROUP_GLOO is not None) == created, f"{flags}: gloo group {not created}"
+
+
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
 
 

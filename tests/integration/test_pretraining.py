@@ -34,7 +34,7 @@ FAULTY = ["-m", "megatron.chimera.testing.pretrain_with_faults"]  # pretrain_gpt
 def uninterrupted(corpus, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt") / "a"
     wandb = {f"WANDB_{d}_DIR": str(save.parent / "wandb_home") for d in ("CONFIG", "CACHE", "DATA")}
-    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2",
+    proc = run(2, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2", "--verify-integrity",
                               "--tensorboard-dir", str(save.parent / "tb"), *SERIES, *ASYNC,
                               "--wandb-save-dir", str(save.parent / "wandb")), env={"WANDB_MODE": "offline", **wandb})
     return proc, save
@@ -47,7 +47,9 @@ def test_uninterrupted_run_logs_like_megatron(uninterrupted):
     assert {int(i) for i, _ in VALID.findall(proc.stdout)} == {2, 4}
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     files = os.listdir(save / "iter_0000002")  # megatron-core 0.19's torch_dist files, and our manifest
-    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "manifest.json", "metadata.json"}
+    # integrity.json: megatron-core's manifest, written with --verify-integrity
+    assert {f for f in files if not f.endswith(".distcp")} == {".metadata", "manifest.json", "metadata.json",
+                                                               "integrity.json"}
     assert {f.split("_")[2] for f in files if f.endswith(".distcp")} == {"0", "1"}  # written by both ranks
     written = os.listdir(save.parent / "tb")
     assert any(f.startswith("events.out.tfevents") for f in written), f"no TensorBoard event file in {written}"
@@ -98,7 +100,9 @@ def test_resume_in_a_new_launch_repeats_the_uninterrupted_losses(uninterrupted, 
     resume = tmp_path / "resume"
     shutil.copytree(save / "iter_0000002", resume / "iter_0000002")
     (resume / "latest_checkpointed_iteration.txt").write_text("2")
-    again = run(2, *train_args(corpus, *CHIMERA2, "--load", str(resume)))
+    # without megatron-core's gloo groups beside the others, which nothing of ours uses
+    again = run(2, *train_args(corpus, *CHIMERA2, "--load", str(resume), "--verify-integrity",
+                               "--disable-gloo-process-groups"))
     assert "loaded checkpoint" in again.stdout
     assert losses(again) == {3: losses(proc)[3], 4: losses(proc)[4]}
     assert VALID.findall(again.stdout)[-1] == VALID.findall(proc.stdout)[-1]
@@ -116,8 +120,10 @@ def test_crash_while_an_async_save_is_in_flight_keeps_the_previous_one(corpus, t
     """--async-save: checkpoint 2 is published once its writers are done, while training goes on; every rank
     dies while checkpoint 4, written in the background, is being finalised, before it is published. A new
     launch resumes from checkpoint 2. (A synchronous save publishes through the same steps, at once:
-    tests/unit/test_recipe_flags_loop.py fails one before it is published.)"""
-    save = tmp_path / "crash"
+    tests/unit/test_recipe_flags_loop.py fails one before it is published.) That run saves --ckpt-format
+    torch (iteration 3), which Megatron-LM's own load_checkpoint reads into a plain GPTModel: its loss on
+    batch 3 is the loss the run logged at iteration 4."""
+    save, legacy = tmp_path / "crash", tmp_path / "legacy"
     proc = run(2, *FAULTY, *train_args(corpus, *CHIMERA2, "--save", str(save), "--save-interval", "2", *ASYNC)[1:],
                env={"CHIMERA_TEST_KILL_DURING_SAVE": "4"}, check=False)
     assert proc.returncode != 0
@@ -126,10 +132,13 @@ def test_crash_while_an_async_save_is_in_flight_keeps_the_previous_one(corpus, t
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
     written = set(os.listdir(save / "iter_0000004.tmp"))  # every file but our manifest, which publishing writes
     assert written == set(os.listdir(save / "iter_0000002")) - {"manifest.json"}, written
-    resumed = run(1, *train_args(corpus, "--load", str(save), "--train-iters", "3",
-                                   "--use-checkpoint-opt_param-scheduler"))
+    resumed = run(1, *train_args(corpus, "--load", str(save), "--use-checkpoint-opt_param-scheduler",
+                                   "--ckpt-format", "torch", "--no-save-optim", "--save", str(legacy),
+                                   "--save-interval", "3", "--eval-iters", "0"))
     assert "loaded checkpoint from" in resumed.stdout and "at iteration 2" in resumed.stdout
-    assert list(losses(resumed)) == [3]
+    assert list(losses(resumed)) == [3, 4]
+    assert probe("load", str(legacy), "--", *train_args(corpus)[1:], "--probe-batch", "3", "--probe-step", "3") \
+        == losses(resumed)[4]
 
 
 def probe(*argv: str) -> str:
@@ -140,9 +149,11 @@ def probe(*argv: str) -> str:
 def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupted, corpus):
     """Megatron-LM's own load_checkpoint of the Chimera run's --save directory (iteration 2, as its
     --ckpt-step picks) into a plain GPTModel: its loss on batch 2 is the loss Chimera logged at
-    iteration 3, the first one computed from the iteration-2 weights."""
+    iteration 3, the first one computed from the iteration-2 weights. With --verify-integrity, megatron-core
+    checks the files against the integrity manifest Chimera's save wrote."""
     proc, save = uninterrupted
-    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2") \
+    assert probe("load", str(save), "--", *train_args(corpus)[1:], "--probe-batch", "2", "--probe-step", "2",
+                 "--verify-integrity") \
         == losses(proc)[3]
 
 
@@ -184,8 +195,8 @@ def four_ranks(corpus, tmp_path_factory):
 def two_ranks(corpus, tmp_path_factory):
     """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
     profiled run last, so that no profiler is left on for another case."""
-    mcore, fp16, distopt, traces, mtp = (tmp_path_factory.mktemp(n)
-                                         for n in ("mcore", "fp16", "distopt", "traces", "mtp"))
+    mcore, fp16, distopt, traces, mtp, legacy = (tmp_path_factory.mktemp(n)
+                                                 for n in ("mcore", "fp16", "distopt", "traces", "mtp", "legacy"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -204,6 +215,10 @@ def two_ranks(corpus, tmp_path_factory):
                                            "--load", str(mtp / "iter_0000002")),
         "mtp resumed even 1f1b": train_args(corpus, *MTP, "--pipeline-model-parallel-size", "2",
                                             "--pipeline-schedule", "1f1b", "--load", str(mtp / "iter_0000002")),
+        "torch format": train_args(corpus, *CHIMERA2, "--ckpt-format", "torch", "--no-save-optim", "--save",
+                                   str(legacy), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+        "torch format resumed": train_args(corpus, *CHIMERA2, "--load", str(legacy / "iter_0000002"), "--no-load-optim",
+                                           "--eval-iters", "0", "--train-iters", "3"),
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
         "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
@@ -258,6 +273,22 @@ def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     expected, runs, _, _ = two_ranks
     dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
+
+
+def test_torch_format_is_megatron_lms_per_rank_files_and_loads_back(two_ranks):
+    """--ckpt-format torch --no-save-optim: worker i writes its down-pipeline copy as pipeline rank i, in
+    the files Megatron-LM's legacy save writes (no optimizer state, so no LR scheduler either); loaded back
+    with --no-load-optim, iteration 3's loss, computed from the saved weights, is the uninterrupted one."""
+    runs = two_ranks[1]
+    saved, resumed = ok(runs, "torch format"), ok(runs, "torch format resumed")
+    folder = re.search(r"saved checkpoint at iteration 2 to (\S+)", saved.stdout).group(1)
+    assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001"], os.listdir(folder)
+    last = torch.load(os.path.join(folder, "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
+    assert sorted(last) == ["args", "checkpoint_version", "iteration", "model", "rng_state"], sorted(last)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in last["model"] and "output_layer.weight" in last["model"]
+    assert sorted(last["rng_state"][0]) == ["cuda_rng_state", "np_rng_state", "random_rng_state",
+                                            "rng_tracker_states", "torch_rng_state"], last["rng_state"]
+    assert losses(resumed) == {3: losses(saved)[3]}
 
 
 def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):

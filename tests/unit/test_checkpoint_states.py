@@ -76,3 +76,22 @@ def test_save_retain_interval_removes_the_previous_checkpoint_unless_a_multiple(
         _publish(str(tmp), str(tmp_path / f"iter_{iteration:07d}"), str(tmp_path), iteration, 4)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000008", LATEST]
     assert (tmp_path / LATEST).read_text() == "8"
+
+
+@pytest.mark.parametrize("flags, world, said", [
+    (["--ckpt-format", "torch"], 1, "add --no-save-optim"),
+    (["--ckpt-format", "torch", "--no-save-optim", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "interleaved", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4", "--num-layers", "4"],
+     2,
+     "one stage per rank"),
+    (["--verify-integrity", "--ckpt-format", "torch", "--no-save-optim"], 1, "needs --ckpt-format torch_dist")])
+def test_what_the_torch_format_cannot_save_is_refused_before_start(tmp_path, capsys, flags, world, said):
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5"] + flags, world_size=world)
+    assert said in capsys.readouterr().err
+
+
+def test_the_spec_says_what_a_save_writes(tmp_path):
+    spec = CheckpointSpec.from_args(parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5", "--ckpt-format",
+                                                       "torch", "--no-save-optim"], world_size=1))
+    assert (spec.format, spec.save_optimizer, spec.verify_integrity) == ("torch", False, False), spec

@@ -67,7 +67,7 @@ def test_flag_table_is_generated_from_the_classes():
     (["--num-experts", "8", "--disable-bias-linear", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format=hybrid: GPU-only: FP8 and FP4 need Transformer Engine on a GPU"),
     (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
-    (["--no-save-optim"], "--no-save-optim=True: a checkpoint option this trainer does not implement"),
+    (["--no-save-rng"], "--no-save-rng=True: a checkpoint option this trainer does not implement"),
     (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: Transformer Engine's tensor-parallel"),
     (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam only"),
     (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: pretrain_gpt.py runs constant, linear, cosine"),

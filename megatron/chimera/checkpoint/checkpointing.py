@@ -9,9 +9,9 @@
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
 checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
 and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
-files are read too (legacy.py). What is saved and loaded is a mapping of named states (states.py), placed
-where Megatron-LM's checkpoints keep them; these functions see the states, a CheckpointSpec and the
-process-group runtime, never the trainer.
+files are read too (legacy.py), and written with --ckpt-format torch (legacy_save.py). What is saved
+and loaded is a mapping of named states (states.py), placed where Megatron-LM's checkpoints keep them;
+these functions see the states, a CheckpointSpec and the process-group runtime, never the trainer.
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
@@ -43,8 +43,10 @@ from megatron.training.training import preprocess_common_state_dict
 from ..config.checkpoint_spec import CheckpointSpec
 from .async_saves import WriteResults
 from .format import CheckpointError, digest, safe_globals
+from .integrity import verify as verify_integrity
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
+from .legacy_save import save_legacy
 from .states import State, StateMismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -205,48 +207,66 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _megatron_layout(states, spec, rt, megatron_args)
+    finish = partial(_finish, tmp, final, spec, iteration, on_written=on_written, on_published=on_published)
+    if spec.format == "torch":  # Megatron-LM's legacy per-rank files, written at once
+        save_legacy(states["model"], rt, tmp, _common(states, megatron_args))
+        finish(results=None)
+        return final
     results = filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
-    # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
-    # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
-    # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
-    # unchanged state, args included.
-    request = dist_checkpointing.save(state, tmp, async_sharded_save=saves is not None, async_strategy="mcore",
-                                      preprocess_common_before_consistancy_check=preprocess_common_state_dict)
-    finish = partial(_finish, tmp, final, spec, iteration, results, on_written, on_published)
+    request = _write_dist(states, spec, rt, megatron_args, tmp, asynchronous=saves is not None)
     if saves is None:
-        finish()
+        finish(results=results)
     else:
-        request.add_finalize_fn(finish)
+        request.add_finalize_fn(partial(finish, results=results))
         saves.schedule_async_request(request)
     return final
 
 
-def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, results: WriteResults,
+def _write_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args, tmp: str, asynchronous: bool):
+    """Collective: every rank's part of a torch_dist checkpoint into ``tmp``, through megatron-core; the
+    asynchronous request to schedule, with ``asynchronous``."""
+    state = _megatron_layout(states, spec, rt, megatron_args)
+    # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
+    # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
+    # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
+    # unchanged state, args included.
+    return dist_checkpointing.save(state, tmp, async_sharded_save=asynchronous, async_strategy="mcore",
+                                   preprocess_common_before_consistancy_check=preprocess_common_state_dict,
+                                   verify_integrity=spec.verify_integrity)
+
+
+def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, results: WriteResults | None,
             on_written: Callable[[], None], on_published: Callable[[str], None]) -> None:
     """Collective, once every rank's files are written: publish the checkpoint, with the digests each rank's
     writer took of its files (so rank 0 reads only the files written at finalisation)."""
     on_written()
     digests = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(results.digests, digests, dst=0)
+    dist.gather_object(results.digests if results else {}, digests, dst=0)
     if dist.get_rank() == 0:
         _publish(tmp, final, spec.save, iteration, spec.retain_interval, {k: v for d in digests for k, v in d.items()})
     dist.barrier()
     on_published(final)
 
 
-def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args) -> dict:
-    """The named states where Megatron-LM's checkpoints keep them, with its metadata and our layout."""
-    models = states["model"].sharded_state_dict()
-    optimizer = states["optimizer"].sharded_state_dict(models)
-    if "grad_scaler" in states:
-        optimizer["grad_scaler"] = states["grad_scaler"].state_dict()
+def _common(states: Mapping[str, State], megatron_args) -> dict:
+    """What every Megatron-LM checkpoint holds beside the tensors: the iteration, its version, the args."""
     position = states["data"].state_dict()
-    return {**models, "optimizer": optimizer, "rng_state": states["rng"].sharded_state_dict(),
-            "iteration": position["iteration"], "checkpoint_version": CHECKPOINT_VERSION,
-            "args": _saved_args(megatron_args, position["consumed_samples"]),
-            "opt_param_scheduler": states["lr_scheduler"].state_dict(),
-            "layout": {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
+    return {"iteration": position["iteration"], "checkpoint_version": CHECKPOINT_VERSION,
+            "args": _saved_args(megatron_args, position["consumed_samples"])}
+
+
+def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args) -> dict:
+    """The named states where Megatron-LM's checkpoints keep them, with its metadata and our layout; without
+    the optimizer and LR scheduler with --no-save-optim, as Megatron-LM leaves them out."""
+    models = states["model"].sharded_state_dict()
+    state = {**models, "rng_state": states["rng"].sharded_state_dict(), **_common(states, megatron_args),
+             "layout": {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
+    if spec.save_optimizer:
+        optimizer = states["optimizer"].sharded_state_dict(models)
+        if "grad_scaler" in states:
+            optimizer["grad_scaler"] = states["grad_scaler"].state_dict()
+        state.update(optimizer=optimizer, opt_param_scheduler=states["lr_scheduler"].state_dict())
+    return state
 
 
 class _NotAsync(logging.Filter):
@@ -308,11 +328,13 @@ def load_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt) -> No
     place): the weights; unless --finetune / --no-load-optim / --no-load-rng say otherwise, the optimizer,
     loss scale and LR scheduler and (same layout only) the RNG states; the data position, 0 with --finetune."""
     folder, fmt = find_checkpoint(spec.load)
+    _verified_by_rank0(folder, spec.load)
     if fmt == "torch":
         common = load_legacy(states["model"].chunks, rt.tp, rt.tp_rank, folder, spec.load)
         states["model"].weights_loaded()
     else:
-        _verified_by_rank0(folder, spec.load)
+        if spec.verify_integrity:
+            verify_integrity(folder, spec.load)
         common = _load_dist(states, spec, rt, folder)
     if spec.load_optimizer and "opt_param_scheduler" in common:
         states["lr_scheduler"].load_state_dict(common["opt_param_scheduler"])

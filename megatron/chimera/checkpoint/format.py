@@ -7,9 +7,11 @@ import hashlib
 import io
 import os
 
+import numpy as np
 import torch
 from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
 from megatron.core.transformer.enums import AttnBackend, ModelType
+from numpy._core.multiarray import _reconstruct
 
 from chimera_schedules import ConfigError
 
@@ -23,9 +25,10 @@ class CheckpointError(ConfigError):
 
 def safe_globals():
     """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
-    weights_only unpickler (which runs no code)."""
+    weights_only unpickler (which runs no code); numpy's array for the legacy files' ``np_rng_state``."""
     return torch.serialization.safe_globals([argparse.Namespace, io.BytesIO, AttnBackend, ModelType,
-                                             RerunDiagnostic, RerunMode, RerunState])
+                                             RerunDiagnostic, RerunMode, RerunState, _reconstruct, np.ndarray,
+                                             np.dtype, np.dtypes.UInt32DType])
 
 
 def digest(path: str) -> dict:

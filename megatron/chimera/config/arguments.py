@@ -28,6 +28,7 @@ from chimera_schedules.registry import check_options
 
 from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
 from ..checkpoint.format import safe_globals
+from ..checkpoint.integrity import unverifiable
 from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
@@ -215,8 +216,11 @@ def _validate_run(args) -> None:
             require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
     require(not args.save or args.save_interval, "--save-interval", args.save_interval,
             "is required with --save (Megatron-LM's rule)")
-    require(args.ckpt_format == "torch_dist" or not args.save, "--ckpt-format", args.ckpt_format,
-            "is read, not written: --save writes torch_dist (loading detects the format)")
+    require(args.ckpt_format == "torch_dist" or not args.save or args.no_save_optim, "--ckpt-format", args.ckpt_format,
+            "is written without the optimizer state only (Megatron-LM keys it by its own parameter groups, which "
+            "this trainer does not reproduce): add --no-save-optim, or save torch_dist")
+    require(not args.verify_integrity or args.ckpt_format == "torch_dist", "--verify-integrity", True,
+            "needs --ckpt-format torch_dist (Megatron-LM's rule: the torch format has no integrity manifest)")
     _validate_data(args)
     require(args.seq_length <= args.max_position_embeddings, "--seq-length", args.seq_length,
             f"must not exceed --max-position-embeddings ({args.max_position_embeddings})")
@@ -301,6 +305,11 @@ def _validate_layout(args) -> None:
             "cannot be combined with --num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
     request = schedule_request(args)
     stages = model_stages(args, request)
+    if args.save and args.ckpt_format == "torch":  # legacy_save.py: Megatron-LM's per-rank files
+        require(stages == pp, "--ckpt-format", "torch", f"--pipeline-schedule {name} runs {stages} model stages on "
+                f"{pp} pipeline ranks; Megatron-LM's torch format holds one stage per rank (save torch_dist)")
+        require(args.expert_model_parallel_size == 1, "--ckpt-format", "torch",
+                "is not written with --expert-model-parallel-size > 1 (save torch_dist)")
     if args.balance_pipeline_layout:
         args.pipeline_model_parallel_layout = str(balanced_layout(args, stages, request))
     _check_mtp(args, stage_layout(args, stages), request)
@@ -642,6 +651,9 @@ def _validate_checkpoint(args) -> None:
     check_sizes(folder, args.load)
     common = read_common(folder, fmt, args.load)
     check_shape(args, common, args.load)
+    if args.verify_integrity:
+        reason = unverifiable(folder, fmt)
+        require(reason is None, "--verify-integrity", True, reason)
     loads_optimizer = not (args.finetune or args.no_load_optim)
     require(fmt != "torch" or not loads_optimizer, "--load", args.load,
             "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")

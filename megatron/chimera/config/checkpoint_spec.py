@@ -18,7 +18,11 @@ class CheckpointSpec:
     and the model do not share. ``schedule``: --pipeline-schedule, recorded in the checkpoint's layout.
     ``async_save``: --async-save, which Megatron-LM's validate_args keeps only with --use-persistent-ckpt-worker
     (checkpoint/async_saves.py). ``retain_interval``: --save-retain-interval, as Megatron-LM: a save removes
-    the checkpoint before it unless that one's iteration is a multiple of it."""
+    the checkpoint before it unless that one's iteration is a multiple of it.
+    ``verify_integrity``: --verify-integrity, megatron-core's integrity manifest written at a save and
+    checked at a load (checkpoint/integrity.py). ``format``: --ckpt-format, what --save writes (a load
+    detects the format). ``save_optimizer``: not --no-save-optim, whether a save holds the optimizer state
+    and the LR scheduler."""
 
     save: str | None
     save_interval: int | None
@@ -31,6 +35,9 @@ class CheckpointSpec:
     schedule: str
     async_save: bool
     retain_interval: int | None
+    verify_integrity: bool
+    format: str
+    save_optimizer: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointSpec:
@@ -38,4 +45,5 @@ class CheckpointSpec:
                    finetune=args.finetune, load_optimizer=not (args.finetune or args.no_load_optim),
                    load_rng=not (args.finetune or args.no_load_rng), strictness=args.dist_ckpt_strictness,
                    schedule=args.pipeline_schedule, async_save=args.async_save,
-                   retain_interval=args.save_retain_interval)
+                   retain_interval=args.save_retain_interval, verify_integrity=args.verify_integrity,
+                   format=args.ckpt_format, save_optimizer=not args.no_save_optim)

@@ -73,6 +73,7 @@ HONOURED = _flags("""
     --deterministic-mode --apply-query-key-layer-scaling --attention-output-gate --squared-relu --qk-l2-norm
     --embedding-init-method-std --no-rope-freq --apply-wd-to-qk-layernorm
     --no-weight-decay-cond-type --te-rng-tracker
+    --verify-integrity --disable-gloo-process-groups --no-save-optim
 """)
 
 NO_EFFECT = {
@@ -177,7 +178,7 @@ REFUSED = {
     'a data-parallel or process-group option this trainer does not implement': _flags("""
         --tensor-parallel-num-weight-shards --no-initialization --no-align-grad-reduce
         --disable-align-grad-reduce --lazy-mpu-init --nccl-communicator-config-path --use-tp-pp-dp-mapping
-        --disable-gloo-process-groups --use-sharp --sharp-enabled-group --high-priority-stream-groups
+        --use-sharp --sharp-enabled-group --high-priority-stream-groups
         --distributed-timeout-seconds-after-init --flight-recorder-dump-path
         --flight-recorder-trace-buffer-size --no-flight-recorder-dump-on-timeout
         --disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace
@@ -409,8 +410,8 @@ REFUSED = {
         --no-ckpt-load-validate-sharding-integrity
         --disable-ckpt-load-validate-sharding-integrity --no-strict-fsdp-dtensor-load
         --disable-strict-fsdp-dtensor-load --dist-ckpt-save-pre-mcore-014
-        --replication --replication-jump --replication-factor --verify-integrity --no-stream-ckpt-dequant
-        --disable-stream-ckpt-dequant --no-save-optim --no-save-rng --override-ckpt-iteration
+        --replication --replication-jump --replication-factor --no-stream-ckpt-dequant
+        --disable-stream-ckpt-dequant --no-save-rng --override-ckpt-iteration
         --dist-ckpt-format
     """),
     'validation runs --eval-iters global batches every --eval-interval; other modes are not supported yet': _flags("""

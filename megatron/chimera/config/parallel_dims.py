@@ -14,7 +14,8 @@ class ParallelDims:
     where there is a GPU). ``num_experts``, ``moe_dispatcher`` and ``moe_global_reduction`` (a z-loss or
     a global auxiliary loss, reduced over the tensor-data-and-context-parallel group) say which of
     megatron-core's MoE groups the run uses; ``tied_embeddings`` whether the output layer shares the
-    word embedding (its copies form the embedding group)."""
+    word embedding (its copies form the embedding group). ``gloo_groups``: not --disable-gloo-process-groups,
+    whether megatron-core creates its gloo process groups beside the others."""
 
     world: int
     tp: int
@@ -32,6 +33,7 @@ class ParallelDims:
     moe_dispatcher: str | None
     moe_global_reduction: bool
     tied_embeddings: bool
+    gloo_groups: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelDims:
@@ -45,7 +47,7 @@ class ParallelDims:
             p2p_host_staging=args.p2p_host_staging, emulate_nccl=args.emulate_nccl, num_experts=args.num_experts,
             moe_dispatcher=args.moe_token_dispatcher_type,
             moe_global_reduction=bool(args.moe_z_loss_coeff) or "global_aux_loss" in balancing,
-            tied_embeddings=not args.untie_embeddings_and_output_weights)
+            tied_embeddings=not args.untie_embeddings_and_output_weights, gloo_groups=args.use_gloo_process_groups)
 
     @property
     def expert_groups(self) -> bool:

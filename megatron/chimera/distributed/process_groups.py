@@ -143,7 +143,8 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     timeout = dims.timeout_minutes
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
                                              distributed_timeout_minutes=timeout,
-                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
+                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+                                             create_gloo_process_groups=dims.gloo_groups)
     rank = dist.get_rank()
     rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
     tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)

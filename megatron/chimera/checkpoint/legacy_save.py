@@ -1,0 +1,56 @@
+"""--ckpt-format torch with --save: Megatron-LM's legacy per-rank files, as Megatron-LM with the same
+tensor parallelism and PP = D writes them.
+
+    SAVE/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt     (``_PPP`` when D > 1)
+
+Megatron-LM's pipeline rank p holds model stage p. Under Chimera worker i holds stage i of the down
+pipeline and stage D-1-i of the up one; the two copies of a stage are equal after every step, so worker
+i writes its down copy (pipeline 0) as pipeline rank i; under 1F1B pipeline 0 is the only one. Data-
+parallel rank 0 writes, as in Megatron-LM. Each file holds what Megatron-LM's ``generate_state_dict``
+puts there: ``model`` (the stage's state dict, its layers numbered from 0), ``args``,
+``checkpoint_version``, ``iteration``, and ``rng_state``, a list of this rank's generators as
+Megatron-LM's ``get_rng_state`` gives it without --data-parallel-random-init.
+
+No optimizer state: Megatron-LM keys the legacy one by its own parameter groups' order (and the
+distributed optimizer's ``distrib_optim.pt`` by its buffers' layout), which this trainer does not
+reproduce, so this format is written with --no-save-optim only (Megatron-LM then leaves out the LR
+scheduler too). checkpointing.py publishes the folder as it does a torch_dist one (manifest, rename,
+``latest``); legacy.py reads it.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+FILE = "model_optim_rng.pt"
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron-LM's ``get_checkpoint_name`` folder of a (tensor, pipeline) rank."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _rng_state() -> dict:
+    """This process's generators under Megatron-LM's names (an empty CUDA state without a CUDA generator)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8),
+            "rng_tracker_states": get_cuda_rng_tracker().get_states()}
+
+
+def save_legacy(model, rt, folder: str, common: dict) -> None:
+    """This rank's file in ``folder``, if it writes one: the down-pipeline chunk of ``model``
+    (states.py's ModelChunks) with ``common`` (iteration, args, checkpoint_version) and its RNG states."""
+    if rt.dp_rank != 0:
+        return
+    model.main.flush()  # pending parameter gathers (--overlap-param-gather) land in the weights first
+    down = [chunk for chunk, pipeline, _ in model.placed if pipeline == 0]
+    assert len(down) == 1, f"worker {rt.worker} holds {len(down)} down-pipeline stages; the torch format needs 1"
+    path = os.path.join(folder, rank_dir(rt.tp_rank, rt.worker, rt.pp))
+    os.makedirs(path, exist_ok=True)
+    torch.save({**common, "model": down[0].state_dict(), "rng_state": [_rng_state()]}, os.path.join(path, FILE))
