@@ -418,8 +418,6 @@ def _validate_architecture(args) -> None:
                 f"must be a multiple of --tensor-model-parallel-size ({tp})")
     require(args.rope_type in (None, "rope") or args.multi_latent_attention, "--rope-type", args.rope_type,
             "applies to --multi-latent-attention; standard attention runs rope (Megatron-LM's rule)")
-    require(not args.multi_latent_attention or args.tensor_model_parallel_size == 1, "--multi-latent-attention", True,
-            "with tensor parallelism is not supported yet")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     require(not (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None)
             or uses_transformer_engine(args.transformer_impl, device_type), "--qk-layernorm", True,

@@ -63,9 +63,9 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
         if rt.stage_groups.get(stage) is not None:
             rt.all_reduce(counts[stage], group=rt.stage_groups[stage])
     if counts and rt.tp > 1:
-        flat = torch.stack(list(counts.values()))
+        flat = torch.cat(list(counts.values()))  # stages may hold different numbers of MoE layers
         rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        counts = dict(zip(counts, flat))
+        counts = dict(zip(counts, flat.split([len(c) for c in counts.values()])))
     for stage, copies in by_stage.items():
         tokens = counts[stage]
         step = torch.sign(tokens.mean(dim=-1, keepdim=True) - tokens) * rate

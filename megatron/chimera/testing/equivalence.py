@@ -288,6 +288,8 @@ CASES = {
         "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
+        # multi-latent attention with tensor parallelism (MoE with TP takes Megatron-LM's sequence parallelism)
+        "deepseek-style chimera D=2 TP=2": ("deepseek-style", CHIMERA2 + TP2 + ["--sequence-parallel"]),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
     # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
