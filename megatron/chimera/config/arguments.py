@@ -195,6 +195,8 @@ def _validate_run(args) -> None:
                         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
                         ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations),
                         ("--exit-interval", args.exit_interval or 1),
+                        ("--check-weight-hash-across-dp-replicas-interval",
+                         _or(args.check_weight_hash_across_dp_replicas_interval, 1)),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins or 1)):
         require(value > 0, flag, value, "must be positive")
     for flag, value in (("--eval-iters", args.eval_iters), ("--lr", args.lr), ("--min-lr", args.min_lr),
@@ -469,6 +471,8 @@ def _validate_experts(args) -> None:
     require(not (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size)
             or args.moe_token_dispatcher_type == "alltoall", "--moe-shared-expert-overlap", True,
             "needs --moe-token-dispatcher-type alltoall (megatron-core's rule)")
+    require(args.moe_router_load_balancing_type != "sinkhorn" or not args.moe_aux_loss_coeff, "--moe-aux-loss-coeff",
+            args.moe_aux_loss_coeff, "must be 0 with --moe-router-load-balancing-type sinkhorn (megatron-core's rule)")
 
 
 def _require_documents(args, prefix: str) -> None:

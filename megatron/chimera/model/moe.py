@@ -93,14 +93,15 @@ def _tracked(config: TransformerConfig) -> list[str]:
     balancing = [balancing] if isinstance(balancing, str) else balancing
     return [name for name, on in (("load_balancing_loss", "aux_loss" in balancing),
                                   ("seq_load_balancing_loss", "seq_aux_loss" in balancing),
+                                  ("global_load_balancing_loss", "global_aux_loss" in balancing),
                                   ("z_loss", config.moe_z_loss_coeff is not None)) if on]
 
 
 def auxiliary_loss_fields(spec: ModelSpec, slots: int, num_microbatches: int, iteration: int) -> dict[str, float]:
     """After a training flush (collective): Megatron-LM's MoE log fields, ``load_balancing_loss``,
-    ``seq_load_balancing_loss`` and ``z_loss`` as its configuration tracks them, each the mean over
-    the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and averaged over the
-    data-parallel ones by megatron-core's tracker, which then clears."""
+    ``seq_load_balancing_loss``, ``global_load_balancing_loss`` and ``z_loss`` as its configuration tracks
+    them, each the mean over the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and
+    reduced over the data-parallel ones as megatron-core's tracker reduces each, which then clears."""
     config = spec.config
     names = _tracked(config)
     if not names:
