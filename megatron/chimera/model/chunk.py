@@ -426,11 +426,13 @@ def mark_tensor_parallel_sums(model, config) -> None:
     whatever the layer spec (local, Transformer Engine): megatron-core's finalize_model_grads rule.
     Under sequence parallelism, those its layers mark ``sequence_parallel`` (norms, row-parallel
     biases: each rank saw part of the sequence); with --qk-layernorm, the query and key norms, matched
-    by name (each rank normalised only its heads)."""
+    by name (each rank normalised only its heads). Not multi-latent attention's: its query norm normalises the
+    whole latent on every rank (megatron-core's rule, written for per-head norms, would count it TP times)."""
+    per_head = config.qk_layernorm and not config.multi_latent_attention
     for name, param in model.named_parameters():
         param.sums_over_tensor_parallel = bool(
             (config.sequence_parallel and getattr(param, "sequence_parallel", False))
-            or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+            or (per_head and ("q_layernorm" in name or "k_layernorm" in name)))
 
 
 def mark_per_head(model) -> None:
