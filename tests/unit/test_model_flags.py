@@ -100,9 +100,9 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
         module.register_parameter(leaf, torch.nn.Parameter(torch.ones(2)))
         getattr(module, leaf).sequence_parallel = sequence_parallel
 
-    def marks(sequence_parallel, qk_layernorm):
+    def marks(sequence_parallel, qk_layernorm, latent=False):
         mark_tensor_parallel_sums(model, SimpleNamespace(sequence_parallel=sequence_parallel,
-                                                         qk_layernorm=qk_layernorm))
+                                                         qk_layernorm=qk_layernorm, multi_latent_attention=latent))
         return {name.split(".", 3)[3] for name, p in model.named_parameters() if p.sums_over_tensor_parallel}
 
     assert marks(True, True) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias",
@@ -110,3 +110,5 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
     assert marks(False, True) == {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
     assert marks(True, False) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias"}
     assert marks(False, False) == set()
+    # multi-latent attention's query norm normalises the whole latent on every rank: summed only as its mark says
+    assert marks(False, True, latent=True) == set()
