@@ -1,6 +1,7 @@
 """Issue 42's flags in one process: megatron-core's global auxiliary loss (its running token counts restart
 every iteration, as Megatron-LM's finalize_model_grads restarts them; the startup line where pipelines split
-them), and --check-weight-hash-across-dp-replicas-interval's check of a rank's copies of a stage."""
+them), the expert bias of stages holding different numbers of MoE layers under tensor parallelism, and
+--check-weight-hash-across-dp-replicas-interval's check of a rank's copies of a stage."""
 import contextlib
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from megatron.chimera.distributed.weight_hashes import WeightHashMismatch, check
 from megatron.chimera.loop import Trainer
 from megatron.chimera.model.chunk import build_chunk
 from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.model.moe import update_expert_bias
 from megatron.chimera.observability.hooks import Hooks
 from megatron.chimera.observability.startup import print_global_aux_loss
 
@@ -87,3 +89,25 @@ def test_weight_hashes_name_a_ranks_differing_copies_of_a_stage(one_process_grou
     assert str(raised.value) == ("weight hashes differ after 2 iterations: stage 0 (tensor-parallel rank 0): the "
                                  "copies rank 0 holds differ from each other (first in "
                                  "decoder.layers.1.mlp.linear_fc2.weight)")
+
+
+class _Router(torch.nn.Module):
+    """What update_expert_bias reads of megatron-core's router: its token counts and expert bias."""
+
+    def __init__(self, counts: list[float]):
+        super().__init__()
+        self.local_tokens_per_expert = torch.tensor(counts)
+        self.expert_bias = torch.zeros(len(counts))
+
+
+def test_expert_bias_steps_stages_with_different_numbers_of_moe_layers_under_tensor_parallelism(one_process_group):
+    """The counts of every stage are all-reduced over TP in one tensor: stage 0 (a dense first layer) holds
+    fewer MoE layers than stage 1, as the DeepSeek-style layout at D=2 has."""
+    chunks = {(0, 0): torch.nn.Sequential(*[_Router([3.0, 1.0]) for _ in range(3)]),
+              (0, 1): torch.nn.Sequential(*[_Router([1.0, 3.0]) for _ in range(4)])}
+    reduced = []
+    rt = SimpleNamespace(tp=2, stage_groups={}, all_reduce=lambda t, group=None: reduced.append(t.shape))
+    update_expert_bias(chunks, rt, 0.5)
+    assert reduced == [torch.Size([7, 2])], f"all-reduced over TP: {reduced}"
+    assert [r.expert_bias.tolist() for r in chunks[(0, 0)]] == [[-0.5, 0.5]] * 3
+    assert [r.expert_bias.tolist() for r in chunks[(0, 1)]] == [[0.5, -0.5]] * 4

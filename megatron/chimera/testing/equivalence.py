@@ -99,8 +99,8 @@ SIGMOID_SHARED = ["--moe-router-score-function", "sigmoid", "--moe-shared-expert
 LATENT = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
           "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-channels", "8", "--qk-layernorm",
           "--rotary-percent", "1.0", "--mscale", "1.0", "--mscale-all-dim", "1.0"]
-# multi-latent attention on the dense GPT: with TP=2 and no sequence parallelism (MoE needs it), the path where each
-# tensor-parallel rank holds the whole latent (LatentSelfAttention, mark_tensor_parallel_sums)
+# multi-latent attention on the dense GPT, for tensor parallelism with and without sequence parallelism (the two
+# paths of LatentSelfAttention; without it each rank normalises the whole latent: mark_tensor_parallel_sums)
 VARIANTS["mla"] = LATENT + ["--position-embedding-type", "rope", "--normalization", "RMSNorm"]
 DENSE_GLU = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
              "--position-embedding-type", "rope", "--ffn-hidden-size", "64"]
@@ -308,9 +308,8 @@ CASES = {
         "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
-        # multi-latent attention with tensor parallelism (MoE with TP takes Megatron-LM's sequence parallelism)
-        "deepseek-style chimera D=2 TP=2": ("deepseek-style", CHIMERA2 + TP2 + ["--sequence-parallel"]),
         "mla chimera D=2 TP=2": ("mla", CHIMERA2 + TP2),
+        "mla chimera D=2 TP=2 sequence parallel": ("mla", CHIMERA2 + TP2 + ["--sequence-parallel"]),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
     # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
