@@ -6,10 +6,10 @@
 Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
 the reference in losses and in final weights, which copies of a stage (or of the tied embedding) were
-not bitwise identical after a step, what evaluation changed, what the hooks saw and what each chunk
-holds, each beside what was expected: the harness reports, the tests (tests/integration/test_training.py)
-assert. The one-process launch writes the references (losses, evaluation loss, final weights) per model
-variant.
+not bitwise identical after a step, what --check-weight-hash-across-dp-replicas-interval's check found,
+what evaluation changed, what the hooks saw and what each chunk holds, each beside what was expected:
+the harness reports, the tests (tests/integration/test_training.py) assert. The one-process launch writes
+the references (losses, evaluation loss, final weights) per model variant.
 """
 from __future__ import annotations
 
