@@ -6,6 +6,7 @@ import pytest
 import torch
 from megatron.training.training import num_floating_point_operations
 
+from megatron.chimera.config import arguments
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
@@ -112,3 +113,22 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
     assert marks(False, False) == set()
     # multi-latent attention's query norm normalises the whole latent on every rank: summed only as its mark says
     assert marks(False, True, latent=True) == set()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_multi_latent_attention_with_tensor_parallelism_in_transformer_engine_needs_sequence_parallelism(
+        capsys, monkeypatch, sequence_parallel):
+    """megatron-core 0.19's duplicated key-value down projection (Transformer Engine's) sums the key's position
+    gradient over TP only under sequence parallelism; its local layers are corrected (model/chunk.py)."""
+    monkeypatch.setattr(arguments, "uses_transformer_engine", lambda impl, device: True)
+    flags = BASE + ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+                    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--position-embedding-type", "rope",
+                    "--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] if sequence_parallel else [])
+    if sequence_parallel:
+        assert parse_args(flags, world_size=2).multi_latent_attention
+        return
+    with pytest.raises(SystemExit):
+        parse_args(flags, world_size=2)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pretrain_gpt.py: error: --sequence-parallel=False: is required with "
+                          "--multi-latent-attention and tensor parallelism in Transformer Engine's layers"), err

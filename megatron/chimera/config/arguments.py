@@ -421,6 +421,11 @@ def _validate_architecture(args) -> None:
     require(args.rope_type in (None, "rope") or args.multi_latent_attention, "--rope-type", args.rope_type,
             "applies to --multi-latent-attention; standard attention runs rope (Megatron-LM's rule)")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    require(not (args.multi_latent_attention and args.tensor_model_parallel_size > 1 and not args.sequence_parallel)
+            or not uses_transformer_engine(args.transformer_impl, device_type), "--sequence-parallel", False,
+            "is required with --multi-latent-attention and tensor parallelism in Transformer Engine's layers: "
+            "without it megatron-core 0.19's duplicated key-value down projection keeps only each rank's own heads' "
+            "share of the key's position gradient (megatron-core's local layers are corrected here)")
     require(not (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None)
             or uses_transformer_engine(args.transformer_impl, device_type), "--qk-layernorm", True,
             "with --multi-latent-attention and no --q-lora-rank normalises inside Transformer Engine's fused "
