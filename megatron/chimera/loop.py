@@ -17,10 +17,11 @@ from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.training import num_floating_point_operations, print_datetime
-from megatron.training.utils import print_rank_last
+from megatron.training.utils import print_rank_0, print_rank_last
 
 from chimera_schedules import ConfigError
 from chimera_schedules.ir.channels import stage_group
@@ -42,6 +43,7 @@ from .distributed.group_guard import guard_communicators
 from .distributed.process_groups import init_distributed, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
+from .distributed.weight_hashes import WeightHashMismatch, check_weight_hashes
 from .model.chunk import build_chunk, uses_transformer_engine
 from .model.moe import auxiliary_loss_fields, fresh_metrics, mtp_loss_fields, scale_auxiliary_losses, update_expert_bias
 from .observability.hooks import Hooks
@@ -49,6 +51,7 @@ from .observability.housekeeping import Housekeeping
 from .observability.series import Writers, params_norm, set_logging_level, validation_ppl
 from .observability.startup import (
     print_building,
+    print_global_aux_loss,
     print_layout,
     print_model_state,
     print_parameter_counts,
@@ -159,6 +162,7 @@ class Trainer:
         rt, spec, model = self.rt, self.job.train.optimizer, self.job.model
         print_building(model, uses_transformer_engine(model.config.transformer_impl, device.type), device.type)
         print_layout(self.plan)
+        print_global_aux_loss(model, rt)
         self.chunks = {key: build_chunk(model, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in self.held]
@@ -236,6 +240,9 @@ class Trainer:
         moe.update(mtp_loss_fields(model, self.rt, self.plan.microbatches))
         if model.config.moe_router_enable_expert_bias:
             update_expert_bias(self.chunks, self.rt, model.config.moe_router_bias_update_rate)
+        # as megatron-core's finalize_model_grads ends: the routers' counts of this iteration start afresh
+        # (global_aux_loss's running token counts, expert bias's)
+        reset_model_temporary_tensors(model.config, self.models)
         finite = math.isfinite(loss) and math.isfinite(norm)
         steps = finite or not (self.job.train.check_for_nan or self.scaler)
         zeros = self._step(norm, finite, steps)
@@ -300,6 +307,13 @@ class Trainer:
         timers("optimizer").stop()
         return zeros
 
+    def check_weight_hashes(self, iteration: int) -> None:
+        """--check-weight-hash-across-dp-replicas-interval (collective): every copy of every stage holds the same
+        weights, or WeightHashMismatch on every rank; Megatron-LM's line when they do."""
+        self.main.flush()  # --overlap-param-gather leaves the last gather to the next forward
+        check_weight_hashes(self.chunks, self.rt, iteration)
+        print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
+
     def optimizer_steps(self) -> int:
         steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
         return max(steps, default=0)
@@ -331,8 +345,8 @@ def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     owns_process_group = not dist.is_initialized()
     try:
         return _pretrain(job_config(args), forward_step_func, hooks, owns_process_group)
-    except (PipelineFault, ConfigError, TrainingStopped) as e:
-        if not isinstance(e, ScheduleMismatch) or dist.get_rank() == 0:  # a mismatch is raised on every rank
+    except (PipelineFault, ConfigError, TrainingStopped, WeightHashMismatch) as e:
+        if not isinstance(e, (ScheduleMismatch, WeightHashMismatch)) or dist.get_rank() == 0:  # raised on every rank
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # peers may be gone: no collective clean-up that could hang
@@ -431,6 +445,9 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
     finished ones are published at each iteration's end, as Megatron-LM does; after a NaN iteration (which
     may stop the run, naming the last checkpoint) or before an early exit, the one in flight too."""
     train = trainer.job.train
+    hashes = train.weight_hash_interval
+    if hashes:  # as Megatron-LM, once before training too
+        trainer.check_weight_hashes(first)
     for iteration in range(first, train.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
@@ -440,6 +457,8 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
             saves.maybe_finalize_async_calls(blocking=stats["nan"])
         housekeeping.after_iteration(done)
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
+        if hashes and done % hashes == 0:
+            trainer.check_weight_hashes(done)
         if train.eval_iters and (train.eval_interval and done % train.eval_interval == 0 or done == train.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)

@@ -185,7 +185,7 @@ def four_ranks(corpus, tmp_path_factory):
                                     "--pipeline-schedule", "1f1b", "--eval-iters", "0", "--train-iters", "3",
                                     "--make-vocab-size-divisible-by", "64", "--load", str(d4 / "iter_0000002")),
         "moe chimera EP=2": train_args(corpus, *MOE, *CHIMERA2, "--expert-model-parallel-size", "2", "--save", str(moe),
-                                       "--save-interval", "2"),
+                                       "--save-interval", "2", "--check-weight-hash-across-dp-replicas-interval", "2"),
         "moe 1f1b EP=1": train_args(corpus, *MOE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
                                     "--load", str(moe / "iter_0000002")),
     })
@@ -314,6 +314,15 @@ def test_moe_expert_parallel_chimera_checkpoint_resumes_at_ep1_under_1f1b(four_r
     for i in (3, 4):
         assert abs(float(losses(resumed)[i]) / float(losses(whole)[i]) - 1) < 1e-5
     assert "load_balancing_loss:" in resumed.stdout
+
+
+def test_weight_hashes_match_across_every_copy_as_megatron_lm_logs_it(four_ranks):
+    """--check-weight-hash-across-dp-replicas-interval 2 under Chimera D=2 x DP=2 x EP=2 (every copy of every
+    stage, both pipelines and both replicas, experts over their own groups): Megatron-LM's line before training
+    and every 2 iterations, once (rank 0's)."""
+    run = ok(four_ranks, "moe chimera EP=2")
+    lines = [line for line in run.stdout.splitlines() if line.startswith(">>> Weight hashes match")]
+    assert lines == [f">>> Weight hashes match after {i} iterations..." for i in (0, 2, 4)], lines
 
 
 def test_fp16_resume_repeats_losses_and_loss_scale(two_ranks):

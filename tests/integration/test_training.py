@@ -19,6 +19,8 @@ from megatron.chimera.testing.equivalence import (
     DROPPED_EXPERT,
     EVERY_PAIR,
     KAPPA_MAX,
+    PER_PIPELINE,
+    PLANTED_COPY,
     TOLERANCE,
     cases,
 )
@@ -104,7 +106,34 @@ def test_moe_log_fields_equal_the_one_process_reference(results):
     assert fields == ["load_balancing_loss", "z_loss"], f"mixtral chimera D=4 logs {fields}"
     fields = moe["deepseek-style chimera split D=2"]["moe_fields"]
     assert fields == ["seq_load_balancing_loss"], f"deepseek-style chimera split D=2 logs {fields}"
+    fields = moe["mixtral global aux loss chimera D=2"]["moe_fields"]
+    assert fields == ["global_load_balancing_loss", "z_loss"], f"mixtral global aux loss chimera D=2 logs {fields}"
     assert all(r["moe_rel"] <= TOLERANCE["fp32"][0] for r in moe.values()), {c: r["moe_rel"] for c, r in moe.items()}
+
+
+def test_global_aux_loss_under_chimera_is_one_process_restarting_its_counts_per_pipeline(results):
+    """megatron-core's global_aux_loss averages each router's token counts over the micro-batches it has run in
+    the iteration. Under 1F1B one copy runs them all in order: one process's (checked by the equivalence test).
+    Under Chimera each copy runs its own pipeline's half: it equals one process whose counts restart at the
+    second half (also checked there), and that differs from one process measurably (docs/moe.md)."""
+    plain, restarted = (results[f"reference {v}"]["losses"] for v in ("mixtral-global-aux", PER_PIPELINE))
+    apart = max(abs(a - b) / abs(b) for a, b in zip(plain, restarted))
+    assert apart > 5 * TOLERANCE["fp32"].losses, f"restarting the counts per pipeline changed the losses by {apart}"
+    assert results["mixtral global aux loss chimera D=2"]["loss_rel"] <= TOLERANCE["fp32"].losses
+
+
+def test_weight_hash_check_passes_everywhere_and_names_a_planted_difference(results):
+    """--check-weight-hash-across-dp-replicas-interval's check (every copy of every stage, both pipelines and
+    every data-parallel replica, experts over their own groups) finds nothing after any case; after one copy of
+    stage 0 is perturbed on one rank it fails in one line naming the stage and the ranks."""
+    failed = {case: results[case]["weight_hashes"]["trained"] for case in CASES
+              if results[case]["weight_hashes"]["trained"] is not None}
+    assert failed == {}, f"the weight-hash check failed after these cases: {failed}"
+    planted = results[PLANTED_COPY]["weight_hashes"]["planted"]
+    expected = ("weight hashes differ after 3 iterations: stage 0 (tensor-parallel rank 0): the copies on ranks [3] "
+                "differ from the copy on rank 0 (first in embedding.word_embeddings.weight; the stage's copies are on "
+                "ranks [0, 1, 2, 3])")
+    assert planted == expected, f"the planted difference was reported as {planted!r}"
 
 
 def test_every_rank_holds_exactly_the_layers_its_layout_names(results):

@@ -10,6 +10,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.training import num_floating_point_operations
 
+from megatron.chimera.config import arguments
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
@@ -130,9 +131,9 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
         module.register_parameter(leaf, torch.nn.Parameter(torch.ones(2)))
         getattr(module, leaf).sequence_parallel = sequence_parallel
 
-    def marks(sequence_parallel, qk_layernorm):
+    def marks(sequence_parallel, qk_layernorm, latent=False):
         mark_tensor_parallel_sums(model, SimpleNamespace(sequence_parallel=sequence_parallel,
-                                                         qk_layernorm=qk_layernorm))
+                                                         qk_layernorm=qk_layernorm, multi_latent_attention=latent))
         return {name.split(".", 3)[3] for name, p in model.named_parameters() if p.sums_over_tensor_parallel}
 
     assert marks(True, True) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias",
@@ -140,6 +141,8 @@ def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_lay
     assert marks(False, True) == {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
     assert marks(True, False) == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.bias"}
     assert marks(False, False) == set()
+    # multi-latent attention's query norm normalises the whole latent on every rank: summed only as its mark says
+    assert marks(False, True, latent=True) == set()
 
 
 def test_config_field_flags_reach_megatron_cores_config():
@@ -210,3 +213,22 @@ def test_weight_decay_on_the_query_and_key_norms_is_megatron_cores_rule(flags):
 
     assert decayed([]) == {"linear_qkv"}
     assert decayed(flags) == {"linear_qkv", "q_layernorm", "k_layernorm"}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_multi_latent_attention_with_tensor_parallelism_in_transformer_engine_needs_sequence_parallelism(
+        capsys, monkeypatch, sequence_parallel):
+    """megatron-core 0.19's duplicated key-value down projection (Transformer Engine's) sums the key's position
+    gradient over TP only under sequence parallelism; its local layers are corrected (model/chunk.py)."""
+    monkeypatch.setattr(arguments, "uses_transformer_engine", lambda impl, device: True)
+    flags = BASE + ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+                    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--position-embedding-type", "rope",
+                    "--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] if sequence_parallel else [])
+    if sequence_parallel:
+        assert parse_args(flags, world_size=2).multi_latent_attention
+        return
+    with pytest.raises(SystemExit):
+        parse_args(flags, world_size=2)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pretrain_gpt.py: error: --sequence-parallel=False: is required with "
+                          "--multi-latent-attention and tensor parallelism in Transformer Engine's layers"), err

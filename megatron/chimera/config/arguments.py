@@ -204,6 +204,8 @@ def _validate_run(args) -> None:
                         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by),
                         ("--max-consecutive-nan-iterations", args.max_consecutive_nan_iterations),
                         ("--exit-interval", args.exit_interval or 1),
+                        ("--check-weight-hash-across-dp-replicas-interval",
+                         _or(args.check_weight_hash_across_dp_replicas_interval, 1)),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins or 1)):
         require(value > 0, flag, value, "must be positive")
     for flag, value in (("--eval-iters", args.eval_iters), ("--lr", args.lr), ("--min-lr", args.min_lr),
@@ -451,9 +453,12 @@ def _validate_architecture(args) -> None:
                 f"must be a multiple of --tensor-model-parallel-size ({tp})")
     require(args.rope_type in (None, "rope") or args.multi_latent_attention, "--rope-type", args.rope_type,
             "applies to --multi-latent-attention; standard attention runs rope (Megatron-LM's rule)")
-    require(not args.multi_latent_attention or args.tensor_model_parallel_size == 1, "--multi-latent-attention", True,
-            "with tensor parallelism is not supported yet")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    require(not (args.multi_latent_attention and args.tensor_model_parallel_size > 1 and not args.sequence_parallel)
+            or not uses_transformer_engine(args.transformer_impl, device_type), "--sequence-parallel", False,
+            "is required with --multi-latent-attention and tensor parallelism in Transformer Engine's layers: "
+            "without it megatron-core 0.19's duplicated key-value down projection keeps only each rank's own heads' "
+            "share of the key's position gradient (megatron-core's local layers are corrected here)")
     require(not (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None)
             or uses_transformer_engine(args.transformer_impl, device_type), "--qk-layernorm", True,
             "with --multi-latent-attention and no --q-lora-rank normalises inside Transformer Engine's fused "
@@ -528,6 +533,8 @@ def _validate_experts(args) -> None:
     require(not (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size)
             or args.moe_token_dispatcher_type == "alltoall", "--moe-shared-expert-overlap", True,
             "needs --moe-token-dispatcher-type alltoall (megatron-core's rule)")
+    require(args.moe_router_load_balancing_type != "sinkhorn" or not args.moe_aux_loss_coeff, "--moe-aux-loss-coeff",
+            args.moe_aux_loss_coeff, "must be 0 with --moe-router-load-balancing-type sinkhorn (megatron-core's rule)")
 
 
 def _require_documents(args, prefix: str) -> None:

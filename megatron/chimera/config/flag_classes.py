@@ -62,6 +62,7 @@ HONOURED = _flags("""
     --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-layer-recompute
     --recompute-modules --moe-shared-expert-overlap --moe-router-force-load-balancing
     --no-check-for-nan-in-loss-and-grad --dist-ckpt-strictness --trust-remote-code
+    --check-weight-hash-across-dp-replicas-interval
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
     --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm --attention-softmax-in-fp32
     --overlap-moe-expert-parallel-comm
@@ -354,7 +355,7 @@ REFUSED = {
     """),
     ('a training-loop option this trainer does not implement (NaN/Inf steps are handled by '
      '--max-consecutive-nan-iterations)'): _flags("""
-        --check-weight-hash-across-dp-replicas-interval --gpu-sniff-test-interval --train-sync-interval
+        --gpu-sniff-test-interval --train-sync-interval
         --exit-signal-handler-for-dataloader --exit-signal-handler-for-training --iterations-to-skip
         --dump-param-to-param-group-map
     """),
@@ -477,7 +478,7 @@ VALUES = {
     # Megatron-LM 0.19's GPT builder (gpt_config_from_args) gives GPTModel its default, 8.0, whatever this says
     "--rope-scaling-factor": (8.0,),
     "--moe-token-dispatcher-type": ("allgather", "alltoall"),
-    "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "none"),
+    "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
     "--moe-router-score-function": ("softmax", "sigmoid"),
     "--dataloader-type": (None, "single"),
     "--transformer-impl": ("transformer_engine", "local"),

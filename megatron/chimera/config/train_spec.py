@@ -84,7 +84,8 @@ class TrainSpec:
     """Batches and iterations (``train_iters`` derived from --train-samples when given), evaluation
     (every ``eval_interval`` iterations and at the end, ``eval_iters`` batches), the NaN policy (with
     ``check_for_nan`` a NaN iteration skips its step, and ``max_consecutive_nan`` in a row stop the
-    run), and the optimizer, precision and exit sections."""
+    run), the weight-hash check (every ``weight_hash_interval`` iterations, None: never), and the optimizer,
+    precision and exit sections."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -97,6 +98,7 @@ class TrainSpec:
     per_token_loss: bool
     check_for_nan: bool
     max_consecutive_nan: int
+    weight_hash_interval: int | None
     optimizer: OptimizerSpec
     precision: PrecisionSpec
     exit: ExitSpec
@@ -106,4 +108,5 @@ class TrainSpec:
         return cls(args.global_batch_size, args.micro_batch_size, args.seq_length, args.train_iters, args.seed,
                    args.te_rng_tracker, args.eval_iters, args.eval_interval, args.calculate_per_token_loss,
                    args.check_for_nan_in_loss_and_grad, args.max_consecutive_nan_iterations,
-                   OptimizerSpec.from_args(args), PrecisionSpec.from_args(args), ExitSpec.from_args(args))
+                   args.check_weight_hash_across_dp_replicas_interval, OptimizerSpec.from_args(args),
+                   PrecisionSpec.from_args(args), ExitSpec.from_args(args))

@@ -41,9 +41,12 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -213,6 +216,7 @@ def _with_local_norms(specs: list, config):
         layer.input_layernorm = layer.pre_mlp_layernorm = LocalNorm
         attention = layer.self_attention.submodules
         if hasattr(attention, "kv_layernorm"):  # multi-latent attention
+            layer.self_attention.module = LatentSelfAttention
             attention.core_attention = LatentCoreAttention
             if attention.kv_layernorm is WrappedTorchNorm:  # norms of the latents, whole vectors; no query
                 attention.kv_layernorm = LocalNorm  # latent without --q-lora-rank, so no norm of it
@@ -220,6 +224,27 @@ def _with_local_norms(specs: list, config):
         elif attention.q_layernorm is WrappedTorchNorm:
             attention.q_layernorm = attention.k_layernorm = HeadNorm
     return _block(specs, LocalNorm)
+
+
+class LatentSelfAttention(MLASelfAttention):
+    """megatron-core's multi-latent attention on its local layers, with the key's position part summed over
+    tensor parallelism. The local spec's key-value down projection is column-parallel: megatron-core gathers
+    its output, and every tensor-parallel rank uses the whole position part of the key for its own heads, but
+    the gather's backward keeps each rank's own columns of its own gradient, so the position columns lose
+    the other ranks' heads. Here the output is gathered as Transformer Engine's duplicated projection would
+    give it (sequence-split under sequence parallelism, which megatron-core then gathers with a summing
+    backward), and without sequence parallelism the position part's gradient is summed over TP."""
+
+    def _qkv_down_projection(self, hidden_states):
+        q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+        config = self.config
+        if kv_combined.size(-1) == config.kv_lora_rank + config.qk_pos_emb_head_dim:
+            return q_compressed, kv_combined  # no tensor parallelism
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined)
+        if config.sequence_parallel:
+            return q_compressed, scatter_to_sequence_parallel_region(kv_combined)
+        latent, position = kv_combined.split([config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
+        return q_compressed, torch.cat([latent, copy_to_tensor_model_parallel_region(position)], dim=-1)
 
 
 class LatentCoreAttention(DotProductAttention):
@@ -406,11 +431,13 @@ def mark_tensor_parallel_sums(model, config) -> None:
     whatever the layer spec (local, Transformer Engine): megatron-core's finalize_model_grads rule.
     Under sequence parallelism, those its layers mark ``sequence_parallel`` (norms, row-parallel
     biases: each rank saw part of the sequence); with --qk-layernorm, the query and key norms, matched
-    by name (each rank normalised only its heads)."""
+    by name (each rank normalised only its heads). Not multi-latent attention's: its query norm normalises the
+    whole latent on every rank (megatron-core's rule, written for per-head norms, would count it TP times)."""
+    per_head = config.qk_layernorm and not config.multi_latent_attention
     for name, param in model.named_parameters():
         param.sums_over_tensor_parallel = bool(
             (config.sequence_parallel and getattr(param, "sequence_parallel", False))
-            or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+            or (per_head and ("q_layernorm" in name or "k_layernorm" in name)))
 
 
 def mark_per_head(model) -> None:

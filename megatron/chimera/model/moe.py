@@ -63,9 +63,9 @@ def update_expert_bias(chunks: dict, rt, rate: float) -> None:
         if rt.stage_groups.get(stage) is not None:
             rt.all_reduce(counts[stage], group=rt.stage_groups[stage])
     if counts and rt.tp > 1:
-        flat = torch.stack(list(counts.values()))
+        flat = torch.cat(list(counts.values()))  # stages may hold different numbers of MoE layers
         rt.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        counts = dict(zip(counts, flat))
+        counts = dict(zip(counts, flat.split([len(c) for c in counts.values()])))
     for stage, copies in by_stage.items():
         tokens = counts[stage]
         step = torch.sign(tokens.mean(dim=-1, keepdim=True) - tokens) * rate
@@ -93,14 +93,15 @@ def _tracked(config: TransformerConfig) -> list[str]:
     balancing = [balancing] if isinstance(balancing, str) else balancing
     return [name for name, on in (("load_balancing_loss", "aux_loss" in balancing),
                                   ("seq_load_balancing_loss", "seq_aux_loss" in balancing),
+                                  ("global_load_balancing_loss", "global_aux_loss" in balancing),
                                   ("z_loss", config.moe_z_loss_coeff is not None)) if on]
 
 
 def auxiliary_loss_fields(spec: ModelSpec, slots: int, num_microbatches: int, iteration: int) -> dict[str, float]:
     """After a training flush (collective): Megatron-LM's MoE log fields, ``load_balancing_loss``,
-    ``seq_load_balancing_loss`` and ``z_loss`` as its configuration tracks them, each the mean over
-    the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and averaged over the
-    data-parallel ones by megatron-core's tracker, which then clears."""
+    ``seq_load_balancing_loss``, ``global_load_balancing_loss`` and ``z_loss`` as its configuration tracks
+    them, each the mean over the MoE layers of the per-micro-batch mean, summed over the pipeline ranks and
+    reduced over the data-parallel ones as megatron-core's tracker reduces each, which then clears."""
     config = spec.config
     names = _tracked(config)
     if not names:

@@ -60,6 +60,19 @@ def print_layout(plan) -> None:
     print(f" > pipeline layout {plan.layout} ({given}): {plan.layout.describe()}", flush=True)
 
 
+def print_global_aux_loss(spec: ModelSpec, rt) -> None:
+    """Once, by rank 0, where the model has several copies along the pipeline dimension: megatron-core's
+    global auxiliary loss averages each router's token counts over the micro-batches that router has run in
+    the iteration, and each copy runs only its own pipeline's (docs/moe.md says how that differs)."""
+    balancing = spec.config.moe_router_load_balancing_type
+    balancing = [balancing] if isinstance(balancing, str) else balancing
+    if dist.get_rank() != 0 or rt.pipelines == 1 or "global_aux_loss" not in balancing:
+        return
+    print(f" > global_aux_loss over {rt.pipelines} pipelines: each copy of a stage counts tokens per expert over "
+          "its own pipeline's micro-batches of the iteration, where one process counts every micro-batch before "
+          "it; the loss differs from one process's (docs/moe.md)", flush=True)
+
+
 def print_parameter_counts(chunks: dict, rt) -> None:
     """As Megatron-LM, from data-parallel rank 0: one line per chunk, the worker as the pipeline rank;
     where the model has several copies (pipelines) or the rank several chunks, which one."""

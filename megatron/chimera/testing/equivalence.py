@@ -6,10 +6,10 @@
 Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
 the reference in losses and in final weights, which copies of a stage (or of the tied embedding) were
-not bitwise identical after a step, what evaluation changed, what the hooks saw and what each chunk
-holds, each beside what was expected: the harness reports, the tests (tests/integration/test_training.py)
-assert. The one-process launch writes the references (losses, evaluation loss, final weights) per model
-variant.
+not bitwise identical after a step, what --check-weight-hash-across-dp-replicas-interval's check found,
+what evaluation changed, what the hooks saw and what each chunk holds, each beside what was expected:
+the harness reports, the tests (tests/integration/test_training.py) assert. The one-process launch writes
+the references (losses, evaluation loss, final weights) per model variant.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.config.run_plan import PROOF_MODE
+from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.series import validation_ppl
@@ -83,6 +84,14 @@ VARIANTS = {"tied-learned": [], "untied": ["--untie-embeddings-and-output-weight
 # DeepSeek-V3's multi-token prediction (Megatron-LM requires rope with it), on the dense GPT and on Mixtral
 MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 VARIANTS |= {"mtp": MTP, "mtp-untied": MTP + ["--untie-embeddings-and-output-weights"], "mixtral-mtp": MIXTRAL + MTP}
+# megatron-core's other balancing: S-BASE's Sinkhorn routing (no auxiliary loss), and the global auxiliary loss,
+# whose token counts run over the micro-batches each router has seen in the iteration. Under Chimera each copy
+# of a stage sees its own pipeline's only: the reference for it (PER_PIPELINE) restarts the counts at each
+# pipeline's first micro-batch (restart_counts_per_pipeline), the one process that Chimera equals.
+GLOBAL_AUX = MIXTRAL + ["--moe-router-load-balancing-type", "global_aux_loss"]
+PER_PIPELINE = "mixtral-global-aux-per-pipeline"
+SINKHORN = MIXTRAL + ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+VARIANTS |= {"mixtral-sinkhorn": SINKHORN, "mixtral-global-aux": GLOBAL_AUX, PER_PIPELINE: GLOBAL_AUX}
 
 # Megatron-LM's current model recipes (recipes/moe/, issue 34), each family's model-definition flags
 # scaled to MODEL, dropout off (Megatron-LM seeds dropout by pipeline rank)
@@ -95,6 +104,11 @@ SIGMOID_SHARED = ["--moe-router-score-function", "sigmoid", "--moe-shared-expert
 LATENT = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
           "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-channels", "8", "--qk-layernorm",
           "--rotary-percent", "1.0", "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+# multi-latent attention on the dense GPT, for tensor parallelism without sequence parallelism (LatentSelfAttention's
+# path that sums the key's position gradient itself; each rank normalises the whole latent: mark_tensor_parallel_sums).
+# With it (the path MoE takes) the same model and the DeepSeek-style one at Chimera D=2 x TP=2 equal one process too,
+# checked by hand and left out of the suite for its time (about 2x and 4x a dense TP=2 case)
+VARIANTS["mla"] = LATENT + ["--position-embedding-type", "rope", "--normalization", "RMSNorm"]
 DENSE_GLU = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
              "--position-embedding-type", "rope", "--ffn-hidden-size", "64"]
 FAMILIES = {
@@ -247,6 +261,10 @@ DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
 
 # --deterministic-mode on the CPU (docs/megatron.md, "Determinism")
 DETERMINISTIC = "chimera direct D=2 deterministic mode"
+# --check-weight-hash-across-dp-replicas-interval's check runs after every case; in this one the last rank then
+# perturbs one weight of its last chunk (stage 0 of the second pipeline: rank 3 holds pipeline 1's stage 0), and the
+# check must name that stage and rank (both pipelines, two data-parallel replicas, experts spread over EP=2)
+PLANTED_COPY = "mixtral chimera distributed optimizer D=2 EP=2"
 
 # Every case, by the number of processes that runs it: name -> (reference variant, flags)
 CASES = {
@@ -263,6 +281,9 @@ CASES = {
         "mixtral chimera D=2": ("mixtral", CHIMERA2),
         DROPPED_EXPERT: ("mixtral", CHIMERA2),
         "mixtral 1f1b split D=2": ("mixtral", D2["1f1b split D=2"]),
+        "mixtral sinkhorn chimera D=2": ("mixtral-sinkhorn", CHIMERA2),
+        "mixtral global aux loss 1f1b D=2": ("mixtral-global-aux", D2["1f1b D=2"]),
+        "mixtral global aux loss chimera D=2": (PER_PIPELINE, CHIMERA2),
         "mixtral capacity chimera D=2": ("mixtral-capacity", CHIMERA2),
         "deepseek-style chimera split D=2": ("deepseek-style", D2["chimera split D=2"]),
         "qwen3 chimera D=2": ("qwen3", CHIMERA2),
@@ -309,6 +330,7 @@ CASES = {
         "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + DISTOPT),
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
+        "mla chimera D=2 TP=2": ("mla", CHIMERA2 + TP2),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
     # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
@@ -538,7 +560,47 @@ def drop_expert_gradient(trainer, prefix: str = "decoder.layers.3.mlp.experts.lo
                 p.register_hook(torch.zeros_like)
 
 
-def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, drop_expert: bool = False):
+def restart_counts_per_pipeline(trainer, pipelines: int = 2) -> None:
+    """One process whose routers restart global_aux_loss's running token counts at each of ``pipelines``
+    pipelines' first micro-batch (Chimera gives each pipeline an equal, contiguous share, forwards in order)."""
+    share, seen = trainer.plan.microbatches // pipelines, [0]
+    routers = [m for m in trainer.models[0].modules() if hasattr(m, "reset_global_aux_loss_tracker")]
+
+    def restart(module, args):
+        if module.training:
+            if seen[0] % share == 0:
+                for router in routers:
+                    router.reset_global_aux_loss_tracker()
+            seen[0] += 1
+
+    trainer.models[0].register_forward_pre_hook(restart)
+
+
+def weight_hash_check(trainer, plant: bool) -> dict[str, str | None]:
+    """--check-weight-hash-across-dp-replicas-interval's check on the trained copies: None where they match, else
+    its message; with ``plant``, again after the last rank perturbed one weight of its last chunk (then restored)."""
+    def checked() -> str | None:
+        try:
+            trainer.check_weight_hashes(ITERS)
+        except WeightHashMismatch as e:
+            return str(e)
+        return None
+
+    seen = {"trained": checked()}
+    if plant:
+        weight = next(trainer.models[-1].parameters())
+        kept = weight.detach().clone()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            with torch.no_grad():
+                weight.view(-1)[0] += 1e-3
+        seen["planted"] = checked()
+        with torch.no_grad():
+            weight.copy_(kept)
+    return seen
+
+
+def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, drop_expert: bool = False,
+             per_pipeline: bool = False, plant_copy: bool = False):
     """Train one case; return the trainer and what was observed of it (the checks' values, which the
     tests assert on)."""
     # Megatron-LM's --data-cache-path: the first case builds the mock dataset's indices (4 million
@@ -550,6 +612,8 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
+    if per_pipeline:
+        restart_counts_per_pipeline(trainer)
     losses, kappas, differing, moe_fields, lrs, norms, zeros = [], [], [], [], [], [], []
     for i in range(ITERS):
         lrs.append(trainer.optimizer.param_groups[0]["lr"])  # the learning rate this step takes
@@ -563,7 +627,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     return trainer, {  # in this order: the checks on the trained state before evaluation runs
         "losses": losses, "kappa": None if None in kappas else max(kappas), "moe_fields": moe_fields,
         "lr_sum": sum(lrs), "params_norms": norms, "num_zeros": zeros,
-        "copies_differing": differing,
+        "copies_differing": differing, "weight_hashes": weight_hash_check(trainer, plant_copy),
         "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
         "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
         "evaluation": what_evaluation_changed(trainer), "eval": trainer.evaluate(0)}
@@ -581,7 +645,7 @@ def compared(run: dict, trainer, ref: dict) -> dict:
         "first_loss_rel": abs(losses[0] - ref["losses"][0]) / abs(ref["losses"][0]), "tp": trainer.rt.tp,
         "weight_rel": weight["model_rel"], "worst_tensor_rel": weight["tensor_rel"],
         "weight_steps": weight["model_steps"], "worst_tensor_steps": weight["tensor_steps"],
-        "copies_differing": run["copies_differing"],
+        "copies_differing": run["copies_differing"], "weight_hashes": run["weight_hashes"],
         "evaluation": run["evaluation"], "eval_rel": abs(run["eval"] - ref["eval"]) / abs(ref["eval"]),
         "ppl_rel": abs(validation_ppl(run["eval"]) / validation_ppl(ref["eval"]) - 1),
         "params_norm_rel": max(abs(a / b - 1) for a, b in zip(run["params_norms"], ref["params_norms"])),
@@ -611,7 +675,8 @@ def main() -> None:
             continue
         with process_state_kept():  # --deterministic-mode's torch switch and environment stay the case's
             trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR,
-                                    drop_expert=name == DROPPED_EXPERT)
+                                    drop_expert=name == DROPPED_EXPERT, per_pipeline=variant == PER_PIPELINE,
+                                    plant_copy=name == PLANTED_COPY)
         if world == 1:
             weights = {k[0]: v for k, v in local_weights(trainer).items()}
             torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"],
