@@ -113,6 +113,7 @@ def _validate_precision(args) -> None:
 def _validate(args) -> None:
     _validate_sizes(args)
     _expert_layout(args)
+    _optimizer_instances(args)
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
@@ -150,6 +151,18 @@ def _expert_layout(args) -> None:
             f"x --expert-tensor-parallel-size ({etp}) must divide TP x DP = {tp} x {args.data_parallel_size} "
             "(megatron-core's rule: the expert groups tile each pipeline stage's ranks)")
     _routing(args)
+
+
+def _optimizer_instances(args) -> None:
+    """--num-distributed-optimizer-instances splits every data-parallel group (the expert ones too) into
+    that many equal instances (megatron-core's rule, which its assertions state without the flag)."""
+    k, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    require(k > 0 and dp % k == 0, "--num-distributed-optimizer-instances", k,
+            f"must divide the data-parallel size ({dp})")
+    if args.num_experts is not None:
+        edp = args.tensor_model_parallel_size * dp // (args.expert_tensor_parallel_size * args.expert_model_parallel_size)
+        require(edp % k == 0, "--num-distributed-optimizer-instances", k,
+                f"must divide the expert data-parallel size ({edp})")
 
 
 def _routing(args) -> None:

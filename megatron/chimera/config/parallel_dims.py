@@ -14,7 +14,8 @@ class ParallelDims:
     where there is a GPU). ``num_experts``, ``moe_dispatcher`` and ``moe_global_reduction`` (a z-loss or
     a global auxiliary loss, reduced over the tensor-data-and-context-parallel group) say which of
     megatron-core's MoE groups the run uses; ``tied_embeddings`` whether the output layer shares the
-    word embedding (its copies form the embedding group)."""
+    word embedding (its copies form the embedding group). ``optimizer_instances``:
+    --num-distributed-optimizer-instances, the parts each replica group's optimizer shards split into."""
 
     world: int
     tp: int
@@ -32,6 +33,7 @@ class ParallelDims:
     moe_dispatcher: str | None
     moe_global_reduction: bool
     tied_embeddings: bool
+    optimizer_instances: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelDims:
@@ -45,7 +47,8 @@ class ParallelDims:
             p2p_host_staging=args.p2p_host_staging, emulate_nccl=args.emulate_nccl, num_experts=args.num_experts,
             moe_dispatcher=args.moe_token_dispatcher_type,
             moe_global_reduction=bool(args.moe_z_loss_coeff) or "global_aux_loss" in balancing,
-            tied_embeddings=not args.untie_embeddings_and_output_weights)
+            tied_embeddings=not args.untie_embeddings_and_output_weights,
+            optimizer_instances=args.num_distributed_optimizer_instances)
 
     @property
     def expert_groups(self) -> bool:

@@ -14,7 +14,9 @@ On top of it, derived from the schedule's placement for any schedule:
   pipeline worker, whose ranks all run the same action list, so the dispatcher's collectives reach them
   in the same order under any schedule.
 The replica and embedding groups with one rank set are one process group, so one NCCL communicator
-(``_shared_groups``). Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
+(``_shared_groups``). Under --num-distributed-optimizer-instances K, each of these groups also splits into
+K instances by data-parallel rank (megatron-core's: consecutive data-parallel ranks), one group per
+instance and one per position across them (``Runtime.optimizer_groups``). Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
 rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
 """
 from __future__ import annotations
@@ -64,6 +66,15 @@ class Runtime:
     expert_groups: dict = field(default_factory=dict)  # stage -> its expert replica group (expert parallelism)
     expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
+    instances: dict = field(default_factory=dict)  # a replica group's ranks -> optimizer_groups' answer
+
+    def optimizer_groups(self, group) -> tuple[object, object, bool]:
+        """Where the distributed optimizer shards a replica group's state: (the group of this rank's
+        instance, the group across instances at this rank's position, whether this rank's instance is the
+        first). One instance: (the group, None, True)."""
+        if group is None or not self.instances:
+            return group, None, True
+        return self.instances[tuple(dist.get_process_group_ranks(group))]
 
     def all_reduce(self, tensor: torch.Tensor, group=None, async_op: bool = False):
         """dist.all_reduce, through host memory when staging; returns a handle with wait() if async."""
@@ -171,17 +182,35 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
         for s in range(stages):
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
             group = new_group(ranks) if len(ranks) > 1 else None
+            _split_instances(rt, ranks, lambda r: (r // tp) % dp, dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
                 rt.stage_groups[s] = group
         if len(rt.embedding_stages) > 1:
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in rt.embedding_stages
                             for d in range(dp)})
             group = new_group(ranks)
+            _split_instances(rt, ranks, lambda r: (r // tp) % dp, dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
                 rt.embedding_group = group
     if dims.expert_groups:
         _expert_groups(rt, dims, placement, new_group)
     return rt
+
+
+def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_group) -> None:
+    """The groups of one replica group (``ranks``) under K optimizer instances: instance i holds the
+    members whose data-parallel rank (``dp_of``, of ``dp``) lies in the i-th K-th of them; the group
+    across instances pairs each instance's j-th member, which holds the same shard. Collective as
+    ``new_group``; records the groups in ``rt.instances`` on the members."""
+    if k == 1:
+        return
+    parts = [[r for r in ranks if dp_of(r) // (dp // k) == i] for i in range(k)]
+    assert all(len(part) == len(parts[0]) for part in parts), f"replica group {ranks} splits unevenly into {k}"
+    within = [new_group(part) if len(part) > 1 else None for part in parts]
+    across = [new_group(list(column)) for column in zip(*parts)]
+    for i, part in enumerate(parts):
+        if rt.rank in part:
+            rt.instances[tuple(ranks)] = (within[i], across[part.index(rt.rank)], i == 0)
 
 
 def _shared_groups(timeout: float):
@@ -241,6 +270,8 @@ def _expert_groups(rt: Runtime, dims: ParallelDims, placement, new_group) -> Non
             for s in range(len(placement[0])):
                 ranks = sorted({row[s] * per_worker + local(e, x, d) for row in placement for d in range(edp)})
                 group = new_group(ranks) if len(ranks) > 1 else None
+                _split_instances(rt, ranks, lambda r: r % per_worker // (etp * ep), edp, dims.optimizer_instances,
+                                 new_group)
                 if (e, x) == coords:
                     rt.expert_groups[s] = group
 
@@ -254,6 +285,7 @@ def release_groups(rt: Runtime) -> None:
     rt.stage_groups.clear()
     rt.expert_groups.clear()
     rt.embedding_group = None
+    rt.instances.clear()
     for group in list(_world.pg_map):
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)

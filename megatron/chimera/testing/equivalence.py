@@ -287,6 +287,9 @@ CASES = {
         "chimera llama D=2 TP=2 sequence parallel": ("llama", CHIMERA2 + TP2 + ["--sequence-parallel"]),
         "chimera distributed optimizer D=4": ("tied-learned", CHIMERA4 + DISTOPT),
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", CHIMERA2 + DISTOPT),
+        # Megatron's partial distributed optimizer: each stage's 4 copies as 2 instances of 2 shards
+        "chimera distributed optimizer D=2 DP=2 2 instances": (
+            "tied-learned", CHIMERA2 + DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
         "chimera distributed optimizer overlapped gather D=4": (
             "tied-learned", CHIMERA4 + DISTOPT + OVERLAP + ["--overlap-param-gather"]),
         "chimera distributed optimizer D=2 TP=2": ("tied-learned", CHIMERA2 + DISTOPT + TP2),
