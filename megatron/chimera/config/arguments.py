@@ -159,6 +159,8 @@ def _optimizer_instances(args) -> None:
     k, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
     require(k > 0 and dp % k == 0, "--num-distributed-optimizer-instances", k,
             f"must divide the data-parallel size ({dp})")
+    require(k == 1 or args.use_distributed_optimizer, "--num-distributed-optimizer-instances", k,
+            "needs --use-distributed-optimizer (megatron-core's rule)")
     if args.num_experts is not None:
         edp = args.tensor_model_parallel_size * dp // (args.expert_tensor_parallel_size * args.expert_model_parallel_size)
         require(edp % k == 0, "--num-distributed-optimizer-instances", k,
