@@ -162,7 +162,8 @@ def _optimizer_instances(args) -> None:
     require(k == 1 or args.use_distributed_optimizer, "--num-distributed-optimizer-instances", k,
             "needs --use-distributed-optimizer (megatron-core's rule)")
     if args.num_experts is not None:
-        edp = args.tensor_model_parallel_size * dp // (args.expert_tensor_parallel_size * args.expert_model_parallel_size)
+        experts = args.expert_tensor_parallel_size * args.expert_model_parallel_size
+        edp = args.tensor_model_parallel_size * dp // experts
         require(edp % k == 0, "--num-distributed-optimizer-instances", k,
                 f"must divide the expert data-parallel size ({edp})")
 

@@ -16,7 +16,8 @@ On top of it, derived from the schedule's placement for any schedule:
 The replica and embedding groups with one rank set are one process group, so one NCCL communicator
 (``_shared_groups``). Under --num-distributed-optimizer-instances K, each of these groups also splits into
 K instances by data-parallel rank (megatron-core's: consecutive data-parallel ranks), one group per
-instance and one per position across them (``Runtime.optimizer_groups``). Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
+instance and one per position across them (``Runtime.optimizer_groups``).
+Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
 rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
 """
 from __future__ import annotations
