@@ -276,7 +276,9 @@ CASES = {
         "chimera 4 pipelines D=4": ("tied-learned", CHIMERA4 + ["--chimera-pipelines", "4"]),
         "chimera D=2 DP=2 overlapped reduce": ("tied-learned", CHIMERA2 + OVERLAP),
         "chimera D=2 TP=2": ("tied-learned", CHIMERA2 + TP2),
-        "chimera split D=2 DP=2": ("tied-learned", CHIMERA2 + ["--split-backward"]),
+        # ranks in Megatron-LM's other order: rank = tp + TP x (worker + PP x dp)
+        "chimera split D=2 DP=2 tp-pp-dp mapping": (
+            "tied-learned", CHIMERA2 + ["--split-backward", "--use-tp-pp-dp-mapping"]),
         "chimera split D=2 TP=2": ("tied-learned", CHIMERA2 + ["--split-backward"] + TP2),
         "chimera untied D=4": ("untied", CHIMERA4),
         "chimera rope D=4": ("rope", CHIMERA4),
