@@ -81,7 +81,7 @@ OVERLAP_CASES = [
      "--num-distributed-optimizer-instances=2: must divide the expert data-parallel size (1)"),
     (["--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2", "--num-experts", "2",
       "--expert-model-parallel-size", "2"], 4,
-     "--use-tp-pp-dp-mapping=True: needs --expert-tensor-parallel-size x --expert-model-parallel-size = TP (1)"),
+     "--use-tp-pp-dp-mapping=True: needs --expert-tensor-parallel-size x --expert-model-parallel-size = TP x CP (1)"),
     (["--lr-warmup-iters", "1"], 1, "--lr-warmup-iters=1: must be below the decay length, 1 (--lr-decay-iters"),
     (["--seq-length", "32"], 1, "--seq-length=32: must not exceed --max-position-embeddings (16)"),
     (["--fp16", "--bf16"], 1, "--fp16=True: give one of --fp16 and --bf16"),

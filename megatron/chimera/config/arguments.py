@@ -150,9 +150,10 @@ def _expert_layout(args) -> None:
     require((tp * args.data_parallel_size) % (etp * ep) == 0, "--expert-model-parallel-size", ep,
             f"x --expert-tensor-parallel-size ({etp}) must divide TP x DP = {tp} x {args.data_parallel_size} "
             "(megatron-core's rule: the expert groups tile each pipeline stage's ranks)")
-    require(not args.use_tp_pp_dp_mapping or args.pipeline_model_parallel_size == 1 or etp * ep == tp,
+    attention = tp * args.context_parallel_size
+    require(not args.use_tp_pp_dp_mapping or args.pipeline_model_parallel_size == 1 or etp * ep == attention,
             "--use-tp-pp-dp-mapping", True, f"needs --expert-tensor-parallel-size x --expert-model-parallel-size "
-            f"= TP ({tp}) (megatron-core's rule: the same data-parallel size for experts)")
+            f"= TP x CP ({attention}) (megatron-core's rule: the same data-parallel size for experts)")
     _routing(args)
 
 
