@@ -89,14 +89,15 @@ def training_configs(checkout: str) -> dict[str, dict]:
 
 
 def parallel_sizes(model_args: dict) -> dict[str, int]:
-    """The config's parallel sizes, PP made 2, DP the smallest the expert layout divides."""
+    """The config's parallel sizes, PP made 2, DP the smallest that the expert layout divides and that
+    splits the data-parallel groups (dense and expert) into the config's optimizer instances."""
     def size(flag, default=1):
         return int(model_args.get(flag, default) or default)
     tp, cp = size("--tensor-model-parallel-size"), size("--context-parallel-size")
     ep = size("--expert-model-parallel-size")
     etp = size("--expert-tensor-parallel-size", tp)
     instances = size("--num-distributed-optimizer-instances")
-    dp = math.lcm(etp * ep // math.gcd(etp * ep, tp * cp), instances)
+    dp = math.lcm(etp * ep * instances // math.gcd(etp * ep * instances, tp * cp), instances)
     return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "world": tp * 2 * cp * dp}
 
 

@@ -32,6 +32,9 @@ class _Runtime:
         self.calls.append((group, flat, flat.clone()))
         return _Done()
 
+    def optimizer_groups(self, group):
+        return group, None, True  # one optimizer instance
+
 
 def _chunk(stage: int, dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(stage)

@@ -74,7 +74,7 @@ def test_megatron_lm_defaults_for_derived_settings():
     (["--ddp-average-in-collective", "--calculate-per-token-loss"],
      "--ddp-average-in-collective=True: cannot be combined with --calculate-per-token-loss"),
     (["--num-distributed-optimizer-instances", "2"],
-     "--num-distributed-optimizer-instances=2: a partial distributed optimizer"),
+     "--num-distributed-optimizer-instances=2: must divide the data-parallel size (1)"),
     (["--init-method-xavier-uniform"], "--init-method-xavier-uniform=True: Megatron-LM 0.19 fails with it itself"),
 ])
 def test_unsupported_model_flags_fail_in_one_line(capsys, extra, needle):

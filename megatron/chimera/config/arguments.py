@@ -118,6 +118,7 @@ def _validate_precision(args) -> None:
 def _validate(args) -> None:
     _validate_sizes(args)
     _expert_layout(args)
+    _optimizer_instances(args)
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
@@ -154,7 +155,26 @@ def _expert_layout(args) -> None:
     require((tp * args.data_parallel_size) % (etp * ep) == 0, "--expert-model-parallel-size", ep,
             f"x --expert-tensor-parallel-size ({etp}) must divide TP x DP = {tp} x {args.data_parallel_size} "
             "(megatron-core's rule: the expert groups tile each pipeline stage's ranks)")
+    attention = tp * args.context_parallel_size
+    require(not args.use_tp_pp_dp_mapping or args.pipeline_model_parallel_size == 1 or etp * ep == attention,
+            "--use-tp-pp-dp-mapping", True, f"needs --expert-tensor-parallel-size x --expert-model-parallel-size "
+            f"= TP x CP ({attention}) (megatron-core's rule: the same data-parallel size for experts)")
     _routing(args)
+
+
+def _optimizer_instances(args) -> None:
+    """--num-distributed-optimizer-instances splits every data-parallel group (the expert ones too) into
+    that many equal instances (megatron-core's rule, which its assertions state without the flag)."""
+    k, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    require(k > 0 and dp % k == 0, "--num-distributed-optimizer-instances", k,
+            f"must divide the data-parallel size ({dp})")
+    require(k == 1 or args.use_distributed_optimizer, "--num-distributed-optimizer-instances", k,
+            "needs --use-distributed-optimizer (megatron-core's rule)")
+    if args.num_experts is not None:
+        experts = args.expert_tensor_parallel_size * args.expert_model_parallel_size
+        edp = args.tensor_model_parallel_size * dp // experts
+        require(edp % k == 0, "--num-distributed-optimizer-instances", k,
+                f"must divide the expert data-parallel size ({edp})")
 
 
 def _routing(args) -> None:

@@ -45,6 +45,7 @@ HONOURED = _flags("""
     --no-load-optim --no-load-rng --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
     --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
+    --num-distributed-optimizer-instances --use-tp-pp-dp-mapping
     --eval-iters
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
@@ -178,7 +179,7 @@ NO_EFFECT = {
 REFUSED = {
     'a data-parallel or process-group option this trainer does not implement': _flags("""
         --tensor-parallel-num-weight-shards --no-initialization --no-align-grad-reduce
-        --disable-align-grad-reduce --lazy-mpu-init --nccl-communicator-config-path --use-tp-pp-dp-mapping
+        --disable-align-grad-reduce --lazy-mpu-init --nccl-communicator-config-path
         --use-sharp --sharp-enabled-group --high-priority-stream-groups
         --distributed-timeout-seconds-after-init --flight-recorder-dump-path
         --flight-recorder-trace-buffer-size --no-flight-recorder-dump-on-timeout
@@ -191,10 +192,6 @@ REFUSED = {
         --no-use-layer-wise-param-layout --use-nccl-ub --disable-symmetric-registration
         --create-all-gather-group --no-gradient-reduce-div-fusion 
         --fake-process-group
-    """),
-    ("a partial distributed optimizer (several optimizer instances, each sharding over part of the "
-     "data-parallel group) is not implemented: 1 only"): _flags("""
-        --num-distributed-optimizer-instances
     """),
     "the pipeline schedule is --pipeline-schedule's, run by one executor": _flags("""
         --pipeline-model-parallel-comm-backend --delay-wgrad-compute --use-ring-exchange-p2p

@@ -15,7 +15,9 @@ class ParallelDims:
     a global auxiliary loss, reduced over the tensor-data-and-context-parallel group) say which of
     megatron-core's MoE groups the run uses; ``tied_embeddings`` whether the output layer shares the
     word embedding (its copies form the embedding group). ``gloo_groups``: not --disable-gloo-process-groups,
-    whether megatron-core creates its gloo process groups beside the others."""
+    whether megatron-core creates its gloo process groups beside the others. ``optimizer_instances``:
+    --num-distributed-optimizer-instances, the parts each replica group's optimizer shards split into;
+    ``tp_pp_dp_mapping``: --use-tp-pp-dp-mapping, megatron-core's other rank order (rank_order.py)."""
 
     world: int
     tp: int
@@ -34,6 +36,8 @@ class ParallelDims:
     moe_global_reduction: bool
     tied_embeddings: bool
     gloo_groups: bool
+    optimizer_instances: int = 1
+    tp_pp_dp_mapping: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelDims:
@@ -47,7 +51,9 @@ class ParallelDims:
             p2p_host_staging=args.p2p_host_staging, emulate_nccl=args.emulate_nccl, num_experts=args.num_experts,
             moe_dispatcher=args.moe_token_dispatcher_type,
             moe_global_reduction=bool(args.moe_z_loss_coeff) or "global_aux_loss" in balancing,
-            tied_embeddings=not args.untie_embeddings_and_output_weights, gloo_groups=args.use_gloo_process_groups)
+            tied_embeddings=not args.untie_embeddings_and_output_weights, gloo_groups=args.use_gloo_process_groups,
+            optimizer_instances=args.num_distributed_optimizer_instances,
+            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping)
 
     @property
     def expert_groups(self) -> bool:

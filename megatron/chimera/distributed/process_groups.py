@@ -14,8 +14,10 @@ On top of it, derived from the schedule's placement for any schedule:
   pipeline worker, whose ranks all run the same action list, so the dispatcher's collectives reach them
   in the same order under any schedule.
 The replica and embedding groups with one rank set are one process group, so one NCCL communicator
-(``_shared_groups``). Ranks follow megatron-core's default order (tp fastest, then dp, then pp):
-rank = tp_rank + TP * (dp_rank + DP * pipeline_worker).
+(``_shared_groups``). Under --num-distributed-optimizer-instances K, each of these groups also splits into
+K instances by data-parallel rank (megatron-core's: consecutive data-parallel ranks), one group per
+instance and one per position across them (``Runtime.optimizer_groups``).
+Ranks follow megatron-core's order, its default or --use-tp-pp-dp-mapping's (rank_order.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from chimera_schedules.ir.channels import P2P_GROUPS
 
 from ..config.parallel_dims import ParallelDims
 from ..model import cpu_compat
+from .rank_order import RankOrder
 
 # torch 2.13 renamed the flat collectives (*_single) and deprecated the old names, which torch 2.11 and
 # earlier (a cluster's own CUDA torch) still only have: the first of the two that this torch defines.
@@ -64,6 +67,15 @@ class Runtime:
     expert_groups: dict = field(default_factory=dict)  # stage -> its expert replica group (expert parallelism)
     expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
+    instances: dict = field(default_factory=dict)  # a replica group's ranks -> optimizer_groups' answer
+
+    def optimizer_groups(self, group) -> tuple[object, object, bool]:
+        """Where the distributed optimizer shards a replica group's state: (the group of this rank's
+        instance, the group across instances at this rank's position, whether this rank's instance is the
+        first). One instance: (the group, None, True)."""
+        if group is None or not self.instances:
+            return group, None, True
+        return self.instances[tuple(dist.get_process_group_ranks(group))]
 
     def all_reduce(self, tensor: torch.Tensor, group=None, async_op: bool = False):
         """dist.all_reduce, through host memory when staging; returns a handle with wait() if async."""
@@ -139,15 +151,17 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     tp, pp = dims.tp, dims.pp
     world = dist.get_world_size()
     dp = world // (tp * pp)
+    order = RankOrder(tp, dp, pp, dims.tp_pp_dp_mapping)
     parallel_state.destroy_model_parallel()
     timeout = dims.timeout_minutes
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
                                              distributed_timeout_minutes=timeout,
                                              expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
-                                             create_gloo_process_groups=dims.gloo_groups)
+                                             create_gloo_process_groups=dims.gloo_groups,
+                                             order=order.megatron_order)
     rank = dist.get_rank()
-    rank_of = lambda t, d, w: t + tp * (d + dp * w)  # noqa: E731
-    tp_rank, dp_rank, worker = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    rank_of = order.rank
+    tp_rank, dp_rank, worker = order.coords(rank)
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
 
@@ -172,17 +186,35 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
         for s in range(stages):
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
             group = new_group(ranks) if len(ranks) > 1 else None
+            _split_instances(rt, ranks, lambda r: order.coords(r)[1], dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
                 rt.stage_groups[s] = group
         if len(rt.embedding_stages) > 1:
             ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in rt.embedding_stages
                             for d in range(dp)})
             group = new_group(ranks)
+            _split_instances(rt, ranks, lambda r: order.coords(r)[1], dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
                 rt.embedding_group = group
     if dims.expert_groups:
-        _expert_groups(rt, dims, placement, new_group)
+        _expert_groups(rt, dims, order, placement, new_group)
     return rt
+
+
+def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_group) -> None:
+    """The groups of one replica group (``ranks``) under K optimizer instances: instance i holds the
+    members whose data-parallel rank (``dp_of``, of ``dp``) lies in the i-th K-th of them; the group
+    across instances pairs each instance's j-th member, which holds the same shard. Collective as
+    ``new_group``; records the groups in ``rt.instances`` on the members."""
+    if k == 1:
+        return
+    parts = [[r for r in ranks if dp_of(r) // (dp // k) == i] for i in range(k)]
+    assert all(len(part) == len(parts[0]) for part in parts), f"replica group {ranks} splits unevenly into {k}"
+    within = [new_group(part) if len(part) > 1 else None for part in parts]
+    across = [new_group(list(column)) for column in zip(*parts)]
+    for i, part in enumerate(parts):
+        if rt.rank in part:
+            rt.instances[tuple(ranks)] = (within[i], across[part.index(rt.rank)], i == 0)
 
 
 def _shared_groups(timeout: float):
@@ -217,33 +249,41 @@ def _shared_groups(timeout: float):
     return new_group
 
 
-def _expert_groups(rt: Runtime, dims: ParallelDims, placement, new_group) -> None:
+def _expert_groups(rt: Runtime, dims: ParallelDims, order: RankOrder, placement, new_group) -> None:
     """One expert replica group per stage. Within a pipeline worker megatron-core orders the TP x DP
-    ranks as expert-TP fastest, then EP, then expert-DP (its default order); the assert holds it to
+    ranks (``RankOrder.in_worker``) as expert-TP fastest, then EP, then expert-DP; the assert holds it to
     that."""
     etp, ep = dims.etp, dims.ep
     per_worker = rt.tp * rt.dp
     edp = per_worker // (etp * ep)
     rt.expert_share = rt.tp / (etp * ep)
     local = lambda e, x, d: e + etp * (x + ep * d)  # noqa: E731  (expert-TP, EP, expert-DP rank)
-    mine = rt.rank - rt.worker * per_worker
+    mine = rt.tp_rank + rt.tp * rt.dp_rank
     coords = (mine % etp, (mine // etp) % ep)
-    expected = [rt.worker * per_worker + local(*coords, d) for d in range(edp)]
+    expected = [order.in_worker(local(*coords, d), rt.worker) for d in range(edp)]
     assert dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()) == expected, \
         "unexpected megatron-core expert rank order"
     # The dispatcher's collectives run inside F and B on these groups: every member must hold the same
     # pipeline worker, so that it runs the same action list (the ranks agree on the schedule's hash).
     for group in (parallel_state.get_expert_model_parallel_group(),
                   parallel_state.get_expert_tensor_and_model_parallel_group()):
-        assert {r // per_worker for r in dist.get_process_group_ranks(group)} == {rt.worker}, \
+        assert {order.coords(r)[2] for r in dist.get_process_group_ranks(group)} == {rt.worker}, \
             "an expert group spans pipeline workers"
     for e in range(etp):
         for x in range(ep):
             for s in range(len(placement[0])):
-                ranks = sorted({row[s] * per_worker + local(e, x, d) for row in placement for d in range(edp)})
+                ranks = sorted({order.in_worker(local(e, x, d), row[s]) for row in placement for d in range(edp)})
                 group = new_group(ranks) if len(ranks) > 1 else None
+                _split_instances(rt, ranks, lambda r: _in_worker(order, r) // (etp * ep), edp,
+                                 dims.optimizer_instances, new_group)
                 if (e, x) == coords:
                     rt.expert_groups[s] = group
+
+
+def _in_worker(order: RankOrder, rank: int) -> int:
+    """The index of a rank among its pipeline worker's TP x DP ranks (``RankOrder.in_worker``'s j)."""
+    t, d, _ = order.coords(rank)
+    return t + order.tp * d
 
 
 def release_groups(rt: Runtime) -> None:
@@ -255,6 +295,7 @@ def release_groups(rt: Runtime) -> None:
     rt.stage_groups.clear()
     rt.expert_groups.clear()
     rt.embedding_group = None
+    rt.instances.clear()
     for group in list(_world.pg_map):
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)

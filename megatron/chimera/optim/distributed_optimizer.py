@@ -9,7 +9,10 @@ rank steps only the parameter pieces inside its shard (their fp32 main weights a
 only there), and an all-gather gives every copy the updated weights. The word embedding's copies (the
 first stage's, the tied output layer, a stage of MTP layers) are one more bucket over their group, and so
 are each stage's routed experts under expert parallelism, over the stage's expert replica group (their
-copies: the same experts in every pipeline and expert-data-parallel replica).
+copies: the same experts in every pipeline and expert-data-parallel replica). Under
+--num-distributed-optimizer-instances K (Megatron's partial distributed optimizer) each group splits
+into K instances by data-parallel rank: the shards are over the rank's instance, and one all-reduce of
+the shard across the instances follows the reduce-scatter (process_groups.py builds the groups).
 
 Why not megatron-core's DistributedOptimizer: it shards over the data-parallel group of one model
 replica, so it cannot see the second copy of a stage, which lives on another pipeline rank. torch's
@@ -33,9 +36,13 @@ from .precision import unfused_gradient
 
 class _Bucket:
     """Parameters whose copies live on the ranks of ``group`` (None: this rank alone). ``copies`` are
-    this rank's copies, each the same parameters in the same order; they share one gradient buffer."""
+    this rank's copies, each the same parameters in the same order; they share one gradient buffer.
+    Under several optimizer instances the shards are over this rank's instance of the group, and
+    ``across`` (the same shard in the other instances) sums them; ``counted``: this rank's instance is
+    the first, whose shards the norms count."""
 
     def __init__(self, copies: list[list[torch.nn.Parameter]], group, rt):
+        group, self.across, self.counted = rt.optimizer_groups(group)
         self.copies, self.group, self.rt = copies, group, rt
         members = 1 if group is None else dist.get_world_size(group)
         numel = sum(p.numel() for p in copies[0])
@@ -82,6 +89,8 @@ class _Bucket:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.across is not None:
+            self.rt.all_reduce(self.shard_grad, group=self.across)
         if self.rt.dp > 1:
             self.shard_grad /= self.rt.dp
 
@@ -202,6 +211,12 @@ class ShardedMainParams:
     def all(self) -> list[torch.nn.Parameter]:
         return [piece for b in self.buckets for piece in b.pieces]
 
+    def _counted(self) -> list[torch.nn.Parameter]:
+        """The pieces the norms sum over all ranks: every element of every logical parameter once
+        (tensor-parallel duplicates on TP rank 0 only, the first optimizer instance's shards only)."""
+        return [piece for b in self.buckets if b.counted for piece in b.pieces
+                if param_is_not_tensor_parallel_duplicate(piece.source)]
+
     # --- GradSync ---------------------------------------------------------------------------------
     def start(self, pipeline: int, stage: int, group) -> None:
         if self.overlap_reduce:
@@ -258,16 +273,16 @@ class ShardedMainParams:
             bucket.grad.zero_()
 
     def grad_norm(self, runtime, tied: bool) -> float:
-        """Each element of each logical parameter lives in exactly one shard, so the norm is one sum
-        over all ranks (tensor-parallel duplicates counted on TP rank 0 only)."""
-        grads = [piece.grad for piece in self.all() if param_is_not_tensor_parallel_duplicate(piece.source)]
+        """Each element of each logical parameter lives in one shard per optimizer instance, so the norm
+        is one sum over all ranks of the counted pieces."""
+        grads = [piece.grad for piece in self._counted()]
         total = weighted_square_sum(grads, [1.0] * len(grads), self.rt.device)
         self.rt.all_reduce(total)
         return math.sqrt(total.item())
 
     def weight_norm(self, runtime, tied: bool) -> float:
-        """The main weights' L2 norm, as ``grad_norm``: each element lives in exactly one shard."""
-        pieces = [piece.detach() for piece in self.all() if param_is_not_tensor_parallel_duplicate(piece.source)]
+        """The main weights' L2 norm, as ``grad_norm``."""
+        pieces = [piece.detach() for piece in self._counted()]
         total = weighted_square_sum(pieces, [1.0] * len(pieces), self.rt.device)
         self.rt.all_reduce(total)
         return math.sqrt(total.item())
@@ -275,9 +290,8 @@ class ShardedMainParams:
     def zeros(self, runtime, tied: bool) -> int:
         """megatron-core's count_zeros_fp32 over the shards (its distributed optimizer's: the whole world)."""
         total = torch.zeros((), dtype=torch.int64, device=self.rt.device)
-        for piece in self.all():
-            if param_is_not_tensor_parallel_duplicate(piece.source):
-                total += piece.grad.numel() - torch.count_nonzero(piece.grad)
+        for piece in self._counted():
+            total += piece.grad.numel() - torch.count_nonzero(piece.grad)
         self.rt.all_reduce(total)
         return int(total.item())
 

@@ -297,7 +297,9 @@ CASES = {
         "chimera 4 pipelines D=4": ("tied-learned", CHIMERA4 + ["--chimera-pipelines", "4"]),
         "chimera D=2 DP=2 overlapped reduce": ("tied-learned", CHIMERA2 + OVERLAP),
         "chimera D=2 TP=2": ("tied-learned", CHIMERA2 + TP2),
-        "chimera split D=2 DP=2": ("tied-learned", CHIMERA2 + ["--split-backward"]),
+        # ranks in Megatron-LM's other order: rank = tp + TP x (worker + PP x dp)
+        "chimera split D=2 DP=2 tp-pp-dp mapping": (
+            "tied-learned", CHIMERA2 + ["--split-backward", "--use-tp-pp-dp-mapping"]),
         "chimera split D=2 TP=2": ("tied-learned", CHIMERA2 + ["--split-backward"] + TP2),
         "chimera untied D=4": ("untied", CHIMERA4),
         "chimera rope D=4": ("rope", CHIMERA4),
@@ -308,6 +310,9 @@ CASES = {
         "chimera llama D=2 TP=2 sequence parallel": ("llama", CHIMERA2 + TP2 + ["--sequence-parallel"]),
         "chimera distributed optimizer D=4": ("tied-learned", CHIMERA4 + DISTOPT),
         "chimera distributed optimizer D=2 DP=2": ("tied-learned", CHIMERA2 + DISTOPT),
+        # Megatron's partial distributed optimizer: each stage's 4 copies as 2 instances of 2 shards
+        "chimera distributed optimizer D=2 DP=2 2 instances": (
+            "tied-learned", CHIMERA2 + DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
         "chimera distributed optimizer overlapped gather D=4": (
             "tied-learned", CHIMERA4 + DISTOPT + OVERLAP + ["--overlap-param-gather"]),
         "chimera distributed optimizer D=2 TP=2": ("tied-learned", CHIMERA2 + DISTOPT + TP2),
