@@ -4,7 +4,8 @@ Megatron-LM keeps a ``model_config.yaml`` per functional test (``tests/functiona
 the flags its CI trains with. They are the best sample of what Megatron-LM users type. This reads the
 GPT, MoE and Mixtral training cases of a Megatron-LM checkout and prepares each as a user would:
 
-- the data and tokenizer stood in (``--mock-data``, the null tokenizer), paths under a temporary folder;
+- the data and tokenizer stood in (``--mock-data``, the null tokenizer), paths under a temporary folder
+  (``--save`` and ``--load`` one folder, empty at the start: Megatron-LM's first launch);
 - the sizes scaled down (4 layers, hidden 16 per head, 64 tokens, 3 iterations, small experts);
 - ``--pipeline-model-parallel-size 2 --pipeline-schedule chimera`` added, the other parallel sizes kept
   (the data-parallel size is the smallest the expert layout allows);
@@ -41,7 +42,7 @@ from megatron.chimera.config.flag_classes import REFUSED
 FAMILIES = ("gpt", "moe", "mixtral")
 # paths and data: the stand-ins replace them
 DROPPED = {"--data-path", "--data-cache-path", "--tokenizer-model", "--vocab-file", "--merge-file",
-           "--tokenizer-type", "--load", "--per-split-data-args-path", "--data-args-path", "--train-data-path",
+           "--tokenizer-type", "--per-split-data-args-path", "--data-args-path", "--train-data-path",
            "--valid-data-path", "--test-data-path", "--pipeline-model-parallel-layout",
            "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--train-samples",
            "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples", "--exit-interval",
@@ -123,6 +124,8 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
             value = SCALED[flag](dict(sizes, value=str(value))) if callable(SCALED[flag]) else SCALED[flag]
         elif flag == "--wandb-exp-name":
             value = os.path.basename(workdir)
+        elif flag in ("--save", "--load") and "$" in str(value):
+            value = os.path.join(workdir, "checkpoints")  # one folder, as a user's launcher points both at it
         elif isinstance(value, str) and "$" in value:
             value = os.path.join(workdir, flag.strip("-"))
         argv += [flag] if value is True else [flag] + _values(value)

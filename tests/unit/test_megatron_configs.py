@@ -50,7 +50,7 @@ def test_a_configuration_is_prepared_as_a_user_moving_to_chimera_would_run_it(tm
     assert got == {"--pipeline-model-parallel-size": "2", "--pipeline-schedule": "chimera",
                    "--tensor-model-parallel-size": "2", "--transformer-impl": "local", "--num-experts": "8",
                    "--moe-layer-freq": "([0]*0+[1]*4)", "--moe-router-topk": "2", "--train-iters": "3",
-                   "--save": os.path.join(str(tmp_path), "save")}, f"prepared flags: {got}"
+                   "--save": os.path.join(str(tmp_path), "checkpoints")}, f"prepared flags: {got}"
     assert world == 2 * 2 * 4, f"TP 2 x PP 2 x the DP that EP 4 x expert TP 2 over TP 2 needs (4): {world}"
     dropped = {"--data-path", "--fp8-format", "--train-samples", "--num-layers-per-virtual-pipeline-stage",
                "--no-mmap-bin-files"} & set(argv)
