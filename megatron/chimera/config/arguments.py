@@ -29,7 +29,7 @@ from chimera_schedules.registry import check_options
 from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
 from ..checkpoint.format import safe_globals
 from ..checkpoint.integrity import unverifiable
-from ..data.tokenizer import build_tokenizer, check_padded_vocab, default_type
+from ..data.tokenizer import build_tokenizer, check_fim_tokens, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
 from ..model.chunk import (
     delayed_wgrad_te,
@@ -38,7 +38,7 @@ from ..model.chunk import (
     uses_transformer_engine,
 )
 from .balanced_layout import balanced_layout
-from .data_spec import TokenizerSpec
+from .data_spec import FimSpec, TokenizerSpec
 from .parser import PROG, enforce_classes, fail, megatron_validate, parse
 from .run_plan import (
     INTERLEAVED,
@@ -123,18 +123,20 @@ def _validate(args) -> None:
     _megatron_spellings(args)
     _validate_run(args)
     _validate_series(args)
-    _pad_vocabulary(args)
+    _check_tokenizer(args)
     _validate_layout(args)
 
 
-def _pad_vocabulary(args) -> None:
+def _check_tokenizer(args) -> None:
     """Megatron-LM's padded vocabulary, decided here once: --padded-vocab-size as given, else the tokenizer's
     ids rounded up to a multiple of --make-vocab-size-divisible-by x TP (megatron-core's builder sets it so
-    for its tokenizers; GPT2BPETokenizer is ours)."""
-    tokenizer = build_tokenizer(TokenizerSpec.from_args(args), args)
+    for its tokenizers; GPT2BPETokenizer is ours). With --fim-data, the tokenizer holds its tokens."""
+    spec = TokenizerSpec.from_args(args)
+    tokenizer = build_tokenizer(spec, args)
     if args.pad_vocab_size and args.padded_vocab_size is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     check_padded_vocab(args.padded_vocab_size, args.tensor_model_parallel_size, tokenizer, require)
+    check_fim_tokens(FimSpec.from_args(args), spec.kind, tokenizer, require)
 
 
 def _expert_layout(args) -> None:

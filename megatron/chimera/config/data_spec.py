@@ -22,6 +22,36 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True)
+class FimSpec:
+    """--fim-data's settings, as Megatron-LM's pretrain_gpt.py hands them to megatron's GPTFIMDatasetConfig."""
+
+    rate: float  # --fim-rate
+    spm_rate: float  # --fim-spm-rate
+    split_sample: str | None
+    fragment_rate: float | None
+    no_prefix: str | None
+    prefix_token: str
+    middle_token: str
+    suffix_token: str
+    pad_token: str
+    eod_token: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FimSpec | None:
+        """None without --fim-data."""
+        if not args.fim_data:
+            return None
+        return cls(args.fim_rate, args.fim_spm_rate, args.fim_split_sample, args.fim_fragment_rate,
+                   args.fim_no_prefix, args.fim_prefix_token, args.fim_middle_token, args.fim_suffix_token,
+                   args.fim_pad_token, args.fim_eod_token)
+
+    def extra_tokens(self) -> dict[str, str]:
+        """GPTFIMDatasetConfig's ``fim_extra_tokens``, keyed as pretrain_gpt.py keys them."""
+        return {"prefix": self.prefix_token, "middle": self.middle_token, "suffix": self.suffix_token,
+                "pad": self.pad_token, "eod": self.eod_token}
+
+
+@dataclass(frozen=True)
 class DataSpec:
     """Data: paths, split, tokenizer and the dataset builder's settings, and the batch sizes and run
     lengths that say which samples each iteration and evaluation reads."""
@@ -42,6 +72,7 @@ class DataSpec:
     eval_iters: int
     eval_interval: int | None
     tokenizer: TokenizerSpec
+    fim: FimSpec | None  # --fim-data: fill-in-the-middle samples
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataSpec:
@@ -49,4 +80,4 @@ class DataSpec:
                    args.data_cache_path, args.mmap_bin_files, args.seq_length, args.reset_position_ids,
                    args.eod_mask_loss, args.seed, args.global_batch_size, args.micro_batch_size,
                    args.data_parallel_size, args.train_iters, args.eval_iters, args.eval_interval,
-                   TokenizerSpec.from_args(args))
+                   TokenizerSpec.from_args(args), FimSpec.from_args(args))

@@ -12,8 +12,9 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 
-from ..config.data_spec import DataSpec
+from ..config.data_spec import DataSpec, FimSpec
 
 
 def dataset_sizes(data: DataSpec) -> tuple[int, int]:
@@ -29,20 +30,31 @@ def evaluation_index(data: DataSpec, iteration: int) -> int:
 
 
 def build_datasets(data: DataSpec, tokenizer, train_samples: int, valid_samples: int):
-    """megatron-core's GPTDataset (blended when --data-path is a blend) or MockGPTDataset. ``tokenizer``
-    is ``tokenizer.build_tokenizer``'s: the datasets read its vocabulary size and end-of-document and padding ids."""
+    """megatron-core's GPTDataset (blended when --data-path is a blend), Megatron-LM's GPTFIMDataset with
+    --fim-data, or MockGPTDataset, picked as Megatron-LM's pretrain_gpt.py picks them. ``tokenizer`` is
+    ``tokenizer.build_tokenizer``'s: the datasets read its vocabulary size and end-of-document and padding ids
+    (the FIM dataset also re-tokenizes samples through it)."""
     blend = get_blend_from_list(None if data.data_path is None else list(data.data_path))
-    config = GPTDatasetConfig(random_seed=data.seed, sequence_length=data.seq_length, blend=blend, split=data.split,
-                              tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
-                              reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss, create_attention_mask=False,
-                              path_to_cache=data.cache_path, mmap_bin_files=data.mmap_bin_files)
+    common = dict(random_seed=data.seed, sequence_length=data.seq_length, blend=blend, split=data.split,
+                  tokenizer=tokenizer, reset_position_ids=data.reset_position_ids, reset_attention_mask=False,
+                  eod_mask_loss=data.eod_mask_loss, create_attention_mask=False, path_to_cache=data.cache_path,
+                  mmap_bin_files=data.mmap_bin_files)
+    config = GPTDatasetConfig(**common) if data.fim is None else _fim_config(data.fim, common)
     sizes = [train_samples, valid_samples, 0]
     # A part asked for no samples is not built: a part with no documents would make megatron-core loop
     # until the process-group timeout. The other parts keep Megatron-LM's document ranges.
     config.split_matrix = [bookends if size else None for bookends, size in zip(config.split_matrix, sizes)]
-    kind = MockGPTDataset if data.mock_data else GPTDataset
+    kind = MockGPTDataset if data.mock_data else GPTDataset if data.fim is None else GPTFIMDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
     return train, valid
+
+
+def _fim_config(fim: FimSpec, common: dict) -> GPTFIMDatasetConfig:
+    """pretrain_gpt.py's FIM config. GPTFIMDataset draws its permutations from one random stream per process
+    in the order samples are read: unlike the rest, they depend on the layout and restart on resume."""
+    return GPTFIMDatasetConfig(**common, fim_rate=fim.rate, fim_spm_rate=fim.spm_rate,
+                               fim_extra_tokens=fim.extra_tokens(), fim_split_sample=fim.split_sample,
+                               fim_fragment_rate=fim.fragment_rate, fim_no_prefix=fim.no_prefix)
 
 
 class MicrobatchSource:

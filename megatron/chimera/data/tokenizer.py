@@ -14,7 +14,7 @@ import os
 
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
 
-from ..config.data_spec import TokenizerSpec
+from ..config.data_spec import FimSpec, TokenizerSpec
 
 NEEDS_TRANSFORMERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -63,6 +63,23 @@ def check_padded_vocab(size: int, tp: int, tokenizer, require) -> None:
     require(size >= ids, "--padded-vocab-size", size, f"must hold the tokenizer's {ids} ids")
     require(size % tp == 0, "--padded-vocab-size", size,
             f"must be a multiple of --tensor-model-parallel-size ({tp}): megatron-core splits the vocabulary evenly")
+
+
+def check_fim_tokens(fim: FimSpec | None, kind: str, tokenizer, require) -> None:
+    """--fim-data: Megatron-LM's GPTFIMDataset re-tokenizes each sample through megatron-core's HuggingFace
+    library (no other type here takes its ``ids_to_text(..., remove_special_tokens=True)``; Megatron-LM fails
+    on the first sample) and looks its sentinel tokens up by name, where a token missing from the
+    vocabulary would silently become the unknown token's id (or None)."""
+    if fim is None:
+        return
+    require(kind == "HuggingFaceTokenizer", "--fim-data", True,
+            "needs --tokenizer-type HuggingFaceTokenizer (Megatron-LM's FIM dataset re-tokenizes samples through it)")
+    named = {**{f"--fim-{part}-token": token for part, token in fim.extra_tokens().items()},
+             "--fim-split-sample": fim.split_sample}
+    library = tokenizer._tokenizer
+    for flag, token in named.items():
+        require(token is None or library.inv_vocab.get(library.token_to_id(token)) == token, flag, token,
+                "must be a token of the tokenizer's vocabulary (Megatron-LM's FIM dataset looks it up by name)")
 
 
 class GPT2BPE:
