@@ -49,7 +49,9 @@ HONOURED = _flags("""
     --eval-iters
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
-    --tokenizer-model --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
+    --tokenizer-model --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
+    --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
+    --log-interval --log-throughput --timing-log-level --timing-log-option --tensorboard-dir
     --no-barrier-with-level-1-timing --nvtx-ranges
     --log-params-norm --log-num-zeros-in-grad --tensorboard-log-interval --tensorboard-queue-size
     --log-timers-to-tensorboard --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard
@@ -422,10 +424,6 @@ REFUSED = {
         --dataloader-defer-npy-index-mmap --sample-rate --mask-prob --short-seq-prob --reset-attention-mask
         --dataloader-inter-document-masking --num-dataset-builder-threads --object-storage-cache-path
         --mid-level-dataset-surplus --allow-ambiguous-pad-tokens
-    """),
-    'fill-in-the-middle data is not supported yet': _flags("""
-        --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
-        --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
     """),
     ('tokenizers are built from --tokenizer-type, --tokenizer-model, --vocab-file, --merge-file and '
      '--vocab-size only'): _flags("""
