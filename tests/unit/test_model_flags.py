@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from megatron.core.activations import squared_relu
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.training import num_floating_point_operations
@@ -18,6 +19,7 @@ from megatron.chimera.config.train_spec import TrainSpec
 from megatron.chimera.loop import _param_groups
 from megatron.chimera.model.chunk import (
     _layer_spec,
+    build_chunk,
     init_method,
     mark_tensor_parallel_sums,
     transformer_config,
@@ -165,6 +167,35 @@ def test_config_field_flags_reach_megatron_cores_config():
     attention = _layer_spec(chunks[0]).layer_specs[0].submodules.self_attention.submodules
     assert attention.q_layernorm.__name__ == attention.k_layernorm.__name__ == "L2Norm"
     assert attention.core_attention is DotProductAttention
+
+
+def test_shared_expert_gate_reaches_megatron_cores_shared_experts(one_process_group):
+    """--moe-shared-expert-gate (Qwen3-Next's): megatron-core's SharedExpertMLP scales its output by a sigmoid gate
+    of the token, one weight row drawn like the other weights (the harness's "shared-expert-gate" case trains it
+    at Chimera D=2 equal to one process)."""
+    args = parse_args(BASE + VARIANTS["shared-expert-gate"] + ["--num-layers", "1", "--hidden-size", "64",
+                                                                     "--disable-bias-linear", "--num-experts", "2"])
+    model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
+    spec = ModelSpec.from_args(args)
+    assert spec.config.moe_shared_expert_gate, "the flag did not reach megatron-core's config"
+    model = build_chunk(spec, make_run_plan(args), 0, torch.device("cpu"))
+    gate = model.decoder.layers[0].mlp.shared_experts.gate_weight
+    assert gate.shape == (1, 64) and gate.global_name.endswith("shared_experts.gate_weight"), gate.global_name
+    assert 0.01 < gate.std().item() < 0.03, f"the gate is not drawn with --init-method-std 0.02: {gate.std()}"
+    assert not gate.sums_over_tensor_parallel, "without sequence parallelism every TP rank has the same gate gradient"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"],
+     "--experimental-attention-variant=gated_delta_net: Qwen3-Next's gated delta net"),
+    (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend=tilelang: DeepSeek's sparse attention (DSA) needs "
+                                           "GPU kernels: its fused indexer and attention are TileLang's or cuDNN's"),
+])
+def test_linear_and_sparse_attention_variants_are_refused_with_their_reason(capsys, extra, needle):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_deterministic_mode_is_megatron_lms():

@@ -63,7 +63,7 @@ HONOURED = _flags("""
     --moe-router-dtype --moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-token-drop-policy
     --moe-pad-expert-input-to-capacity --expert-model-parallel-size --expert-tensor-parallel-size
     --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-layer-recompute
-    --recompute-modules --moe-shared-expert-overlap --moe-router-force-load-balancing
+    --recompute-modules --moe-shared-expert-overlap --moe-shared-expert-gate --moe-router-force-load-balancing
     --no-check-for-nan-in-loss-and-grad --dist-ckpt-strictness --trust-remote-code
     --check-weight-hash-across-dp-replicas-interval
     --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
@@ -206,18 +206,27 @@ REFUSED = {
         --context-parallel-size --hierarchical-context-parallel-sizes --max-seqlen-per-dp-cp-rank
         --cp-comm-type
     """),
-    "GPT models with megatron-core's standard attention only": _flags("""
-        --hybrid-context-parallel --experimental-attention-variant
+    ("Qwen3-Next's gated delta net (and DSA: see --dsa-kernel-backend) needs a GPU and flash-linear-attention: "
+     "megatron-core 0.19's "
+     "GatedDeltaNet fails without fla, allocates on torch.cuda.current_device() and normalises with fla's Triton "
+     "l2norm (its torch fallback covers the convolution and delta rule only)"): _flags("""
+        --experimental-attention-variant --linear-attention-freq
+        --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
+        --linear-num-value-heads
+    """),
+    ("DeepSeek's sparse attention (DSA) needs GPU kernels: its fused indexer and attention are TileLang's or "
+     "cuDNN's (--dsa-kernel-backend), its block spec is Transformer Engine's only"): _flags("""
         --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
         --dsa-kernel-backend --dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation
         --disable-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu
         --disable-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32
-        --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
-        --linear-num-value-heads --is-hybrid-model --mamba-state-dim --mamba-head-dim --mamba-num-groups
+    """),
+    "GPT models with megatron-core's standard attention only": _flags("""
+        --hybrid-context-parallel --is-hybrid-model --mamba-state-dim --mamba-head-dim --mamba-num-groups
         --mamba-num-heads --disable-mamba-mem-eff-path --mlp-chunks-for-prefill --mlp-chunks-for-training
         --mamba-training-ssm-states-dtype
-        --cache-mla-latents --mla-down-proj-fusion --linear-attention-freq --heterogeneous-layers-config-path
+        --cache-mla-latents --mla-down-proj-fusion --heterogeneous-layers-config-path
         --heterogeneous-layers-config-encoded-json --mamba-inference-conv-states-dtype
         --mamba-inference-ssm-states-dtype --spec --hybrid-layer-pattern
         --hybrid-override-pattern
@@ -226,7 +235,7 @@ REFUSED = {
      'padding, latent MoE, upcycling)'): _flags("""
         --expert-tensor-parallel-num-weight-shards
         --overlap-dispatch-backward-with-experts-wgrad
-        --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream --moe-shared-expert-gate
+        --ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream
         --use-grouped-gemm-for-shared-expert --moe-shared-expert-glu-interleave-size
         --moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8
         --moe-router-quantile-balancing-ema

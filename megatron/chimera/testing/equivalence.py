@@ -92,6 +92,9 @@ GLOBAL_AUX = MIXTRAL + ["--moe-router-load-balancing-type", "global_aux_loss"]
 PER_PIPELINE = "mixtral-global-aux-per-pipeline"
 SINKHORN = MIXTRAL + ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
 VARIANTS |= {"mixtral-sinkhorn": SINKHORN, "mixtral-global-aux": GLOBAL_AUX, PER_PIPELINE: GLOBAL_AUX}
+# Qwen3-Next's shared expert, its output scaled by a sigmoid gate of the token (--moe-shared-expert-gate: one
+# weight row per layer, megatron-core's SharedExpertMLP.gate_weight)
+VARIANTS["shared-expert-gate"] = MIXTRAL + ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
 
 # Megatron-LM's current model recipes (recipes/moe/, issue 34), each family's model-definition flags
 # scaled to MODEL, dropout off (Megatron-LM seeds dropout by pipeline rank)
@@ -285,6 +288,7 @@ CASES = {
         "mixtral global aux loss 1f1b D=2": ("mixtral-global-aux", D2["1f1b D=2"]),
         "mixtral global aux loss chimera D=2": (PER_PIPELINE, CHIMERA2),
         "mixtral capacity chimera D=2": ("mixtral-capacity", CHIMERA2),
+        "shared-expert-gate chimera D=2": ("shared-expert-gate", CHIMERA2),
         "deepseek-style chimera split D=2": ("deepseek-style", D2["chimera split D=2"]),
         "qwen3 chimera D=2": ("qwen3", CHIMERA2),
         "config-fields chimera D=2": ("config-fields", CHIMERA2),
