@@ -187,9 +187,10 @@ def test_shared_expert_gate_reaches_megatron_cores_shared_experts(one_process_gr
 
 @pytest.mark.parametrize("extra, needle", [
     (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"],
-     "--experimental-attention-variant=gated_delta_net: Qwen3-Next's gated delta net"),
-    (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend=tilelang: DeepSeek's sparse attention (DSA) needs "
-                                           "GPU kernels: its fused indexer and attention are TileLang's or cuDNN's"),
+     "--experimental-attention-variant=gated_delta_net: GPU-only: Qwen3-Next's gated delta net"),
+    (["--dsa-kernel-backend", "tilelang"],
+     "--dsa-kernel-backend=tilelang: GPU-only: DeepSeek's sparse attention (DSA) needs GPU kernels: its fused "
+     "indexer and attention are TileLang's or cuDNN's"),
 ])
 def test_linear_and_sparse_attention_variants_are_refused_with_their_reason(capsys, extra, needle):
     with pytest.raises(SystemExit):

@@ -206,16 +206,16 @@ REFUSED = {
         --context-parallel-size --hierarchical-context-parallel-sizes --max-seqlen-per-dp-cp-rank
         --cp-comm-type
     """),
-    ("Qwen3-Next's gated delta net (and DSA: see --dsa-kernel-backend) needs a GPU and flash-linear-attention: "
-     "megatron-core 0.19's "
-     "GatedDeltaNet fails without fla, allocates on torch.cuda.current_device() and normalises with fla's Triton "
-     "l2norm (its torch fallback covers the convolution and delta rule only)"): _flags("""
+    ("GPU-only: Qwen3-Next's gated delta net (and DSA: see --dsa-kernel-backend) needs flash-linear-attention on a "
+     "GPU: megatron-core 0.19's GatedDeltaNet fails without fla, allocates on torch.cuda.current_device() and "
+     "normalises with fla's Triton l2norm (its torch fallback covers the convolution and delta rule only); not "
+     "supported yet"): _flags("""
         --experimental-attention-variant --linear-attention-freq
         --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
         --linear-num-value-heads
     """),
-    ("DeepSeek's sparse attention (DSA) needs GPU kernels: its fused indexer and attention are TileLang's or "
-     "cuDNN's (--dsa-kernel-backend), its block spec is Transformer Engine's only"): _flags("""
+    ("GPU-only: DeepSeek's sparse attention (DSA) needs GPU kernels: its fused indexer and attention are TileLang's "
+     "or cuDNN's (--dsa-kernel-backend), its block spec is Transformer Engine's only; not supported yet"): _flags("""
         --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
         --dsa-kernel-backend --dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation
@@ -266,7 +266,8 @@ REFUSED = {
          --freeze-all-layers --fp16-lm-cross-entropy
         --no-pad-vocab-size --disable-pad-vocab-size --log-max-attention-logit
     """),
-    "Transformer Engine's tensor-parallel communication overlap is not supported yet": _flags("""
+    ("GPU-only: Transformer Engine's tensor-parallel communication overlap (its userbuffers) needs GPUs; not "
+     "supported yet"): _flags("""
         --tp-comm-overlap --no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad
         --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag
         --no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag
