@@ -94,7 +94,8 @@ def test_memory_series_reads_megatron_lms_counters_of_the_cuda_allocator(monkeyp
                                 "mem-allocated-count": 2}
 
 
-def test_logging_level_sets_the_root_logger_as_megatron_lm_does(one_process_group, monkeypatch):
+def test_logging_level_sets_the_root_logger_as_megatron_lm_does(monkeypatch):
+    """Before the process group exists, as pretrain calls it."""
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", root.level)  # restored after the test
     monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "40")

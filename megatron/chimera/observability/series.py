@@ -24,12 +24,12 @@ PPL_CAP = 20.0
 
 def set_logging_level(spec: SeriesSpec) -> None:
     """Megatron-LM's setup_logging: --logging-level, else $MEGATRON_LOGGING_LEVEL, sets the root logger's
-    level; neither leaves it alone."""
+    level; neither leaves it alone. Before the process group exists: the launcher's RANK says which rank says so."""
     level = spec.logging_level
     if level is None and os.getenv("MEGATRON_LOGGING_LEVEL") is not None:
         level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
     if level is not None:
-        if dist.get_rank() == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             logging.getLogger(__name__).info(f"Setting logging level to {level}")
         logging.getLogger().setLevel(level)
 
