@@ -420,10 +420,16 @@ def _one_stage_view():
 
 def _mtp_block_spec(spec: ModelSpec, config: TransformerConfig, device_type: str, split_backward: bool):
     """megatron-core's MTP block, its layer shaped like the model's last layer (dense or MoE), as
-    Megatron-LM's GPT builder builds it."""
+    Megatron-LM's GPT builder builds it; its own norms (of the embedding, of the hidden states, the last one)
+    LocalNorm where the local spec would give torch's, which refuses sequence parallelism (_with_local_norms)."""
     last = transformer_config(spec, 1, spec.config.num_layers - 1, device_type, split_backward)
-    return get_gpt_mtp_block_spec(config, _layer_spec(last),
-                                  use_transformer_engine=config.transformer_impl == "transformer_engine")
+    block = get_gpt_mtp_block_spec(config, _layer_spec(last),
+                                   use_transformer_engine=config.transformer_impl == "transformer_engine")
+    for layer in {id(layer): layer for layer in (block.layer_specs if block else [])}.values():
+        for name in ("enorm", "hnorm", "layer_norm"):
+            if getattr(layer.submodules, name) is WrappedTorchNorm:
+                setattr(layer.submodules, name, LocalNorm)
+    return block
 
 
 def mark_tensor_parallel_sums(model, config) -> None:

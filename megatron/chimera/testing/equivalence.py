@@ -340,6 +340,8 @@ CASES = {
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
         "mla chimera D=2 TP=2": ("mla", CHIMERA2 + TP2),
+        # MTP's own norms (embedding, hidden states, last) under sequence parallelism: Megatron-LM's MoE configs
+        "mtp chimera D=2 TP=2 sequence parallel": ("mtp", CHIMERA2 + TP2 + ["--sequence-parallel"]),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
     # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
