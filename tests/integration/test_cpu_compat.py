@@ -2,6 +2,7 @@
 applied, and the RNG tracker it installs behaves like megatron-core's (fork restores the caller's state)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.chimera.model import cpu_compat
+from megatron.chimera.testing.launch import launch
 
 
 def test_rng_tracker_forks_and_restores_cpu_state(one_process_group):
@@ -59,3 +61,12 @@ def test_every_redirection_is_still_needed_by_megatron_core():
                            "schedules_token_counter", "default_causal_mask", "dispatcher_stream",
                            "dispatcher_split_sizes", "schedule_plan_streams", "record_stream"}
     assert all(error is not None for error in report.values()), report
+
+
+def test_parts_of_different_sizes_are_gathered_and_reduce_scattered_on_gloo():
+    """megatron-core's alltoall dispatcher with expert and expert-tensor parallelism gathers each expert-TP
+    rank's tokens, whose counts differ (and reduce-scatters their gradients back); gloo takes equal parts
+    only, cpu_compat pads them (Megatron-LM's Mixtral and MoE configs at EP > 1 with ETP > 1)."""
+    proc = launch(2, "-m", "megatron.chimera.testing.uneven_collectives_probe")
+    said = [json.loads(found) for found in re.findall(r'\{"rank".*?\}', proc.stdout)]
+    assert len(said) == 2 and all(r["gathered"] and r["reduce_scattered"] for r in said), proc.stdout + proc.stderr

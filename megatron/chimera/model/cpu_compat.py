@@ -22,6 +22,11 @@ needed.
   and run plans; and they tell the caching allocator which stream still uses a tensor
   (``Tensor.record_stream``), which on the CPU, one stream and no caching allocator, means nothing ->
   a no-op for CPU tensors.
+- gloo's all_gather and reduce_scatter take equal parts only, where megatron-core's alltoall dispatcher, with
+  expert parallelism and expert tensor parallelism, gathers (forward) and reduce-scatters (backward) each
+  expert-TP rank's tokens, whose counts differ (``tensor_parallel/mappings.py``, ``output_split_sizes``) ->
+  the parts padded to the largest and gathered, or the whole summed and this rank's part kept. It needs two
+  processes, so the probe (one) does not undo it; ``tests/integration/test_cpu_compat.py`` runs it on two.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import types
 
 import torch
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.tensor_parallel import random
+from megatron.core.tensor_parallel import mappings, random
 from megatron.core.transformer import utils
 from megatron.core.transformer.moe import token_dispatcher
 
@@ -160,6 +165,32 @@ def _record_stream(tensor: torch.Tensor, stream) -> None:
         _RECORD_STREAM(tensor, stream)
 
 
+_GATHER, _REDUCE_SCATTER = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+
+def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """megatron-core's gather along the first dimension; parts of different sizes padded to the largest,
+    gathered as equal ones and cut back."""
+    if output_split_sizes is None or group.size() == 1:
+        return _GATHER(input_, group, output_split_sizes, use_global_buffer)
+    most = max(output_split_sizes)
+    padded = input_.new_zeros((most, *input_.shape[1:]))
+    padded[:input_.shape[0]] = input_
+    gathered = _GATHER(padded, group)
+    return torch.cat([gathered[i * most:i * most + n] for i, n in enumerate(output_split_sizes)])
+
+
+def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """megatron-core's reduce-scatter along the first dimension; with parts of different sizes, the whole
+    summed over the group and this rank's part kept."""
+    if input_split_sizes is None or group.size() == 1:
+        return _REDUCE_SCATTER(input_, group, input_split_sizes, use_global_buffer)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(input_split_sizes[:group.rank()])
+    return total[start:start + input_split_sizes[group.rank()]].contiguous()
+
+
 PLAN_MODULES = ("megatron.core.pipeline_parallel.utils", "megatron.core.models.common.model_chunk_schedule_plan",
                 "megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
 
@@ -182,4 +213,5 @@ def apply() -> None:
     for name in PLAN_MODULES:
         importlib.import_module(name).torch = _CpuTorch()
     torch.Tensor.record_stream = _record_stream
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, reduce_scatter_uneven
     _applied = True
