@@ -2,24 +2,19 @@
 every iteration, as Megatron-LM's finalize_model_grads restarts them; the startup line where pipelines split
 them), the expert bias of stages holding different numbers of MoE layers under tensor parallelism, and
 --check-weight-hash-across-dp-replicas-interval's check of a rank's copies of a stage."""
-import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron.core import parallel_state
 
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.job import job_config
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch, check_weight_hashes
-from megatron.chimera.loop import Trainer
 from megatron.chimera.model.chunk import build_chunk
-from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.model.moe import update_expert_bias
 from megatron.chimera.observability.hooks import Hooks
 from megatron.chimera.observability.startup import print_global_aux_loss
+from megatron.chimera.testing.one_step import one_process_trainer
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
@@ -29,16 +24,8 @@ GLOBAL_AUX = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-
               "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2"]
 
 
-@contextlib.contextmanager
 def trainer(flags: list[str], hooks: Hooks = Hooks()):
-    """A one-process Trainer; after it, the one_process_group fixture's parallel state, which it replaced."""
-    args = parse_args(TINY + flags, world_size=1)
-    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
-    try:
-        yield built
-    finally:
-        built.close()
-        parallel_state.initialize_model_parallel(1, 1)
+    return one_process_trainer(TINY + flags, hooks)
 
 
 def routers(t) -> list:

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_parallel_cuda_manual_seed
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -22,17 +21,15 @@ from megatron.chimera.checkpoint.checkpointing import (
 from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.job import job_config
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.loop import Trainer, TrainingStopped, _Progress
+from megatron.chimera.loop import TrainingStopped, _Progress
 from megatron.chimera.model import recompute
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
-from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.hooks import Hooks
 from megatron.chimera.observability.series import Writers
 from megatron.chimera.observability.startup import print_building
-from megatron.chimera.testing.one_step import forward_backward_once
+from megatron.chimera.testing.one_step import forward_backward_once, one_process_trainer
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
@@ -146,17 +143,8 @@ class _NaNWeights(Hooks):
             trainer.models[0].embedding.word_embeddings.weight.fill_(float("nan"))
 
 
-@contextlib.contextmanager
 def trainer(flags: list[str], hooks: Hooks = Hooks()):
-    """A one-process Trainer in the test process; after it, the one_process_group fixture's parallel state,
-    which the Trainer's own replaced and released."""
-    args = parse_args(TINY + flags, world_size=1)
-    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
-    try:
-        yield built
-    finally:
-        built.close()
-        parallel_state.initialize_model_parallel(1, 1)
+    return one_process_trainer(TINY + flags, hooks)
 
 
 @pytest.mark.parametrize("checked", [True, False])

@@ -1,14 +1,22 @@
-"""One chunk's forward and backward of a fixed batch, in this process: what the recomputation tests compare
-(results must not change, the bytes kept for the backward must)."""
+"""One process's training pieces for the unit tests: one chunk's forward and backward of a fixed batch (what
+the recomputation tests compare: results must not change, the bytes kept for the backward must), and a
+whole Trainer in the test process."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.config.job import job_config
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.loop import Trainer
 from megatron.chimera.model.chunk import build_chunk
+from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.observability.hooks import Hooks
 
 
 def forward_backward_once(flags: list[str]) -> tuple[float, dict[str, torch.Tensor], int]:
@@ -30,3 +38,16 @@ def forward_backward_once(flags: list[str]) -> tuple[float, dict[str, torch.Tens
         loss = model(tokens, torch.arange(seq).expand(batch, seq), None, labels=tokens).mean()
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+
+
+@contextlib.contextmanager
+def one_process_trainer(flags: list[str], hooks: Hooks = Hooks()):
+    """A one-process Trainer of ``flags`` in the test process; after it, the one-process parallel state the
+    caller's process group had (the Trainer's own replaced it and is released)."""
+    args = parse_args(flags, world_size=1)
+    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
+    try:
+        yield built
+    finally:
+        built.close()
+        parallel_state.initialize_model_parallel(1, 1)
