@@ -155,9 +155,10 @@ def test_every_rank_holds_exactly_the_layers_its_layout_names(results):
 
 def test_mtp_loss_is_logged_as_one_process_logs_it(results):
     """Megatron-LM's 'mtp_1 loss' field, non-zero and equal to the one-process run's, under Chimera,
-    DualPipe, split backward and megatron-core's 1F1B, with MTP on the last stage or its own."""
+    DualPipe, split backward and megatron-core's 1F1B, with MTP on the last stage or its own, and at TP=2 with
+    sequence parallelism."""
     mtp = {case: results[case] for case in CASES if case.startswith(("mtp", "mixtral-mtp"))}
-    assert len(mtp) == 6, f"expected 6 MTP cases, got {sorted(mtp)}"
+    assert len(mtp) == 7, f"expected 7 MTP cases, got {sorted(mtp)}"
     logged = {case: (r["moe_fields"], r["mtp_loss"]) for case, r in mtp.items()}
     assert all("mtp_1 loss" in fields and loss > 1 for fields, loss in logged.values()), \
         f"case: (fields logged, mtp_1 loss), each expected to hold 'mtp_1 loss' > 1: {logged}"
