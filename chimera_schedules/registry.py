@@ -69,25 +69,28 @@ def _generate_chimera(spec: ScheduleSpec, costs: CostModel) -> Schedule:
 ENTRIES = (
     Entry("gpipe", lambda spec, costs: gpipe(spec.depth, spec.microbatches), variants={"gpipe": {}}),
     Entry("1f1b", lambda spec, costs: one_f_one_b(spec.depth, spec.microbatches),
-          options=("split_backward", "overlap"),
+          options=("split_backward", "overlap", "halves"),
           variants={"1f1b": {}, "1f1b split": {"split_backward": True}, "1f1b overlap": {"overlap": True}}),
     Entry("interleaved", lambda spec, costs: interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
           check=lambda spec: check_interleaved(spec.depth, spec.microbatches, spec.virtual_stages),
           options=("virtual_stages",), virtual_stages=lambda spec: spec.virtual_stages,
           variants={"interleaved v=2": {"virtual_stages": 2}}),
     Entry("chimera", _generate_chimera, _check_chimera,
-          options=("pipelines", "concat", "order", "split_backward", "overlap"), pipelines=lambda spec: spec.pipelines,
+          options=("pipelines", "concat", "order", "split_backward", "overlap", "halves"),
+          pipelines=lambda spec: spec.pipelines,
           variants={"chimera direct": {"concat": "direct"}, "chimera doubling": {"concat": "doubling"},
                     "chimera halving": {"concat": "halving"}, "chimera best": {"order": "best"},
                     "chimera split": {"split_backward": True},
                     "chimera split best": {"split_backward": True, "order": "best"},
                     "chimera direct overlap": {"concat": "direct", "overlap": True},
+                    "chimera doubling overlap": {"concat": "doubling", "overlap": True},
                     "chimera split overlap": {"split_backward": True, "overlap": True}}),
     Entry("dualpipe", lambda spec, costs: dualpipe(spec.depth, spec.microbatches),
-          lambda spec: check_dualpipe(spec.depth, spec.microbatches), options=("overlap",), pipelines=lambda spec: 2,
+          lambda spec: check_dualpipe(spec.depth, spec.microbatches), options=("overlap", "halves"),
+          pipelines=lambda spec: 2,
           variants={"dualpipe": {}, "dualpipe overlap": {"overlap": True}}),
     Entry("dualpipev", lambda spec, costs: dualpipev(spec.depth, spec.microbatches),
-          lambda spec: check_dualpipev(spec.depth, spec.microbatches), options=("overlap",),
+          lambda spec: check_dualpipev(spec.depth, spec.microbatches), options=("overlap", "halves"),
           virtual_stages=lambda spec: 2, variants={"dualpipev": {}, "dualpipev overlap": {"overlap": True}}),
 )
 REGISTRY = {e.name: e for e in ENTRIES}
@@ -129,6 +132,9 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
     entry = REGISTRY[spec.schedule]
     spec = dataclasses.replace(spec, **{name: OPTION[name].default for name in entry.options
                                         if getattr(spec, name) is None and OPTION[name].default is not None})
+    require(spec.overlap or spec.halves is not False, "halves", False, "applies with $overlap only")
+    if not spec.overlap:
+        spec = dataclasses.replace(spec, halves=None)  # a choice among overlapped orders: none without overlap
     entry.check(spec)
     return spec
 
@@ -143,7 +149,7 @@ def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
         # never more live micro-batches than the unsplit schedule's most loaded worker holds
         result = split_backward(result, costs, [max(peak_activations(result))] * spec.depth)
     if spec.overlap:
-        result = overlap_forward_backward(result, costs)
+        result = overlap_forward_backward(result, costs, halves=spec.halves)
     validate(result)
     return result
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..ir.actions import COMM_OPS, Action, Op, Overlapped
+from ..ir.actions import COMM_OPS, Action, Op, Overlapped, parts
 from ..ir.channels import stage_group
 from ..ir.costs import CostModel, Event
 from ..ir.dataflow import consumed_messages, produced_messages, source_worker
@@ -215,8 +215,9 @@ class _NcclRun:
         remote = self._remote_inputs(w, a)
         if any((w, m) not in self.arrived for m in remote):
             return False
-        start = max([self.time[w]] + [self.arrived[(w, m)] for m in remote])
-        end = start + self.costs.compute_time(self.s, a)
+        ready = [max((self.arrived[(w, m)] for m in self._remote_inputs(w, p)), default=0.0) for p in parts(a)]
+        start, ends = self.costs.run_times(self.s, a, self.time[w], ready)  # a pair's parts wait for their own
+        end = max(ends)
         self.events.append(Event(w, a, start, end))
         self.time[w] = end
         return True

@@ -1,13 +1,14 @@
 """Replay of a compute schedule: every worker runs its list in order; an action starts when the worker
 is free and its inputs (the dataflow rule) have arrived. The validator asks whether it finishes; the
 simulator and lowering read its times. Sends never block, so the only way to get stuck is a real
-dependency cycle, which is named. An overlapped action starts when both its parts' inputs are there and
-hands on both parts' results when it ends (the dataflow rule says so)."""
+dependency cycle, which is named. An overlapped action starts when either part's input is there, each
+part waiting only for its own (``CostModel.run_times``), and hands on each part's result when that part
+ends; the worker is free when both have."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.actions import Action, Op
+from ..ir.actions import Action, Op, parts
 from ..ir.costs import CostModel, Event
 from ..ir.dataflow import dependencies, describe, products
 from ..ir.errors import InvalidSchedule
@@ -24,9 +25,11 @@ class TimedReplay:
     free: list[float] = field(default_factory=list)
 
 
-def replay(schedule: Schedule, costs: CostModel) -> TimedReplay:
+def replay(schedule: Schedule, costs: CostModel, whole_pairs: bool = False) -> TimedReplay:
     """Run every worker's list in order under ``costs``; raise InvalidSchedule naming the wait-for
-    cycle if no worker can make progress."""
+    cycle if no worker can make progress. ``whole_pairs``: an overlapped action waits for both parts'
+    inputs before it starts and hands on both results when it ends (lowering's order: it receives both
+    before the action and sends both after it)."""
     last = schedule.stages_per_pipeline - 1
     transfer = costs.transfer_time(schedule)
     done: dict[tuple, tuple[int, float]] = {}
@@ -44,13 +47,18 @@ def replay(schedule: Schedule, costs: CostModel) -> TimedReplay:
                 if a.op is Op.REDUCE_GRADS:
                     out.posts.setdefault(a.stage, []).append((out.free[w], w, a))
                 else:
-                    ready = max([done[d][1] + (transfer if done[d][0] != w else 0.0) for d in deps], default=0.0)
-                    start = max(out.free[w], ready)
-                    end = start + costs.compute_time(schedule, a)
-                    out.events.append(Event(w, a, start, end))
-                    out.free[w] = end
-                    for key in products(a):
-                        done[key] = (w, end)
+                    arrival = lambda d: done[d][1] + (transfer if done[d][0] != w else 0.0)  # noqa: E731
+                    ready = [max((arrival(d) for d in dependencies(p, last)), default=0.0) for p in parts(a)]
+                    if whole_pairs:
+                        ready = [max(ready)] * len(ready)
+                    start, ends = costs.run_times(schedule, a, out.free[w], ready)
+                    if whole_pairs:
+                        ends = [max(ends)] * len(ends)
+                    out.events.append(Event(w, a, start, max(ends)))
+                    out.free[w] = max(ends)
+                    for p, end in zip(parts(a), ends):
+                        for key in products(p):
+                            done[key] = (w, end)
                 pos[w] += 1
                 progress = True
     stuck = [w for w in range(schedule.num_workers) if pos[w] < len(schedule.workers[w])]

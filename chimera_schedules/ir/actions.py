@@ -6,6 +6,11 @@ stage, so one model stage can live on several workers (Chimera's down and up pip
 An ``Overlapped`` action (``F3p0s1&B1p1s6``) runs a forward and the backward (or I) of another
 micro-batch as one step, DualPipe style, so one micro-batch's expert all-to-all hides behind the other's
 compute. It has no micro-batch, pipeline or stage of its own: a reader takes its ``parts``.
+
+A ``Halved`` action (``F3p0s1/2``) runs one F, B or I as two halves of its micro-batch (the batch's
+first and second half of its sequences) interleaved with each other, so one half's all-to-all hides
+behind the other half's compute when no other micro-batch is there to pair with. It consumes and
+produces what its whole action does; a reader takes its ``parts`` too (the whole action).
 """
 from __future__ import annotations
 
@@ -25,13 +30,16 @@ class Op(StrEnum):
     BACKWARD_WEIGHT = "W"
     REDUCE_GRADS = "R"
     OVERLAPPED = "FB"  # an F and a B or I of another micro-batch, run together (``Overlapped``)
+    HALVED = "H"  # an F, B or I run as two interleaved halves of its micro-batch (``Halved``)
     # Communication, added by lowering (passes/lowering.py): each names its process group ("channel").
     SEND = "SEND"
     RECV = "RECV"
     ALLREDUCE = "ALLREDUCE"
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.OVERLAPPED)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.OVERLAPPED, Op.HALVED)
+COMPOUND_OPS = (Op.OVERLAPPED, Op.HALVED)  # actions without a micro-batch of their own: read their parts
+HALVABLE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)  # the passes that run all-to-alls
 P2P_OPS = (Op.SEND, Op.RECV)
 COMM_OPS = (Op.SEND, Op.RECV, Op.ALLREDUCE)
 KINDS = ("act", "grad")  # activations flow to stage + 1, input gradients to stage - 1
@@ -76,10 +84,12 @@ class Action:
         return text + (f"#{self.batch}" if self.batch >= 0 else "")
 
     @classmethod
-    def parse(cls, token: str) -> Action | Overlapped:
+    def parse(cls, token: str) -> Action | Overlapped | Halved:
         """Inverse of ``str``: ``F3p1s2`` is the forward of micro-batch 3, pipeline 1, stage 2;
-        ``F3p0s1&B1p1s6`` an overlapped forward and backward."""
+        ``F3p0s1&B1p1s6`` an overlapped forward and backward; ``F3p1s2/2`` the forward in two halves."""
         token = token.strip()
+        if token.endswith("/2"):
+            return Halved(cls.parse(token[:-2]))
         if "&" in token:
             pair = token.split("&")
             if len(pair) != 2 or any("@" in t for t in pair):
@@ -121,10 +131,12 @@ class Action:
         return obj
 
     @classmethod
-    def from_json(cls, obj: dict) -> Action | Overlapped:
+    def from_json(cls, obj: dict) -> Action | Overlapped | Halved:
         op = Op(obj["op"])
         if op is Op.OVERLAPPED:
             return Overlapped.from_json(obj)
+        if op is Op.HALVED:
+            return Halved.from_json(obj)
         batch = int(obj.get("batch", -1))
         if op in P2P_OPS:
             if obj.get("kind") not in KINDS:
@@ -169,9 +181,46 @@ class Overlapped:
         return cls(*pair)
 
 
-def parts(action: Action | Overlapped) -> tuple[Action, ...]:
-    """The plain actions an action runs: an Overlapped's forward and backward, else the action itself."""
-    return action.parts if isinstance(action, Overlapped) else (action,)
+@dataclass(frozen=True, order=True)
+class Halved:
+    """One F, B or I run as two halves of its micro-batch, interleaved on two streams
+    (``ir/parts.py``'s ``halves``): each half's all-to-alls run while the other half computes. For an
+    action with no partner in another micro-batch (warm-up, cool-down, N = D). Like ``Overlapped`` it
+    has no ``mb`` of its own, so a reader goes through ``parts()`` (the whole action: what it consumes,
+    produces and keeps alive is the whole micro-batch's)."""
+
+    action: Action
+
+    def __post_init__(self):
+        if not isinstance(self.action, Action) or self.action.op not in HALVABLE_OPS:
+            raise ValueError(f"only an F, B or I runs in halves, not {self.action}")
+
+    @property
+    def op(self) -> Op:
+        return Op.HALVED
+
+    @property
+    def parts(self) -> tuple[Action]:
+        return (self.action,)
+
+    def __str__(self) -> str:
+        return f"{self.action}/2"
+
+    def to_json(self) -> dict:
+        return {"op": Op.HALVED.value, "action": self.action.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Halved:
+        action = Action.from_json(obj["action"])
+        if not isinstance(action, Action):
+            raise ValueError("a halved action holds a plain F, B or I")
+        return cls(action)
+
+
+def parts(action: Action | Overlapped | Halved) -> tuple[Action, ...]:
+    """The plain actions an action runs: an Overlapped's forward and backward, a Halved's whole action,
+    else the action itself."""
+    return action.parts if isinstance(action, (Overlapped, Halved)) else (action,)
 
 
 def F(mb: int, pipeline: int, stage: int) -> Action:

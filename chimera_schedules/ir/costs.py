@@ -32,7 +32,10 @@ class CostModel:
     combined 1F1B does (``ir/parts.py``): ``moe_layers`` layers (one count for every model stage, or one
     per model stage) share the stage's compute and all-to-all, ``attention_share`` of a layer's compute
     is its attention, so one micro-batch's all-to-alls hide behind the other's compute. With ``a2a`` = 0
-    it costs F + B."""
+    it costs F + B. A halved action (``Halved``) runs its pass as two halves of its micro-batch the same
+    way (``parts.halves``), each half's compute half the whole's divided by ``halves_efficiency``.
+    ``contention``: how much slower compute runs while an all-to-all is in flight beside it (0: not at
+    all; 0.15: 15% slower), in overlapped and halved actions (``parts.timeline``)."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
@@ -48,12 +51,17 @@ class CostModel:
     a2a: float | Sequence[float] = 0.0
     moe_layers: int | Sequence[int] = 1
     attention_share: float = 0.5
+    halves_efficiency: float = 1.0
+    contention: float = 0.0
 
     def compute_time(self, schedule: Schedule, action: Action | Overlapped) -> float:
         """How long the action holds its worker: compute and all-to-all one after the other when alone,
         interleaved when overlapped; scaled by the schedule's micro-batch size."""
         if action.op is Op.OVERLAPPED:
             return self._overlapped_time(schedule, action) * schedule.microbatch_scale
+        if action.op is Op.HALVED:
+            return moe.span(moe.halves(self._parts(schedule, action.action), self.halves_efficiency),
+                            self.contention) * schedule.microbatch_scale
         compute, a2a = self._alone(schedule, action)
         return (compute + a2a) * schedule.microbatch_scale
 
@@ -72,12 +80,38 @@ class CostModel:
 
     def _overlapped_time(self, schedule: Schedule, action: Overlapped) -> float:
         """One full-size overlapped action: its parts interleaved layer by layer (``ir/parts.py``)."""
+        return max(self.overlapped_ends(schedule, action, 0.0, 0.0)) / schedule.microbatch_scale
+
+    def overlapped_ends(self, schedule: Schedule, action: Overlapped, f_ready: float, b_ready: float
+                        ) -> tuple[float, float]:
+        """When an overlapped action's forward and backward end, from the moment it starts, if the
+        forward's input is there at ``f_ready`` and the backward's at ``b_ready`` after that: each part
+        waits for its own micro-batch's input only (a pair need not wait for both to begin)."""
         forward, backward = action.parts
-        f_compute, f_a2a = self._alone(schedule, forward)
-        b_compute, b_a2a = self._alone(schedule, backward)
-        f_parts = moe.forward_parts(f_compute, f_a2a, self._layers(forward), self.attention_share)
-        b_parts = moe.backward_parts(b_compute, b_a2a, self._layers(backward), self.attention_share)
-        return moe.span(moe.interleave(f_parts, b_parts))
+        order = moe.interleave(self._parts(schedule, forward), self._parts(schedule, backward))
+        scale = schedule.microbatch_scale
+        events = moe.timeline(order, self.contention, {"F": f_ready / scale, "B": b_ready / scale})
+        ends = {role: max((end for part, _, end in events if part.role == role), default=0.0) for role in "FB"}
+        return ends["F"] * scale, ends["B"] * scale
+
+    def run_times(self, schedule: Schedule, action: Action | Overlapped, free: float,
+                  ready: Sequence[float]) -> tuple[float, list[float]]:
+        """When an action on a worker free at ``free`` starts, and when each of its parts' results are
+        there, given when each part's inputs are (``ready``, one per part). An overlapped action starts
+        once either part's input is there and each part waits only for its own (``overlapped_ends``);
+        any other starts once all are there."""
+        if action.op is not Op.OVERLAPPED:
+            start = max([free, *ready])
+            return start, [start + self.compute_time(schedule, action)] * len(ready)
+        start = max(free, min(ready))
+        ends = self.overlapped_ends(schedule, action, *(max(0.0, r - start) for r in ready))
+        return start, [start + end for end in ends]
+
+    def _parts(self, schedule: Schedule, action: Action) -> list[moe.Part]:
+        """A plain F, B or I of one full-size micro-batch as the parts of its MoE layers."""
+        compute, a2a = self._alone(schedule, action)
+        make = moe.forward_parts if action.op is Op.FORWARD else moe.backward_parts
+        return make(compute, a2a, self._layers(action), self.attention_share)
 
     def _layers(self, action: Action) -> int:
         return self.moe_layers if isinstance(self.moe_layers, int) else self.moe_layers[action.stage]

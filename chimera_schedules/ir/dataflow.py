@@ -13,13 +13,14 @@ A result consumed by another model stage is a message ``(kind, pipeline, receivi
 ``"act"`` for an activation (to stage + 1), ``"grad"`` for an input gradient (to stage - 1).
 
 An overlapped action (``Overlapped``) consumes and produces what its parts do: it starts once both
-parts' inputs are there and hands on both parts' results when it ends.
+parts' inputs are there and hands on both parts' results when it ends. A halved action (``Halved``)
+consumes and produces what its whole action does.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .actions import Action, Op, Overlapped, parts
+from .actions import COMPOUND_OPS, Action, Op, Overlapped, parts
 from .schedule import Schedule
 
 Key = tuple[str, int, int, int]
@@ -30,7 +31,7 @@ _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)  # the passes that compute an inpu
 def dependencies(action: Action | Overlapped, last_stage: int) -> list[Key]:
     """The results an action consumes: a forward the previous stage's output; B or I its own forward
     and the next stage's input gradient; W its I; an overlapped action what either part consumes."""
-    if action.op is Op.OVERLAPPED:
+    if action.op in COMPOUND_OPS:
         return [key for part in action.parts for key in dependencies(part, last_stage)]
     p, s, m = action.pipeline, action.stage, action.mb
     if action.op is Op.FORWARD:
@@ -44,7 +45,7 @@ def dependencies(action: Action | Overlapped, last_stage: int) -> list[Key]:
 
 def products(action: Action | Overlapped) -> list[Key]:
     """The results an action makes (an overlapped action: both parts')."""
-    if action.op is Op.OVERLAPPED:
+    if action.op in COMPOUND_OPS:
         return [key for part in action.parts for key in products(part)]
     p, s, m = action.pipeline, action.stage, action.mb
     if action.op is Op.FORWARD:

@@ -19,12 +19,29 @@ so each all-to-all of one micro-batch runs while the other computes. Parts of on
 after another (each needs the one before: megatron-core's one event per model chunk); each stream runs
 its parts in the order they are issued. ``timeline`` is that rule, and with it the simulator prices an
 overlapped action, the emulated device of the depth benchmark runs one, and the docs draw one.
+
+A halved action (``Halved``) runs one pass as two halves of its micro-batch, ``halves`` issuing them
+layer by layer in the same two-stream way, one half a part ahead of the other:
+
+    comm:       dispatch_a | dispatch_b  combine_a | combine_b
+    compute:  attention_a | attention_b  experts_a | experts_b  attention_a (next layer) ...
+
+A half moves half the tokens (half the all-to-all) and computes half as much, divided by an efficiency
+factor (smaller kernels on a GPU run below their full rate; 1.0 on the emulated device).
+
+Contention: on a GPU an all-to-all takes streaming multiprocessors (DeepEP uses about 20 of an H100's
+132), so compute beside it runs slower. ``timeline(order, contention)`` stretches each compute part by
+``contention`` times how long an all-to-all was in flight during it: compute progresses at 1 / (1 +
+contention) of its rate while one is. The stretch moves what follows, which moves the all-to-alls;
+``timeline`` settles it by replaying a few times (``_CONTENTION_ROUNDS``), each with the stretches of
+the previous replay.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 COMPUTE, COMM = "compute", "comm"
+_CONTENTION_ROUNDS = 4
 FORWARD_ORDER = ("attention", "dispatch", "experts", "combine")
 _STREAM = {"attention": COMPUTE, "dispatch": COMM, "experts": COMPUTE, "combine": COMM}
 
@@ -32,19 +49,26 @@ _STREAM = {"attention": COMPUTE, "dispatch": COMM, "experts": COMPUTE, "combine"
 @dataclass(frozen=True)
 class Part:
     """One part of one micro-batch's pass through one layer: ``role`` "F" for the forward, "B" for the
-    backward (a B or an I), ``layer`` its index within the stage."""
+    backward (a B or an I), ``layer`` its index within the stage, ``half`` which half of a halved
+    action's micro-batch (0 or 1; -1 for a whole one). A part follows the previous part of its chain:
+    its role and half."""
 
     role: str
     layer: int
     name: str
     time: float
+    half: int = -1
 
     @property
     def stream(self) -> str:
         return _STREAM[self.name]
 
+    @property
+    def chain(self) -> tuple[str, int]:
+        return self.role, self.half
+
     def __str__(self) -> str:
-        return f"{self.name}_{self.role.lower()}{self.layer}"
+        return f"{self.name}_{self.role.lower()}{self.layer}" + ("ab"[self.half] if self.half >= 0 else "")
 
 
 def forward_parts(compute: float, a2a: float, layers: int, attention_share: float) -> list[Part]:
@@ -91,23 +115,59 @@ def interleave(forward: list[Part], backward: list[Part]) -> list[Part]:
     return order
 
 
-def timeline(order: list[Part]) -> list[tuple[Part, float, float]]:
+def halves(whole: list[Part], efficiency: float = 1.0) -> list[Part]:
+    """The issue order of a pass (``whole``: one micro-batch's parts, as ``forward_parts`` or
+    ``backward_parts`` make them) run as two halves of its micro-batch: per layer, half a's compute
+    and all-to-all parts each followed by half b's (the module's drawing). A half's all-to-all is half
+    the whole's, its compute half the whole's divided by ``efficiency``."""
+    def half(part: Part, k: int) -> Part:
+        scale = 0.5 if part.stream == COMM else 0.5 / efficiency
+        return replace(part, time=part.time * scale, half=k)
+
+    order = []
+    for layer in by_layer(whole):
+        for first, second in zip(layer[::2], layer[1::2]):  # (compute, all-to-all) in the pass's order
+            order += [half(first, 0), half(second, 0), half(first, 1), half(second, 1)]
+    return order
+
+
+def timeline(order: list[Part], contention: float = 0.0,
+             ready: dict[str, float] | None = None) -> list[tuple[Part, float, float]]:
     """(part, start, end) of each part issued in ``order``: a part starts when its stream is free and the
-    previous part of its own micro-batch has ended."""
+    previous part of its chain has ended (the first of a role's chain when its input is there:
+    ``ready[role]``, default 0); under ``contention`` a compute part also takes that much longer per
+    unit of time an all-to-all runs beside it (the module's docstring)."""
+    stretch, ready = [0.0] * len(order), ready or {}
+    events = _issue(order, stretch, ready)
+    for _ in range(_CONTENTION_ROUNDS if contention > 0 else 0):
+        comm = [(start, end) for part, start, end in events if part.stream == COMM and end > start]
+        # work w done over d with an all-to-all in flight for t of it: w = d - t + t / (1 + c)
+        stretch = [contention / (1 + contention) * _beside(start, end, comm) if part.stream == COMPUTE else 0.0
+                   for part, start, end in events]
+        events = _issue(order, stretch, ready)
+    return events
+
+
+def _issue(order: list[Part], stretch: list[float], ready: dict[str, float]) -> list[tuple[Part, float, float]]:
     stream_free = {COMPUTE: 0.0, COMM: 0.0}
-    chain_end = {"F": 0.0, "B": 0.0}
+    chain_end: dict[tuple[str, int], float] = {}
     out = []
-    for part in order:
-        start = max(stream_free[part.stream], chain_end[part.role])
-        end = start + part.time
-        stream_free[part.stream] = chain_end[part.role] = end
+    for part, extra in zip(order, stretch):
+        start = max(stream_free[part.stream], chain_end.get(part.chain, ready.get(part.role, 0.0)))
+        end = start + part.time + extra
+        stream_free[part.stream] = chain_end[part.chain] = end
         out.append((part, start, end))
     return out
 
 
-def span(order: list[Part]) -> float:
+def _beside(start: float, end: float, busy: list[tuple[float, float]]) -> float:
+    """How long the intervals ``busy`` (one stream's, so disjoint) overlap [start, end]."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+
+
+def span(order: list[Part], contention: float = 0.0) -> float:
     """How long the parts issued in ``order`` take, from the first start to the last end."""
-    return max((end for _, _, end in timeline(order)), default=0.0)
+    return max((end for _, _, end in timeline(order, contention)), default=0.0)
 
 
 def ascii_timeline(order: list[Part], width: int = 72) -> str:

@@ -28,6 +28,7 @@ class ScheduleSpec:
     order: str | None = None
     split_backward: bool | None = None
     overlap: bool | None = None
+    halves: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Option:
     help: str
     type: type = int  # bool: a switch
     choices: tuple[str, ...] | None = None
-    default: int | str | None = None  # for the schedules that take it
+    default: int | str | bool | None = None  # for the schedules that take it (a switch defaulting to
+    # True is spelt as its negation: giving the flag sets False)
     trainer_derives: str = ""
 
     def describe(self, schedules: tuple[str, ...] = ()) -> str:
@@ -72,11 +74,15 @@ OPTIONS = (
     Option("overlap", "--overlap", "--overlap-moe-expert-parallel-comm",
            "run each adjacent forward and backward of two micro-batches as one overlapped action, so one's "
            "expert all-to-all hides behind the other's compute", bool),
+    Option("halves", "--no-halves", "--no-overlap-moe-halves",
+           "with overlap, never run a forward or backward as two interleaved halves of its micro-batch "
+           "(where no other micro-batch pairs with it, the halves hide each other's all-to-all); halves "
+           "are on by default", bool, default=True),
 )
 OPTION = {o.field: o for o in OPTIONS}
 # options both front ends take as they are, added from this table (not ``overlap``: the trainer reads
 # Megatron-LM's own flag of that name)
-SHARED = ("pipelines", "concat", "order", "split_backward")
+SHARED = ("pipelines", "concat", "order", "split_backward", "halves")
 
 
 def flags(front_end: str) -> dict[str, str]:

@@ -62,7 +62,7 @@ def lower(schedule: Schedule, buffers: int = RECV_BUFFERS) -> Schedule:
     """The lowered schedule: per worker, compute and communication in posting order."""
     if schedule.lowered:
         return schedule
-    times = {(e.worker, e.action): (e.start, e.end) for e in replay(schedule, ORDER_COSTS).events}
+    times = {(e.worker, e.action): (e.start, e.end) for e in replay(schedule, ORDER_COSTS, whole_pairs=True).events}
     messages = _messages(schedule, times)
     keys = _message_keys(messages, buffers)
     reduce_at = _reduction_times(schedule, times)

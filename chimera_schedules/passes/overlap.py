@@ -1,11 +1,16 @@
 """Overlapped forward and backward, DualPipe style: on each worker, a forward and the backward (or I) of
 another micro-batch that sit next to each other in its list run as one ``Overlapped`` action, so one
-micro-batch's expert all-to-all is in flight while the other computes (``ir/parts.py`` prices it).
+micro-batch's expert all-to-all is in flight while the other computes (``ir/parts.py`` prices it); and
+an action with no partner runs as two halves of its micro-batch that hide each other's (``Halved``).
 
-``overlap_forward_backward(schedule, costs)`` fuses only the pairs that do not lengthen the iteration:
-it replays the schedule and keeps each candidate pair, earliest first, when the schedule still replays
-and is no slower, judged at the caller's costs when they have an all-to-all, else at ``REFERENCE`` (an
-all-to-all of half a forward). Why 1F1B's and Chimera's pairs rarely pay and DualPipe's do, the rules
+``overlap_forward_backward(schedule, costs, halves)`` chooses among plain actions, pairs and halves,
+judged at the caller's costs when they have an all-to-all, else at ``REFERENCE`` (an all-to-all of half
+a forward). The pairs: it replays the schedule and keeps each candidate pair, earliest first, when the
+schedule still replays and is no slower. The halves: an action becomes halved when that makes it
+shorter, which can only move what follows earlier. Three orders are built, and the fastest kept:
+today's pairs, then halves for the rest; pairs judged against halved actions (a pair is kept only where
+it beats the halves it replaces), then halves; halves alone. The first is never slower than the pairs
+alone, so neither is the result. Why 1F1B's and Chimera's pairs rarely pay and DualPipe's do, the rules
 for keeping a pair, and how a trial avoids replaying everything: docs/notes/overlap-pass.md.
 """
 from __future__ import annotations
@@ -14,8 +19,8 @@ import heapq
 from dataclasses import replace
 
 from ..analysis.replay import replay
-from ..analysis.simulator import reduce_windows
-from ..ir.actions import Action, Op, Overlapped
+from ..analysis.simulator import reduce_windows, simulate
+from ..ir.actions import HALVABLE_OPS, Action, Halved, Op, Overlapped, parts
 from ..ir.costs import CostModel
 from ..ir.dataflow import dependencies, products
 from ..ir.schedule import Schedule
@@ -29,17 +34,39 @@ _FUSABLE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)
 _TOLERANCE = 1e-9
 
 
-def overlap_forward_backward(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
-    """``schedule`` (a compute schedule) with those adjacent F and B-or-I pairs of two micro-batches fused
-    into overlapped actions that do not make it slower under ``costs`` (``REFERENCE`` when they have no
-    all-to-all); ``meta["overlap"]`` set."""
+def overlap_forward_backward(schedule: Schedule, costs: CostModel | None = None, halves: bool = True) -> Schedule:
+    """``schedule`` (a compute schedule) with adjacent F and B-or-I pairs of two micro-batches fused into
+    overlapped actions and, with ``halves``, the actions that gain by it halved: the fastest of the
+    module's three orders under ``costs`` (``REFERENCE`` when they have no all-to-all); ``meta["overlap"]``
+    set."""
     if schedule.lowered:
         raise ValueError("overlap a compute schedule: lowering places messages around the fused actions")
     judge = costs if costs is not None and _has_a2a(costs) else REFERENCE
-    timed = _Timed(schedule, judge)
+    paired = _fuse_pairs(schedule, judge)
+    if halves:
+        orders = [_halve(paired, judge), _halve(_fuse_pairs(_halve(schedule, judge), judge), judge),
+                  _halve(schedule, judge)]
+        paired = min(orders, key=lambda order: simulate(order, judge).makespan)  # the first of equals
+    return replace(paired, meta={**schedule.meta, "overlap": True})
+
+
+def _fuse_pairs(schedule: Schedule, costs: CostModel) -> Schedule:
+    """The pairs that do not make ``schedule`` slower, fused (an action already halved is priced so)."""
+    timed = _Timed(schedule, costs)
     for i, j in timed.candidates():
         timed.try_pair(i, j)
-    return replace(schedule, workers=timed.workers(), meta={**schedule.meta, "overlap": True})
+    return replace(schedule, workers=timed.workers())
+
+
+def _halve(schedule: Schedule, costs: CostModel) -> Schedule:
+    """Every plain F, B or I that is shorter in two halves, halved."""
+    def better(a):
+        if a.op not in HALVABLE_OPS:
+            return a
+        halved = Halved(a)
+        return halved if costs.compute_time(schedule, halved) < costs.compute_time(schedule, a) - _TOLERANCE else a
+
+    return replace(schedule, workers=tuple(tuple(map(better, actions)) for actions in schedule.workers))
 
 
 def _has_a2a(costs: CostModel) -> bool:
@@ -49,20 +76,22 @@ def _has_a2a(costs: CostModel) -> bool:
 class _Timed:
     """The schedule's compute actions, numbered, with their times in the replay of the pairs fused so far
     and their tails: the longest chain of actions and transfers from one's end to the iteration's end.
+    ``action[i]`` is a plain action (a halved one's whole), priced as the schedule runs it.
     A pair is its two actions with one start, one end and one tail; ``mate[i]`` is the second part of the
     pair whose first (in the worker's list) is i, ``head[j]`` the first part of j's pair (j alone)."""
 
     def __init__(self, schedule: Schedule, costs: CostModel):
         self.s, self.costs = schedule, costs
         lists = [[a for a in actions if a.op is not Op.REDUCE_GRADS] for actions in schedule.workers]
-        self.action = [a for actions in lists for a in actions]
-        ids = {a: i for i, a in enumerate(self.action)}
+        self.run = [a for actions in lists for a in actions]  # as the schedule has them (halved or plain)
+        self.action = [parts(a)[0] for a in self.run]
+        ids = {a: i for i, a in enumerate(self.run)}
         self.seq = [[ids[a] for a in actions] for actions in lists]
         self.worker = [w for w, actions in enumerate(self.seq) for _ in actions]
         self.index = [k for actions in self.seq for k in range(len(actions))]  # place in the worker's list
-        made = {key: i for i, a in enumerate(self.action) for key in products(a)}
+        made = {key: i for i, a in enumerate(self.run) for key in products(a)}
         last = schedule.stages_per_pipeline - 1
-        self.deps = [[made[key] for key in dependencies(a, last)] for a in self.action]
+        self.deps = [[made[key] for key in dependencies(a, last)] for a in self.run]
         transfer = costs.transfer_time(schedule)
         # each action's inputs and users, with the transfer between them (none on one worker)
         self.inputs = [[(d, transfer if self.worker[d] != self.worker[i] else 0.0) for d in deps]
@@ -71,7 +100,7 @@ class _Timed:
         for i, inputs in enumerate(self.inputs):
             for d, gap in inputs:
                 self.users[d].append((i, gap))
-        self.time = [costs.compute_time(schedule, a) for a in self.action]
+        self.time = [costs.compute_time(schedule, a) for a in self.run]
         self.reductions = []  # (worker, R, the compute action before it or None): R posts when that ends
         for w, actions in enumerate(schedule.workers):
             before = None
@@ -251,7 +280,7 @@ class _Timed:
     def workers(self) -> tuple[tuple[Action | Overlapped, ...], ...]:
         """The worker lists with the pairs fused at the place of their first part; the gradient
         reductions between a pair's parts follow the pair."""
-        ids = {a: i for i, a in enumerate(self.action)}
+        ids = {a: i for i, a in enumerate(self.run)}
         out = []
         for actions in self.s.workers:
             row, between, inside = [], [], False

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import replace
 
-from ..ir.actions import Action, Op, Overlapped, parts
+from ..ir.actions import Action, Halved, Op, Overlapped, parts
 from ..ir.costs import CostModel, activation_units
 from ..ir.dataflow import dependencies, products
 from ..ir.schedule import Schedule
@@ -35,10 +35,12 @@ def split_backward(schedule: Schedule, costs: CostModel, cap: list[float]) -> Sc
     return with_grad_sync(replace(schedule, name=f"{schedule.name}-split", workers=tuple(map(tuple, orders))))
 
 
-def _input_pass(a: Action | Overlapped) -> Action | Overlapped:
-    """The action with its B (alone or overlapped) as an I."""
+def _input_pass(a: Action | Overlapped | Halved) -> Action | Overlapped | Halved:
+    """The action with its B (alone, overlapped or halved) as an I."""
     if a.op is Op.OVERLAPPED:
         return Overlapped(a.forward, _input_pass(a.backward))
+    if a.op is Op.HALVED:
+        return Halved(_input_pass(a.action))
     return Action(Op.BACKWARD_INPUT, a.mb, a.pipeline, a.stage) if a.op is Op.BACKWARD else a
 
 

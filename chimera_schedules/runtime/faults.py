@@ -119,7 +119,8 @@ def _raised(e: Exception) -> str:
 
 
 _WHAT = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input-gradient backward",
-         Op.BACKWARD_WEIGHT: "weight-gradient backward", Op.OVERLAPPED: "overlapped forward and backward"}
+         Op.BACKWARD_WEIGHT: "weight-gradient backward", Op.OVERLAPPED: "overlapped forward and backward",
+         Op.HALVED: "in halves"}
 
 
 def _action_name(a: Action | Overlapped, ranks: Sequence[int]) -> str:
@@ -127,6 +128,8 @@ def _action_name(a: Action | Overlapped, ranks: Sequence[int]) -> str:
         f, b = a.parts
         return (f"the {_WHAT[a.op]} of micro-batches {f.mb} (pipeline {f.pipeline}, stage {f.stage}) and {b.mb} "
                 f"(pipeline {b.pipeline}, stage {b.stage}) ({a})")
+    if a.op is Op.HALVED:
+        return f"{_action_name(a.action, ranks)[:-len(f' ({a.action})')]}, in two halves ({a})"
     if a.op in COMPUTE_OPS:
         return f"the {_WHAT[a.op]} of micro-batch {a.mb}, pipeline {a.pipeline}, stage {a.stage} ({a})"
     if a.op is Op.ALLREDUCE:

@@ -142,7 +142,8 @@ def _schedule(args) -> Schedule:
         return schedule
     spec = ScheduleSpec(args.schedule, args.depth, args.microbatches or args.depth, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,
-                        split_backward=args.split_backward, overlap=args.overlap)
+                        split_backward=args.split_backward, overlap=args.overlap,
+                        halves=args.no_halves)  # --no-halves stores False
     return build_spec(spec, _costs(args))
 
 

@@ -14,8 +14,9 @@ def add_arguments(group, front_end: str, fields=SHARED) -> None:
     same one-line error as every other rule."""
     for field in fields:
         o = OPTION[field]
-        if o.type is bool:
-            group.add_argument(getattr(o, front_end), action="store_const", const=True, help=describe(field))
+        if o.type is bool:  # a switch: giving it sets True, or False for one spelt as a negation
+            group.add_argument(getattr(o, front_end), action="store_const", const=o.default is not True,
+                               help=describe(field))
         else:
             group.add_argument(getattr(o, front_end), type=o.type, help=describe(field))
 

@@ -33,9 +33,11 @@ def direction_mark(pipelines: int, pipeline: int) -> str:
 
 
 def label(result: SimResult, e: Event) -> str:
-    """Op, micro-batch and direction (``F3v``); an overlapped action's parts joined by ``&``."""
+    """Op, micro-batch and direction (``F3v``); an overlapped action's parts joined by ``&``, a halved
+    one's followed by ``/2``."""
     mark = lambda a: direction_mark(result.schedule.pipelines, a.pipeline)  # noqa: E731
-    return "&".join(f"{a.op.value}{a.mb}{mark(a)}" for a in parts(e.action))
+    text = "&".join(f"{a.op.value}{a.mb}{mark(a)}" for a in parts(e.action))
+    return text + ("/2" if e.action.op is Op.HALVED else "")
 
 
 def _title(result: SimResult) -> str:
@@ -104,7 +106,7 @@ def _boxes(result: SimResult) -> tuple[list[_Box], float, float]:
     as thin bars. Returns boxes, total width, total height."""
     boxes = []
     for e in result.events:
-        halves = parts(e.action)
+        halves = parts(e.action) * (2 if e.action.op is Op.HALVED else 1)  # a halved action: two thin boxes
         for k, a in enumerate(halves):
             fill = _COLOURS[a.pipeline % len(_COLOURS)][_FILL[a.op]]
             h = 0.74 / len(halves)

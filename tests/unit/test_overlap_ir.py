@@ -162,7 +162,8 @@ def test_overlap_never_makes_a_schedule_slower_at_the_costs_it_is_built_for(a2a,
 
 
 def test_overlap_judges_with_transfers_and_reductions():
-    """The pass's makespan is the simulator's, messages' delay and gradient all-reduces included."""
+    """The pass's makespan is the simulator's, messages' delay and gradient all-reduces included, or
+    later: the pass has a pair wait for both its inputs, the simulator each part for its own."""
     costs = CostModel(1.0, 2.0, a2a=0.7, moe_layers=2, p2p_latency=0.1, activation_bytes=1.0, p2p_bandwidth=5.0,
                       grad_bytes=4.0, allreduce_bandwidth=2.0, allreduce_latency=0.1)
     for name in OVERLAPPED:
@@ -172,7 +173,7 @@ def test_overlap_judges_with_transfers_and_reductions():
             timed.try_pair(i, j)
         overlapped = dataclasses.replace(plain, workers=timed.workers())
         validate(overlapped)
-        assert simulate(overlapped, costs).makespan == pytest.approx(timed.makespan)
+        assert simulate(overlapped, costs).makespan <= timed.makespan + 1e-9, name
         assert timed.makespan <= simulate(plain, costs).makespan
 
 
@@ -184,8 +185,9 @@ def test_no_all_to_all_prices_every_variant_as_before(name):
         return
     zero = CostModel(a2a=[0.0] * s.stages_per_pipeline)
     assert simulate(s, zero).makespan == simulate(s, CostModel()).makespan
-    layered = CostModel(a2a=0.0, moe_layers=[3] * s.stages_per_pipeline, attention_share=0.3)
-    assert simulate(s, layered).makespan == pytest.approx(simulate(s, CostModel()).makespan)
+    if not any(a.op is Op.OVERLAPPED for w in s.workers for a in w):  # a pair's forward ends where its layers say
+        layered = CostModel(a2a=0.0, moe_layers=[3] * s.stages_per_pipeline, attention_share=0.3)
+        assert simulate(s, layered).makespan == pytest.approx(simulate(s, CostModel()).makespan), name
 
 
 def test_peak_activations_count_the_forward_before_the_backward():
@@ -198,7 +200,8 @@ def test_peak_activations_count_the_forward_before_the_backward():
 def test_pictures_and_cli(capsys, tmp_path, schedules):
     result = simulate(schedules["dualpipev overlap"])
     assert "&B" in ascii_timeline(result) and "<svg" in svg_timeline(result)
-    assert len(_boxes(result)[0]) == len(result.events) + len(fused(result.schedule))  # two halves each
+    halved = sum(1 for e in result.events if e.action.op is Op.HALVED)
+    assert len(_boxes(result)[0]) == len(result.events) + len(fused(result.schedule)) + halved  # two boxes each
     assert main(["validate", "--schedule", "dualpipe", "-D", "4", "-N", "8", "--overlap", "--comm", "nccl"]) == 0
     assert main(["stats", "--schedule", "dualpipe", "-D", "4", "-N", "8", "--overlap", "--a2a", "0.5",
                  "--moe-layers", "4"]) == 0

@@ -739,8 +739,8 @@ def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
         out += [OPTION["virtual_stages"].trainer, str(num_layers // (spec.depth * spec.virtual_stages))]
     for field in (*SHARED, "overlap"):
         value = getattr(spec, field)
-        if value is True:
-            out.append(OPTION[field].trainer)
+        if isinstance(value, bool):  # a switch: its flag when the value is not its default
+            out += [OPTION[field].trainer] if value is not bool(OPTION[field].default) else []
         elif value is not None:
             out += [OPTION[field].trainer, str(value)]
     return out
