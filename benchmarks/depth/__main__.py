@@ -66,8 +66,9 @@ OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimer
         "dualpipe", "dualpipev", "gpipe", "1f1b split")
 
 
-# --a2a-fraction: these of our schedules, each with and without overlap
-A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera split", "dualpipe")
+# --a2a-fraction: these of our schedules, each with and without overlap, and megatron-core's two
+A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera doubling", "chimera split", "dualpipe", "dualpipev")
+CONTENTIONS = (0.0, 0.15)  # --a2a-fraction's default --contention: none, and DeepEP's share of an H100's SMs
 
 
 def _selected(names, args) -> list[str]:
@@ -79,22 +80,26 @@ def _ours(args) -> list[str]:
     registry has that variant."""
     if not args.a2a_fraction:
         return _selected(OURS, args)
-    return [name for base in _selected(OURS, args) for name in (base, base + OVERLAP) if name in VARIANTS]
+    return [name for base in _selected(OURS, args) if base in A2A_SCHEDULES
+            for name in (base, base + OVERLAP) if name in VARIANTS]
 
 
 def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
-    """(runtime, schedule name, the order it runs) for each of our cases and megatron-core's at N=n that
-    ``--runtimes`` and ``--schedules`` select; ours are built at the even layout's costs (``--order
-    best`` and a split backward's W placement depend on them) and run unchanged at every layout."""
+    """(runtime, schedule name, contention, the order it runs) for each of our cases and megatron-core's
+    at N=n that ``--runtimes`` and ``--schedules`` select; ours are built at the even layout's costs
+    (``--order best``, a split backward's W placement and the overlap pass depend on them) and run
+    unchanged at every layout; an overlap variant once per ``--contention``."""
     out = []
     if "ours" in args.runtimes:
         for name in _ours(args):
-            try:
-                out.append(("ours", name, runtimes.ours_schedule(setup, name, n)))
-            except ConfigError as e:
-                skipped.append(f"ours {name} N={n}: {e}")
+            for contention in args.contention if name.endswith(OVERLAP) else [0.0]:
+                try:
+                    out.append(("ours", name, contention, runtimes.ours_schedule(setup, name, n, contention)))
+                except ConfigError as e:
+                    skipped.append(f"ours {name} N={n}: {e}")
+                    break
     if "megatron-core" in args.runtimes:
-        out += [("megatron-core", name, runtimes.megatron_order(setup.depth, n, name))
+        out += [("megatron-core", name, 0.0, runtimes.megatron_order(setup.depth, n, name))
                 for name in _selected(runtimes.MEGATRON, args)]
     return out
 
@@ -106,9 +111,9 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     entries, skipped = [], []
     if dist.get_rank() == 0:
         for n in microbatches:
-            for runtime, name, order in _references(setup, n, args, skipped):
+            for runtime, name, contention, order in _references(setup, n, args, skipped):
                 for chosen in layouts.choose(setup, order, args.layouts, skipped, f"{runtime} {name} N={n}"):
-                    entries.append((runtime, name, n, order, chosen))
+                    entries.append((runtime, name, n, contention, order, chosen))
     box = [(entries, skipped)]
     dist.broadcast_object_list(box, 0)
     return box[0]
@@ -117,9 +122,9 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
 def build_cases(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
     """Every case the sizes and the options allow, built on this rank; and why the others were left out."""
     entries, skipped = plan(setup, args, microbatches)
-    setup.create_groups([order for runtime, _, _, order, _ in entries if runtime == "ours"])
-    cases = [runtimes.ours(setup, name, n, order, chosen) if runtime == "ours"
-             else runtimes.megatron(setup, name, n, chosen) for runtime, name, n, order, chosen in entries]
+    setup.create_groups([order for runtime, _, _, _, order, _ in entries if runtime == "ours"])
+    cases = [runtimes.ours(setup, name, n, order, chosen, contention) if runtime == "ours"
+             else runtimes.megatron(setup, name, n, chosen) for runtime, name, n, contention, order, chosen in entries]
     if "torch" in args.runtimes and "even" in args.layouts:
         for n in microbatches:
             for cls in (c for c, (name, _, _) in runtimes.TORCH.items() if _selected([name], args)):
@@ -168,6 +173,7 @@ def iteration(case) -> tuple[float, float, float, float]:
     (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
     stage.SPANS.clear()
     moe.PARTS.clear()
+    moe.CONTENTION = case.contention
     dist.barrier()
     start = time.perf_counter()
     case.run()
@@ -192,7 +198,8 @@ def measure(cases, rounds: int, iters: int) -> list[list[tuple]]:
             gc.collect()
             if dist.get_rank() == 0:
                 print(f"[D={world} round {r + 1}/{rounds} {i + 1:2d}/{len(cases)}] {case.runtime:<13} "
-                      f"{case.schedule_name:<28} {case.chosen.kind:<9} N={case.microbatches:<3} "
+                      f"{case.schedule_name:<28} c={case.contention:<4g} {case.chosen.kind:<9} "
+                      f"N={case.microbatches:<3} "
                       f"{samples[i][-1][0]:8.1f} ms", flush=True)
     return samples
 
@@ -214,7 +221,7 @@ def row(setup, case, samples) -> dict:
     median = statistics.median(ms)
     bubble = statistics.median(b for _, b, _ in samples)
     chosen = case.chosen
-    model = setup.costs(case.schedule.virtual_stages, chosen.layout, case.first_input_in_weight)
+    model = setup.costs(case.schedule.virtual_stages, chosen.layout, case.first_input_in_weight, case.contention)
     pred = predict(case.schedule, model, case.lowered)
     layout = {"layout": str(chosen.layout), "layout_kind": chosen.kind,
               "layout_memory_gib": None if chosen.memory is None else chosen.memory / 2 ** 30,
@@ -224,8 +231,9 @@ def row(setup, case, samples) -> dict:
            **pred, "bubble": bubble, "measured_over_predicted": median / pred["predicted_ms"]}
     if setup.a2a_fraction:
         shares = [a for *_, a in samples if a is not None]
-        pairs = sum(1 for actions in case.schedule.workers for a in actions if a.op is Op.OVERLAPPED)
-        out.update(overlap=case.overlap, a2a_fraction=setup.a2a_fraction, overlapped_actions=pairs,
+        ops = [a.op for actions in case.schedule.workers for a in actions]
+        out.update(overlap=case.overlap, a2a_fraction=setup.a2a_fraction, contention=case.contention,
+                   overlapped_actions=ops.count(Op.OVERLAPPED), halved_actions=ops.count(Op.HALVED),
                    a2a_overlapped_share=statistics.median(shares) if shares else 0.0)
     return out
 
@@ -299,7 +307,8 @@ def launch(depth: int, args, out: str) -> dict:
     extra = ["--microbatches", *map(str, microbatches)] if microbatches else []
     extra += ["--schedules", *args.schedules] if args.schedules else []
     extra += ["--forward-ms", str(args.forward_ms)] if args.forward_ms else []
-    extra += ["--a2a-fraction", str(args.a2a_fraction)] if args.a2a_fraction else ["--selection", args.selection]
+    extra += (["--a2a-fraction", str(args.a2a_fraction), "--contention", *map(str, args.contention)]
+              if args.a2a_fraction else ["--selection", args.selection])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
@@ -316,8 +325,9 @@ def launch(depth: int, args, out: str) -> dict:
 # each at its three layouts, at N = D and 2D
 FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
                                                                   "chimera best"], "rounds": 2}
-# --a2a-fraction: our schedules with overlap and without, at the even layout and N = 2D (launch)
-A2A = {"runtimes": ["ours"], "schedules": list(A2A_SCHEDULES), "rounds": 2, "layouts": ["even"]}
+# --a2a-fraction: our schedules with overlap and without, megatron-core's, at the even layout and N = 2D (launch)
+A2A = {"runtimes": ["ours", "megatron-core"], "schedules": list(A2A_SCHEDULES) + ["interleaved v=2"], "rounds": 2,
+       "layouts": ["even"], "contention": list(CONTENTIONS)}
 FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 
 
@@ -360,16 +370,22 @@ def arguments() -> argparse.Namespace:
                         "(the default for gpt2-1.3b, the results before models)")
     p.add_argument("--a2a-fraction", type=float, choices=A2A_FRACTIONS,
                    help="MoE layers spend this fraction of their forward compute in all-to-alls; runs our 1f1b, "
-                        "chimera direct, chimera split and dualpipe with overlap on and off at N = 2D, the even "
-                        "layout, 2 rounds (a model with experts: deepseek-v3)")
+                        "chimera direct, doubling and split, dualpipe and dualpipev with overlap on and off, and "
+                        "megatron-core's 1f1b and interleaved, at N = 2D, the even layout, 2 rounds (a model with "
+                        "experts: deepseek-v3)")
+    p.add_argument("--contention", type=float, nargs="+",
+                   help="with --a2a-fraction: compute's slowdown while an all-to-all runs beside it, one run of each "
+                        f"overlap case per value (default {' '.join(map(str, CONTENTIONS))})")
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.a2a_fraction and (args.selection or MODELS[args.model].experts is None):
         p.error("--a2a-fraction: a model with experts (deepseek-v3), without --selection")
-    if args.a2a_fraction and set(args.runtimes or ["ours"]) != {"ours"}:
-        p.error("--a2a-fraction runs our executor only")
+    if args.a2a_fraction and not set(args.runtimes or ["ours"]) <= {"ours", "megatron-core"}:
+        p.error("--a2a-fraction runs our executor and megatron-core's schedules")
+    if args.contention and not args.a2a_fraction:
+        p.error("--contention: with --a2a-fraction only")
     _selection(args)
     args.profile = os.path.abspath(args.profile or default_profile(args.model))
     if not os.path.exists(args.profile):

@@ -79,7 +79,8 @@ def message_target_ms(shape: ModelShape, profile: Profile, depth: int, forward_m
     return forward_ms * p2p / unscaled_forward(shape, profile, depth)
 
 
-def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False) -> CostModel:
+def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False,
+               contention: float = 0.0) -> CostModel:
     """The simulator's costs in milliseconds. ``first_input_in_weight``: the runtime does a first
     stage's whole backward in its W and nothing in its I (torch.distributed.pipelining does: its
     first stage has no input gradient to send). A stage without MoE layers is priced as one layer
@@ -91,7 +92,8 @@ def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bo
         weight[0] = backward[0]
     moe = {"a2a": [t.a2a * 1e3 for t in times], "moe_layers": [max(1, t.moe_layers) for t in times],
            "attention_share": ATTENTION_SHARE} if any(t.a2a for t in times) else {}
-    return CostModel(forward=forward, backward=backward, weight=weight, p2p_latency=p2p_ms, **moe)
+    return CostModel(forward=forward, backward=backward, weight=weight, p2p_latency=p2p_ms, contention=contention,
+                     **moe)
 
 
 def a2a_critical_ms(schedule: Schedule, model: CostModel) -> float:

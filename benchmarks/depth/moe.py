@@ -13,10 +13,16 @@ ended, ``parts.timeline``'s rule in real time: a part's start is the later of th
 its end the moment its wait returns, so a late wake-up delays what follows, and a thread's hand-off
 costs nothing as long as the part outlasts it. The executor gives the parts their order: a plan run
 alone is its pass's parts one after another, two plans run together (an overlapped F&B action) are
-``parts.interleave`` of both.
+``parts.interleave`` of both, the two halves of one micro-batch (a halved action, ``run_halves``)
+``parts.halves`` of its pass.
+
+Contention (``CONTENTION``, set per case): a compute part progresses at 1 / (1 + CONTENTION) of its
+rate while an all-to-all part runs on the communication thread, checked every ``_SLICE`` seconds, as
+``parts.timeline`` prices it.
 
 Every compute part is recorded in ``stage.SPANS`` (the bubble counts them) and every part in ``PARTS``,
-from which ``a2a_overlap`` measures how much all-to-all ran inside the other micro-batch's compute.
+from which ``a2a_overlap`` measures how much all-to-all ran inside the compute of another chain (the
+other micro-batch, or the other half).
 """
 from __future__ import annotations
 
@@ -35,7 +41,9 @@ from . import stage
 from .stage import EmulatedStage, StageTimes
 
 ATTENTION_SHARE = 0.5  # of a layer's compute, its attention part (the rest its experts): the simulator's too
-PARTS: list[tuple[int, str, str, float, float]] = []  # (run, "F" or "B", stream, start, end) of every part
+PARTS: list[tuple[int, tuple, str, float, float]] = []  # (run, part's chain, stream, start, end) of every part
+CONTENTION = 0.0  # compute's slowdown while an all-to-all runs beside it
+_SLICE = 0.0005  # how often a compute part under contention looks at the communication thread
 _RUNS = itertools.count()
 _PR_SET_TIMERSLACK = 29
 
@@ -57,27 +65,50 @@ def stage_parts(times: StageTimes, role: str, compute: float) -> list[parts.Part
 
 
 class _Job:
-    """One part issued in one run: it may start once ``after`` (its micro-batch's previous part) ended."""
+    """One part issued in one run: it may start once ``after`` (its chain's previous part) ended."""
 
     def __init__(self, part: parts.Part, after: _Job | None, ready: float, run: int, label: str):
         self.part, self.after, self.ready, self.run, self.label = part, after, ready, run, label
         self.end, self.done = 0.0, threading.Event()
 
     def execute(self, stream_free: float) -> float:
-        """Waits for its micro-batch's previous part, then is busy for its time after the later of that
+        """Waits for its chain's previous part, then is busy for its time after the later of that
         part's end and its stream's; records itself and returns its end."""
         if self.after is not None:
             self.after.done.wait()
         start = max(stream_free, self.after.end if self.after is not None else self.ready)
-        deadline = start + self.part.time
-        while (left := deadline - time.perf_counter()) > 0:
-            time.sleep(left)
+        if self.part.stream == parts.COMM:
+            _COMM[0].busy_until = start + self.part.time
+            _sleep_until(start + self.part.time)
+        else:
+            _compute(start, self.part.time)
         self.end = time.perf_counter()
         if self.part.stream == parts.COMPUTE:
             stage.SPANS.append((self.label, start, self.end))
-        PARTS.append((self.run, self.part.role, self.part.stream, start, self.end))
+        PARTS.append((self.run, self.part.chain, self.part.stream, start, self.end))
         self.done.set()
         return self.end
+
+
+def _sleep_until(deadline: float) -> None:
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+def _compute(start: float, work: float) -> None:
+    """Busy with ``work`` seconds of compute from ``start``: at full rate, or under ``CONTENTION`` at
+    1 / (1 + CONTENTION) of it while the communication thread runs an all-to-all."""
+    if CONTENTION <= 0:
+        _sleep_until(start + work)
+        return
+    now = start
+    while work > 1e-9:
+        busy = _COMM[0].busy_until > now
+        rate = 1 / (1 + CONTENTION) if busy else 1.0
+        _sleep_until(now + min(_SLICE, work / rate))
+        later = time.perf_counter()
+        work -= (later - now) * rate
+        now = later
 
 
 class _CommStream:
@@ -85,7 +116,7 @@ class _CommStream:
 
     def __init__(self):
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self.free = 0.0
+        self.free = self.busy_until = 0.0  # busy_until: the running all-to-all part's planned end
         threading.Thread(target=self._serve, name="emulated-a2a", daemon=True).start()
 
     def _serve(self) -> None:
@@ -107,11 +138,11 @@ def issue(order: list[parts.Part], labels: dict[str, str]) -> None:
         _COMM.append(_CommStream())
     run = next(_RUNS)
     base = compute_free = time.perf_counter()
-    last: dict[str, _Job | None] = {"F": None, "B": None}
+    last: dict[tuple, _Job | None] = {}
     for part in order:
         if part.time <= 0:  # a dense stage's all-to-all
             continue
-        job = last[part.role] = _Job(part, last[part.role], base, run, labels[part.role])
+        job = last[part.chain] = _Job(part, last.get(part.chain), base, run, labels[part.role])
         if part.stream == parts.COMM:
             _COMM[0].jobs.put(job)
         else:
@@ -122,19 +153,19 @@ def issue(order: list[parts.Part], labels: dict[str, str]) -> None:
 
 
 def a2a_overlap() -> tuple[float, float]:
-    """Seconds of all-to-all in ``PARTS``, and how many of them lie inside a compute part of the other
-    micro-batch of the same run."""
+    """Seconds of all-to-all in ``PARTS``, and how many of them lie inside a compute part of another
+    chain of the same run (the other micro-batch of a pair, the other half of a halved action)."""
     by_run: dict[int, list[tuple]] = {}
     for entry in PARTS:
         by_run.setdefault(entry[0], []).append(entry)
     total = inside = 0.0
     for entries in by_run.values():
-        for _, role, stream, start, end in entries:
+        for _, chain, stream, start, end in entries:
             if stream != parts.COMM:
                 continue
             total += end - start
-            inside += sum(max(0.0, min(end, e) - max(start, s)) for _, r, st, s, e in entries
-                          if st == parts.COMPUTE and r != role)
+            inside += sum(max(0.0, min(end, e) - max(start, s)) for _, c, st, s, e in entries
+                          if st == parts.COMPUTE and c != chain)
     return total, inside
 
 
@@ -151,7 +182,7 @@ class WeightPass:
 
     def run(self) -> None:
         start = time.perf_counter()
-        deadline = start + self.plan.stage.device.times.weight
+        deadline = start + self.plan.stage.device.times.weight * self.plan.share
         while (left := deadline - time.perf_counter()) > 0:
             time.sleep(left)
         stage.SPANS.append(("W", start, time.perf_counter()))
@@ -170,6 +201,7 @@ class SchedulePlan:
 
     def __init__(self, owner: MoEStage, x: torch.Tensor):
         self.stage, self.x, self.deferred, self.grad = owner, x, False, None
+        self.share = 1.0  # of the micro-batch: a half's W waits half the stage's
 
     def defer_weight_gradients(self) -> WeightPass:
         self.deferred = True
@@ -192,6 +224,19 @@ class SchedulePlan:
         if b_plan:
             b_plan.input_gradient(b_grad)
         return output
+
+    def run_halves(self, second: SchedulePlan, grads: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """This plan and ``second``, the two halves of one micro-batch, run together (a halved action,
+        ``parts.halves``): their forwards, returning both outputs, or with ``grads`` their backwards."""
+        self.share = second.share = 0.5
+        if grads is None:
+            outputs = self.output(), second.output()
+            issue(parts.halves(self.forward_parts()), {"F": "F"})
+            return outputs
+        issue(parts.halves(self.backward_parts()), {"B": "I" if self.deferred else "B"})
+        for plan, grad in zip((self, second), grads):
+            plan.input_gradient(grad)
+        return None
 
     def output(self) -> torch.Tensor:
         """The stage's output: the input (a first stage's sample through its embedding) plus its weight."""
@@ -220,4 +265,5 @@ class MoEStage(EmulatedStage):
     passes as schedule plans (``stage.forward_step`` with ``return_schedule_plan``)."""
 
     def schedule_plan(self, x: torch.Tensor) -> SchedulePlan:
-        return SchedulePlan(self, x)
+        """The micro-batch's plan; a first stage's ``x`` is its samples as loaded, batch first."""
+        return SchedulePlan(self, x.transpose(0, 1) if self.embedding is not None else x)

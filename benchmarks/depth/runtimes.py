@@ -9,7 +9,11 @@ the rows are what sizes a message to cost what the profile's interconnect says (
 
 With ``Setup.a2a_fraction`` (``--a2a-fraction``) our executor's stages are MoE stages
 (benchmarks/depth/moe.py) run as schedule plans, overlap on (the registry's "... overlap" variants)
-and off alike, so the off control runs the very same parts one micro-batch at a time.
+and off alike, so the off control runs the very same parts one micro-batch at a time; an overlap
+case runs at one ``contention`` (compute's slowdown beside an all-to-all), its schedule chosen at it.
+A micro-batch is then two samples of half the rows (the same bytes per message), so that an action
+can run as two halves of it. megatron-core's stages spend the all-to-all inside their passes
+(``StageTimes.serial``): its 1F1B and interleaved schedules run a MoE layer's parts one after another.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class Case:
     chosen: Chosen  # the layout its stages' times come from
     first_input_in_weight: bool = False  # costs.cost_model's option
     release: Callable[[], bool] = lambda: False  # drop what the case holds between rounds; True if it did
+    contention: float = 0.0  # compute's slowdown beside an all-to-all (moe.CONTENTION while it runs)
 
     @property
     def overlap(self) -> bool:
@@ -89,8 +94,8 @@ class Setup:
         return stage_times(self.shape, self.depth, virtual_stages, self.forward_ms, self.profile, held,
                            self.a2a_fraction)
 
-    def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False):
-        return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight)
+    def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False, contention: float = 0.0):
+        return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight, contention)
 
     def config(self, virtual_stages: int = 1):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without
@@ -123,6 +128,12 @@ def sample(shape: tuple) -> torch.Tensor:
     return torch.randn(shape).to(DTYPE)
 
 
+def batch_first_sample(shape: tuple) -> torch.Tensor:
+    """A first stage's input as a data loader gives it, samples first ([batch, rows, hidden]; the
+    stage's forward step makes it [rows, batch, hidden]), so that a halved action can split it."""
+    return sample(shape)
+
+
 # ------------------------------------------------------------------------------------------- ours
 class _ReplicaSum:
     """The GradSync protocol for the emulated stages: the copies of a stage sum their gradients with an
@@ -146,14 +157,14 @@ class _ReplicaSum:
         self.pending.clear()
 
 
-def ours_schedule(setup: Setup, name: str, n: int) -> Schedule:
-    """The registry's variant, built at this run's costs (``--order best`` and a split backward's W
-    placement depend on them)."""
+def ours_schedule(setup: Setup, name: str, n: int, contention: float = 0.0) -> Schedule:
+    """The registry's variant, built at this run's costs (``--order best``, a split backward's W
+    placement and the overlap pass's choices depend on them)."""
     spec = check(variant(name, setup.depth, n))
-    return build_spec(spec, setup.costs(REGISTRY[spec.schedule].virtual_stages(spec)))
+    return build_spec(spec, setup.costs(REGISTRY[spec.schedule].virtual_stages(spec), contention=contention))
 
 
-def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen) -> Case:
+def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen, contention: float = 0.0) -> Case:
     lowered, worker = lower(schedule), dist.get_rank()
     times, scale = setup.times(schedule.virtual_stages, chosen.layout), schedule.microbatch_scale
     held = lowered.held(worker)
@@ -166,12 +177,13 @@ def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen) ->
                           TorchP2P(setup.timeout))
     step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))), schedule_plans=moe)
     seq = max(1, round(setup.seq * scale))  # a half-size micro-batch of one sample: half the sequence
-    data = sample((seq, 1, HIDDEN))
+    batch = 2 if moe else 1  # MoE: two samples of half the rows, which a halved action splits
+    data = batch_first_sample((batch, seq // batch, HIDDEN))
 
     def run():
         step(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in held], model=chunks,
-             num_microbatches=lowered.microbatches, seq_length=seq, micro_batch_size=1)
-    return Case("ours", name, n, run, schedule, lowered=True, chosen=chosen)
+             num_microbatches=lowered.microbatches, seq_length=seq // batch, micro_batch_size=batch)
+    return Case("ours", name, n, run, schedule, lowered=True, chosen=chosen, contention=contention)
 
 
 # ---------------------------------------------------------------------------------- megatron-core
@@ -188,7 +200,7 @@ def megatron(setup: Setup, name: str, n: int, chosen: Chosen) -> Case:
     """megatron-core's forward_backward_pipelining_without_interleaving (1F1B) or _with_interleaving:
     chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's."""
     v, rank, d = MEGATRON[name], dist.get_rank(), setup.depth
-    times, config = setup.times(v, chosen.layout), setup.config(v)
+    times, config = [t.serial() for t in setup.times(v, chosen.layout)], setup.config(v)
     chunks = [EmulatedStage(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
     for c, chunk in enumerate(chunks):
         chunk.vp_stage, chunk.model_type = (c if v > 1 else None), ModelType.encoder_or_decoder

@@ -38,6 +38,12 @@ class StageTimes:
         return StageTimes(self.forward * factor, self.input * factor, self.weight * factor, self.a2a * factor,
                           self.moe_layers)
 
+    def serial(self) -> StageTimes:
+        """The all-to-all inside the passes that spend it (the forward and the input-gradient part of a
+        backward): a runtime that runs a MoE layer's parts one after another, as megatron-core's 1F1B
+        and interleaved schedules do without their combined 1F1B."""
+        return StageTimes(self.forward + self.a2a, self.input + self.a2a, self.weight)
+
 
 class Device:
     """One stage's emulated device. A pass (a forward, an I, a W, or a whole backward) begins when the

@@ -8,8 +8,9 @@ from chimera_schedules import VARIANTS, Action, CostModel, InvalidSchedule, Sche
 from chimera_schedules.analysis.communicators import communicators
 from chimera_schedules.analysis.nccl_model import MODES, check
 from chimera_schedules.analysis.simulator import peak_activations
-from chimera_schedules.ir.actions import B, F, Op, Overlapped, parts
+from chimera_schedules.ir.actions import B, F, Halved, Op, Overlapped, parts
 from chimera_schedules.ir.dataflow import consumed_messages, forward_only, produced_messages
+from chimera_schedules.ir.spec import ScheduleSpec
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.passes.overlap import REFERENCE, _Timed, overlap_forward_backward
 from chimera_schedules.registry import build_spec
@@ -207,3 +208,37 @@ def test_pictures_and_cli(capsys, tmp_path, schedules):
                  "--moe-layers", "4"]) == 0
     assert main(["show", "--schedule", "gpipe", "--overlap"]) == 2
     assert "applies to --schedule 1f1b or chimera or dualpipe or dualpipev only" in capsys.readouterr().err
+
+
+def test_halved_actions_round_trip_and_price_below_the_whole():
+    """``F3p0s1/2``: a token and JSON that read back; what it consumes and produces is the whole
+    action's; two halves hide most of their all-to-all, a pass without one gains nothing."""
+    h = Action.parse("B3p0s1/2")
+    assert h == Halved(B(3, 0, 1)) and str(h) == "B3p0s1/2" and Action.from_json(h.to_json()) == h
+    assert parts(h) == (B(3, 0, 1),)
+    with pytest.raises(ValueError, match="only an F, B or I"):
+        Halved(Action(Op.BACKWARD_WEIGHT, 0, 0, 0))
+    s = build("chimera", 8, 8)
+    moe = CostModel(1.0, 2.0, a2a=0.5, moe_layers=4)
+    assert moe.compute_time(s, Halved(F(0, 0, 0))) < 1.5 - 0.4  # 1 of compute, 0.5 of all-to-all mostly hidden
+    assert CostModel().compute_time(s, Halved(F(0, 0, 0))) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", OVERLAPPED)
+def test_halves_never_slow_the_pairs_down(name):
+    """At the caller's costs the chosen order is never slower than the pairs alone (--no-halves), and
+    Chimera split at N = D hides at least 80% of its all-to-all (issue 43's stats check)."""
+    costs = CostModel(1.0, 2.0, a2a=0.5, moe_layers=4)
+    spec = variant(name, 4, 8)
+    with_halves = simulate(build_spec(spec, costs), costs).makespan
+    pairs_only = simulate(build_spec(dataclasses.replace(spec, halves=False), costs), costs).makespan
+    assert with_halves <= pairs_only + 1e-9, f"{name}: {with_halves} with halves, {pairs_only} pairs only"
+
+
+def test_chimera_split_at_n_equals_d_hides_its_all_to_all():
+    costs, plain = CostModel(1.0, 2.0, a2a=0.5, moe_layers=4), CostModel(1.0, 2.0)
+    spec = ScheduleSpec("chimera", 8, 8, split_backward=True)
+    off = simulate(build_spec(spec, costs), costs).makespan
+    on = simulate(build_spec(dataclasses.replace(spec, overlap=True), costs), costs).makespan
+    bare = simulate(build_spec(spec, plain), plain).makespan
+    assert (off - on) / (off - bare) >= 0.8, f"hidden {(off - on) / (off - bare):.3f} ({off}, {on}, {bare})"
