@@ -47,7 +47,7 @@ from .costs import a2a_critical_ms, default_profile, message_target_ms, predict,
 from .layouts import KINDS
 from .moe import stage_parts
 from .report import document, markdown, plot, table
-from .runtimes import DTYPE, HIDDEN, MEGATRON, OVERLAP, SEQ, TORCH, without_overlap
+from .runtimes import COMBINED, DTYPE, HIDDEN, MEGATRON, OVERLAP, SEQ, TORCH, without_overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,8 +99,9 @@ def _references(setup, n: int, args, skipped: list[str]) -> list[tuple]:
                     skipped.append(f"ours {name} N={n}: {e}")
                     break
     if "megatron-core" in args.runtimes:
+        names = [*runtimes.MEGATRON, runtimes.COMBINED] if args.a2a_fraction else runtimes.MEGATRON
         out += [("megatron-core", name, 0.0, runtimes.megatron_order(setup.depth, n, name))
-                for name in _selected(runtimes.MEGATRON, args)]
+                for name in _selected(names, args)]
     return out
 
 
@@ -326,7 +327,7 @@ def launch(depth: int, args, out: str) -> dict:
 FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
                                                                   "chimera best"], "rounds": 2}
 # --a2a-fraction: our schedules with overlap and without, megatron-core's, at the even layout and N = 2D (launch)
-A2A = {"runtimes": ["ours", "megatron-core"], "schedules": list(A2A_SCHEDULES) + ["interleaved v=2"], "rounds": 2,
+A2A = {"runtimes": ["ours", "megatron-core"], "schedules": [*A2A_SCHEDULES, "interleaved v=2", COMBINED], "rounds": 2,
        "layouts": ["even"], "contention": list(CONTENTIONS)}
 FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 
@@ -356,7 +357,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", choices=KINDS, help="layout kinds to run at (default: all; even with "
                    "--a2a-fraction)")
     p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, help=f"default: {', '.join(RUNTIMES)}")
-    names = list(dict.fromkeys([*OURS, *MEGATRON, *(name for name, _, _ in TORCH.values())]))
+    names = list(dict.fromkeys([*OURS, *MEGATRON, COMBINED, *(name for name, _, _ in TORCH.values())]))
     p.add_argument("--schedules", nargs="+", choices=names, metavar="NAME",
                    help=f"schedules to run, in whichever runtimes have them (default: all of {', '.join(names)})")
     p.add_argument("--forward-ms", type=float,

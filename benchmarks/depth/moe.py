@@ -34,6 +34,7 @@ import threading
 import time
 
 import torch
+from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
 from chimera_schedules.ir import parts
 
@@ -193,15 +194,28 @@ class WeightPass:
         return []
 
 
-class SchedulePlan:
+class _Event:
+    """What a megatron-core schedule node orders its streams with (``event.record``, ``event.wait``):
+    here the parts order themselves (``issue``), so nothing."""
+
+    def record(self, *_) -> None: ...
+
+    def wait(self, *_) -> None: ...
+
+
+class SchedulePlan(AbstractSchedulePlan):
     """One micro-batch's pass through a MoE stage, megatron-core's combined-1F1B protocol: ``run`` with
     a forward plan returns the stage's output; with a backward plan and the output's gradient it sets
     the input's gradient (``x.grad``) and, unless ``defer_weight_gradients`` was called (a split
-    backward's I), the weights'."""
+    backward's I), the weights'. megatron-core's own combined 1F1B (its interleaved schedule with
+    ``overlap_moe_expert_parallel_comm``) runs these plans too: it passes the callbacks that carry its
+    p2p (``pre_forward`` ...), names the plan's model chunk (``vp_stage``) and computes a last stage's
+    loss in a schedule node on the plan's ``event``."""
 
     def __init__(self, owner: MoEStage, x: torch.Tensor):
         self.stage, self.x, self.deferred, self.grad = owner, x, False, None
         self.share = 1.0  # of the micro-batch: a half's W waits half the stage's
+        self.vp_stage, self.event = getattr(owner, "vp_stage", None), _Event()
 
     def defer_weight_gradients(self) -> WeightPass:
         self.deferred = True
@@ -215,14 +229,24 @@ class SchedulePlan:
         return stage_parts(t, "B", t.input if self.deferred else t.input + t.weight)
 
     @staticmethod
-    def run(f_plan: SchedulePlan | None, b_plan: SchedulePlan | None, b_grad: torch.Tensor | None = None, **_):
+    def run(f_plan: SchedulePlan | None, b_plan: SchedulePlan | None, b_grad: torch.Tensor | None = None,
+            pre_forward=None, pre_backward=None, post_forward=None, post_backward=None):
         """The forward of ``f_plan`` and the backward of ``b_plan`` (either may be None), their parts
-        interleaved as megatron-core's combined 1F1B issues them."""
+        interleaved as megatron-core's combined 1F1B issues them; megatron-core's callbacks (its p2p)
+        where its ``TransformerModelChunkSchedulePlan.run`` calls them."""
+        if f_plan and pre_forward:
+            pre_forward(f_plan.vp_stage)
+        if b_plan and pre_backward:
+            pre_backward(b_plan.vp_stage)
         order = parts.interleave(f_plan.forward_parts() if f_plan else [], b_plan.backward_parts() if b_plan else [])
         output = f_plan.output() if f_plan else None
         issue(order, {"F": "F", "B": "I" if b_plan and b_plan.deferred else "B"})
         if b_plan:
             b_plan.input_gradient(b_grad)
+        if f_plan and post_forward:
+            post_forward(output, f_plan.vp_stage)
+        if b_plan and post_backward:
+            post_backward(b_plan.x.grad, b_plan.vp_stage)
         return output
 
     def run_halves(self, second: SchedulePlan, grads: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -239,10 +263,12 @@ class SchedulePlan:
         return None
 
     def output(self) -> torch.Tensor:
-        """The stage's output: the input (a first stage's sample through its embedding) plus its weight."""
+        """The stage's output: the input (a first stage's sample through its embedding) plus its weight;
+        a leaf that asks for its gradient, which a last stage's loss flows back to (the plan's backward
+        then starts from it, as megatron-core's loss node hands it on)."""
         with torch.no_grad():
             x = self.x if self.stage.embedding is None else self.x + self.stage.embedding.weight
-            return x + self.stage.weight
+            return (x + self.stage.weight).requires_grad_()
 
     def input_gradient(self, grad: torch.Tensor) -> None:
         """The input's gradient is the output's (the stage adds a vector); the weights' follow now or
@@ -267,3 +293,5 @@ class MoEStage(EmulatedStage):
     def schedule_plan(self, x: torch.Tensor) -> SchedulePlan:
         """The micro-batch's plan; a first stage's ``x`` is its samples as loaded, batch first."""
         return SchedulePlan(self, x.transpose(0, 1) if self.embedding is not None else x)
+
+    build_schedule_plan = schedule_plan  # what megatron-core's combined 1F1B looks for on a model chunk

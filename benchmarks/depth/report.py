@@ -31,6 +31,8 @@ OVER_DUALPIPE = 1.0  # the best Chimera with overlap over DualPipe with overlap 
 OVER_MEGATRON = 1.3  # the best Chimera with overlap over megatron-core's best row at N = D
 TOLERANCE_OVERLAP = 0.05  # every row's measured makespan against the simulator's
 OVERLAP_CASE = (8, 0.5)  # D and a2a fraction of issue 43's targets (at N = D and 2D)
+COMBINED = "combined 1f1b v=2"  # runtimes.COMBINED: megatron-core's order, which our IR does not generate (its
+# extra warm-up forward), is priced as its interleaved schedule's without pairs, so it is left out of the accuracy
 
 
 def kind(r: dict) -> str:
@@ -263,7 +265,7 @@ def overlap_targets(table_rows: list[dict], ratio_rows: list[dict], rows: list[d
         at = [t for t in table_rows if (t["D"], t["a2a_fraction"], t["contention"]) == (d, fraction, c)]
         ratios = [r for r in ratio_rows if (r["D"], r["contention"]) == (d, c)]
         out.update(_targets_at(d, c, at, ratios))
-    measured = [r for r in rows if r["D"] == d]
+    measured = [r for r in rows if r["D"] == d and r["schedule"] != COMBINED]
     off = [f"{r['runtime']} {r['schedule']} N={r['N']}: {r['measured_over_predicted']:.3f}" for r in measured
            if abs(r["measured_over_predicted"] - 1) > TOLERANCE_OVERLAP]
     out[f"every row within {TOLERANCE_OVERLAP:.0%} of the simulator, D={d}"] = {

@@ -97,15 +97,19 @@ class Setup:
     def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False, contention: float = 0.0):
         return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight, contention)
 
-    def config(self, virtual_stages: int = 1):
+    def config(self, virtual_stages: int = 1, combined: bool = False):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without
-        virtual stages, overlapped p2p (--overlap-p2p-communication) with them."""
+        virtual stages, overlapped p2p (--overlap-p2p-communication) with them. ``combined``: its
+        combined 1F1B (--overlap-moe-expert-parallel-comm), under the rules its config checks (experts
+        over an expert-parallel group, the alltoall dispatcher, bf16), which the emulated stages meet."""
         interleaved = virtual_stages > 1
+        moe = {"num_moe_experts": 8, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
+               "bf16": True, "overlap_moe_expert_parallel_comm": True, "add_bias_linear": False} if combined else {}
         return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                  pipeline_model_parallel_size=self.depth, pipeline_dtype=DTYPE,
                                  virtual_pipeline_model_parallel_size=virtual_stages if interleaved else None,
                                  deallocate_pipeline_outputs=True, overlap_p2p_comm=interleaved,
-                                 batch_p2p_comm=not interleaved)
+                                 batch_p2p_comm=not interleaved, **moe)
 
     def group(self, ranks) -> dist.ProcessGroup | None:
         """The group of ``ranks``, created beforehand by ``create_groups``; None for one rank."""
@@ -188,25 +192,33 @@ def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen, co
 
 # ---------------------------------------------------------------------------------- megatron-core
 MEGATRON = {"1f1b": 1, "interleaved v=2": 2}  # schedule -> model chunks per rank
+COMBINED = "combined 1f1b v=2"  # megatron-core's interleaved schedule with its combined 1F1B: with --a2a-fraction
 
 
 def megatron_order(depth: int, n: int, name: str) -> Schedule:
-    """megatron-core's compute order: our 1f1b's or interleaved's."""
-    v = MEGATRON[name]
+    """megatron-core's compute order: our 1f1b's or interleaved's (its combined 1F1B's too: our
+    interleaved order with each steady-state forward and backward priced apart, an upper bound)."""
+    v = 2 if name == COMBINED else MEGATRON[name]
     return build("interleaved", depth, n, virtual_stages=v) if v > 1 else build("1f1b", depth, n)
 
 
 def megatron(setup: Setup, name: str, n: int, chosen: Chosen) -> Case:
     """megatron-core's forward_backward_pipelining_without_interleaving (1F1B) or _with_interleaving:
-    chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's."""
-    v, rank, d = MEGATRON[name], dist.get_rank(), setup.depth
-    times, config = [t.serial() for t in setup.times(v, chosen.layout)], setup.config(v)
-    chunks = [EmulatedStage(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
+    chunk c of rank r is model stage c x D + r. Its order is our 1f1b's or interleaved's. With the
+    all-to-all, its stages spend it inside their passes, or, in its combined 1F1B (``COMBINED``), run
+    as schedule plans on the communication thread, which its schedule pairs."""
+    combined = name == COMBINED
+    v, rank, d = 2 if combined else MEGATRON[name], dist.get_rank(), setup.depth
+    times, config = setup.times(v, chosen.layout), setup.config(v, combined)
+    if setup.a2a_fraction and not combined:
+        times = [t.serial() for t in times]
+    stage_type = MoEStage if combined else EmulatedStage
+    chunks = [stage_type(times[c * d + rank], config, first=c * d + rank == 0) for c in range(v)]
     for c, chunk in enumerate(chunks):
         chunk.vp_stage, chunk.model_type = (c if v > 1 else None), ModelType.encoder_or_decoder
     func = (schedules.forward_backward_pipelining_with_interleaving if v > 1
             else schedules.forward_backward_pipelining_without_interleaving)
-    data = sample((setup.seq, 1, HIDDEN))
+    data = batch_first_sample((1, setup.seq, HIDDEN)) if combined else sample((setup.seq, 1, HIDDEN))
 
     def run():
         func(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in chunks], model=chunks,
