@@ -132,7 +132,7 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
     entry = REGISTRY[spec.schedule]
     spec = dataclasses.replace(spec, **{name: OPTION[name].default for name in entry.options
                                         if getattr(spec, name) is None and OPTION[name].default is not None})
-    require(spec.overlap or spec.halves is not False, "halves", False, "applies with $overlap only")
+    require(spec.overlap or spec.halves is not False, "halves", True, "applies with $overlap only")  # True: given
     if not spec.overlap:
         spec = dataclasses.replace(spec, halves=None)  # a choice among overlapped orders: none without overlap
     entry.check(spec)

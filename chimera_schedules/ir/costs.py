@@ -107,6 +107,17 @@ class CostModel:
         ends = self.overlapped_ends(schedule, action, *(max(0.0, r - start) for r in ready))
         return start, [start + end for end in ends]
 
+    def part_order(self, schedule: Schedule, action: Action | Overlapped) -> list[moe.Part]:
+        """The parts an action issues, in order, at full micro-batch size (what ``compute_time`` prices;
+        the renderers draw them): a pair interleaved, a halved action's two halves, a W one compute part."""
+        if action.op is Op.OVERLAPPED:
+            return moe.interleave(*(self._parts(schedule, part) for part in action.parts))
+        if action.op is Op.HALVED:
+            return moe.halves(self._parts(schedule, action.action), self.halves_efficiency)
+        if action.op is Op.BACKWARD_WEIGHT:
+            return [moe.Part("B", 0, "experts", self.weight_time(schedule, action))]
+        return self._parts(schedule, action)
+
     def _parts(self, schedule: Schedule, action: Action) -> list[moe.Part]:
         """A plain F, B or I of one full-size micro-batch as the parts of its MoE layers."""
         compute, a2a = self._alone(schedule, action)

@@ -24,7 +24,7 @@ from .balancer import Sizes, balance, best_megatron, score
 from .balancer import per_rank as balancer_per_rank
 from .options import add_arguments
 from .planner import MODELS, ModelShape, Precision, Profile, as_json, even_layout, explain, plan
-from .render import ascii_timeline, write_picture
+from .render import ascii_timeline, png_streams, write_picture
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +40,8 @@ def _options() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     show = sub.add_parser("show", parents=[common], help="ASCII timeline, or a picture with --out")
     show.add_argument("--out", help="write FILE.png, FILE.svg or FILE.json (Perfetto trace) instead")
+    show.add_argument("--streams", type=int, metavar="WORKER",
+                      help="with --out FILE.png: draw this worker's compute and all-to-all streams part by part")
     stats = sub.add_parser("stats", parents=[common], help="makespan, bubbles, memory per worker")
     stats.add_argument("--json", action="store_true")
     export = sub.add_parser("export", parents=[common], help="the schedule in its JSON form")
@@ -85,6 +87,11 @@ def _cost_options(c) -> None:
                         "a B or I spends it too, an overlapped F&B hides it behind compute (default 0)")
     c.add_argument("--moe-layers", type=int, default=1,
                    help="MoE layers per model stage, sharing its compute and --a2a in an overlapped F&B (default 1)")
+    c.add_argument("--halves-efficiency", type=float, default=1.0,
+                   help="a half micro-batch computes half as much divided by this (smaller kernels; default 1)")
+    c.add_argument("--contention", type=float, default=0.0,
+                   help="how much slower compute runs beside an all-to-all in an overlapped or halved action "
+                        "(0.15: 15%% slower; default 0)")
 
 
 def _planner_options(planner) -> None:
@@ -108,6 +115,23 @@ def _planner_options(planner) -> None:
     planner.add_argument("--json", action="store_true")
 
 
+def _show(args, schedule: Schedule) -> None:
+    """The timeline as text, a picture (--out), or one worker's two streams (--streams)."""
+    costs = _costs(args)
+    result = simulate(schedule, costs, args.comm or "nccl")
+    if args.streams is not None:
+        require(0 <= args.streams < schedule.num_workers, "--streams", args.streams,
+                f"must name a worker, 0 to {schedule.num_workers - 1}")
+        require(bool(args.out) and args.out.endswith(".png"), "--out", args.out, "must be FILE.png with --streams")
+        png_streams(result, costs, args.streams, args.out)
+    elif args.out:
+        write_picture(result, args.out)
+    else:
+        print(ascii_timeline(result))
+        return
+    print(f"wrote {args.out}")
+
+
 def _costs(args) -> CostModel:
     for option, value in (("--forward-time", args.forward_time), ("--backward-time", args.backward_time)):
         require(value > 0, option, value, "must be positive")
@@ -116,10 +140,13 @@ def _costs(args) -> CostModel:
                 f"must be positive and less than --backward-time ({args.backward_time:g}), which includes it")
     require(args.a2a >= 0, "--a2a", args.a2a, "must not be negative")
     require(args.moe_layers >= 1, "--moe-layers", args.moe_layers, "must be at least 1")
+    require(0 < args.halves_efficiency <= 1, "--halves-efficiency", args.halves_efficiency, "must be in (0, 1]")
+    require(args.contention >= 0, "--contention", args.contention, "must not be negative")
     return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
                      args.grad_bytes, args.data_parallel, weight=args.weight_time, a2a=args.a2a,
-                     moe_layers=args.moe_layers)
+                     moe_layers=args.moe_layers, halves_efficiency=args.halves_efficiency,
+                     contention=args.contention)
 
 
 def _load(path: str, option: str) -> Schedule:
@@ -282,12 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = simulate(schedule, _costs(args), args.comm or "nccl").stats()
             print(json.dumps(stats, indent=1) if args.json else _table([stats]))
         else:
-            result = simulate(schedule, _costs(args), args.comm or "nccl")
-            if args.out:
-                write_picture(result, args.out)
-                print(f"wrote {args.out}")
-            else:
-                print(ascii_timeline(result))
+            _show(args, schedule)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

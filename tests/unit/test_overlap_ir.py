@@ -208,6 +208,11 @@ def test_pictures_and_cli(capsys, tmp_path, schedules):
                  "--moe-layers", "4"]) == 0
     assert main(["show", "--schedule", "gpipe", "--overlap"]) == 2
     assert "applies to --schedule 1f1b or chimera or dualpipe or dualpipev only" in capsys.readouterr().err
+    streams = tmp_path / "streams.png"
+    assert main(["show", "--schedule", "chimera", "-D", "4", "-N", "4", "--overlap", "--a2a", "0.5", "--moe-layers",
+                 "4", "--contention", "0.15", "--streams", "1", "--out", str(streams)]) == 0 and streams.exists()
+    assert main(["show", "--schedule", "chimera", "--no-halves"]) == 2
+    assert "--no-halves=True: applies with --overlap only" in capsys.readouterr().err
 
 
 def test_halved_actions_round_trip_and_price_below_the_whole():
