@@ -6,7 +6,8 @@ Rules, in the order they are checked (the first violation is reported with its w
 2. placement: each action runs on the worker that holds its (pipeline, stage);
 3. an overlapped action holds one F and one B or I of two different micro-batches, so neither
    consumes what the other produces (the dataflow rule links one micro-batch's results only), on one
-   worker (rule 2);
+   worker (rule 2); a micro-batch's forward and backward (B or I) on one stage copy run both in halves
+   or both whole (a backward runs in the halves its forward ran in);
 4. no duplicated action;
 5. each micro-batch belongs to exactly one pipeline;
 6. completeness: every (pipeline, stage, micro-batch) has one forward and one backward (a B, or an
@@ -37,6 +38,7 @@ def validate(schedule: Schedule) -> None:
     schedule = compute_part(schedule)
     _check_shape(schedule)
     pipeline_of = _check_actions(schedule)
+    _check_halves(schedule)
     _check_complete(schedule, pipeline_of)
     _check_local_order(schedule)
     replay(schedule, CostModel(1.0, 1.0))
@@ -75,6 +77,20 @@ def _check_actions(s: Schedule) -> dict[int, int]:
                         raise InvalidSchedule(f"micro-batch {a.mb} already runs in pipeline "
                                               f"{pipeline_of[a.mb]}: a micro-batch belongs to one pipeline", w, a)
     return pipeline_of
+
+
+def _check_halves(s: Schedule) -> None:
+    """Rule 3's halves: a micro-batch's F and its B or I on one stage copy, both halved or both whole."""
+    halved: dict[tuple[int, int, int], bool] = {}
+    for w, actions in enumerate(s.workers):
+        for action in actions:
+            for a in parts(action):
+                if a.op not in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT):
+                    continue
+                key, now = (a.mb, a.pipeline, a.stage), action.op is Op.HALVED
+                if halved.setdefault(key, now) != now:
+                    raise InvalidSchedule("a micro-batch's backward runs in the halves its forward ran in: halve "
+                                          "both its forward and its backward on this stage, or neither", w, action)
 
 
 def _check_part(s: Schedule, w: int, a) -> None:

@@ -6,21 +6,22 @@ an action with no partner runs as two halves of its micro-batch that hide each o
 ``overlap_forward_backward(schedule, costs, halves)`` chooses among plain actions, pairs and halves,
 judged at the caller's costs when they have an all-to-all, else at ``REFERENCE`` (an all-to-all of half
 a forward). The pairs: it replays the schedule and keeps each candidate pair, earliest first, when the
-schedule still replays and is no slower. The halves: an action becomes halved when that makes it
-shorter, which can only move what follows earlier. Three orders are built, and the fastest kept:
-today's pairs, then halves for the rest; pairs judged against halved actions (a pair is kept only where
-it beats the halves it replaces), then halves; halves alone. The first is never slower than the pairs
-alone, so neither is the result. Why 1F1B's and Chimera's pairs rarely pay and DualPipe's do, the rules
-for keeping a pair, and how a trial avoids replaying everything: docs/notes/overlap-pass.md.
+schedule still replays and is no slower. The halves: a micro-batch's forward and backward on one stage
+copy, neither in a pair, are halved together when that makes them shorter, which can only move what
+follows earlier (together: a backward runs in the halves its forward ran in). Two orders are built and
+the faster kept: today's pairs, then halves for the rest; halves alone. The first is never slower than
+the pairs alone, so neither is the result. Why 1F1B's and Chimera's pairs rarely pay and DualPipe's
+do, the rules for keeping a pair, and how a trial avoids replaying everything: docs/notes/overlap-pass.md.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import replace
+from functools import partial
 
 from ..analysis.replay import replay
 from ..analysis.simulator import reduce_windows, simulate
-from ..ir.actions import HALVABLE_OPS, Action, Halved, Op, Overlapped, parts
+from ..ir.actions import HALVABLE_OPS, Action, Halved, Op, Overlapped
 from ..ir.costs import CostModel
 from ..ir.dataflow import dependencies, products
 from ..ir.schedule import Schedule
@@ -36,22 +37,21 @@ _TOLERANCE = 1e-9
 
 def overlap_forward_backward(schedule: Schedule, costs: CostModel | None = None, halves: bool = True) -> Schedule:
     """``schedule`` (a compute schedule) with adjacent F and B-or-I pairs of two micro-batches fused into
-    overlapped actions and, with ``halves``, the actions that gain by it halved: the fastest of the
-    module's three orders under ``costs`` (``REFERENCE`` when they have no all-to-all); ``meta["overlap"]``
+    overlapped actions and, with ``halves``, the passes that gain by it halved: the faster of the
+    module's two orders under ``costs`` (``REFERENCE`` when they have no all-to-all); ``meta["overlap"]``
     set."""
     if schedule.lowered:
         raise ValueError("overlap a compute schedule: lowering places messages around the fused actions")
     judge = costs if costs is not None and _has_a2a(costs) else REFERENCE
     paired = _fuse_pairs(schedule, judge)
     if halves:
-        orders = [_halve(paired, judge), _halve(_fuse_pairs(_halve(schedule, judge), judge), judge),
-                  _halve(schedule, judge)]
+        orders = [_halve(paired, judge), _halve(schedule, judge)]
         paired = min(orders, key=lambda order: simulate(order, judge).makespan)  # the first of equals
     return replace(paired, meta={**schedule.meta, "overlap": True})
 
 
 def _fuse_pairs(schedule: Schedule, costs: CostModel) -> Schedule:
-    """The pairs that do not make ``schedule`` slower, fused (an action already halved is priced so)."""
+    """The pairs that do not make ``schedule`` slower, fused."""
     timed = _Timed(schedule, costs)
     for i, j in timed.candidates():
         timed.try_pair(i, j)
@@ -59,14 +59,18 @@ def _fuse_pairs(schedule: Schedule, costs: CostModel) -> Schedule:
 
 
 def _halve(schedule: Schedule, costs: CostModel) -> Schedule:
-    """Every plain F, B or I that is shorter in two halves, halved."""
-    def better(a):
-        if a.op not in HALVABLE_OPS:
-            return a
-        halved = Halved(a)
-        return halved if costs.compute_time(schedule, halved) < costs.compute_time(schedule, a) - _TOLERANCE else a
-
-    return replace(schedule, workers=tuple(tuple(map(better, actions)) for actions in schedule.workers))
+    """Each micro-batch's forward and backward (B or I) on one stage copy halved together where neither is
+    in a pair and the two are shorter in halves: a backward runs in the halves its forward ran in (the
+    executor keeps one schedule plan per half), so the two are halved or whole together."""
+    plain = [a for actions in schedule.workers for a in actions if a.op in HALVABLE_OPS]
+    passes: dict[tuple[int, int, int], list[Action]] = {}
+    for a in plain:
+        passes.setdefault((a.mb, a.pipeline, a.stage), []).append(a)
+    time = partial(costs.compute_time, schedule)
+    halved = {a for both in passes.values() if len(both) == 2
+              and sum(map(time, map(Halved, both))) < sum(map(time, both)) - _TOLERANCE for a in both}
+    return replace(schedule, workers=tuple(tuple(Halved(a) if a in halved else a for a in actions)
+                                           for actions in schedule.workers))
 
 
 def _has_a2a(costs: CostModel) -> bool:
@@ -76,22 +80,20 @@ def _has_a2a(costs: CostModel) -> bool:
 class _Timed:
     """The schedule's compute actions, numbered, with their times in the replay of the pairs fused so far
     and their tails: the longest chain of actions and transfers from one's end to the iteration's end.
-    ``action[i]`` is a plain action (a halved one's whole), priced as the schedule runs it.
     A pair is its two actions with one start, one end and one tail; ``mate[i]`` is the second part of the
     pair whose first (in the worker's list) is i, ``head[j]`` the first part of j's pair (j alone)."""
 
     def __init__(self, schedule: Schedule, costs: CostModel):
         self.s, self.costs = schedule, costs
         lists = [[a for a in actions if a.op is not Op.REDUCE_GRADS] for actions in schedule.workers]
-        self.run = [a for actions in lists for a in actions]  # as the schedule has them (halved or plain)
-        self.action = [parts(a)[0] for a in self.run]
-        ids = {a: i for i, a in enumerate(self.run)}
+        self.action = [a for actions in lists for a in actions]
+        ids = {a: i for i, a in enumerate(self.action)}
         self.seq = [[ids[a] for a in actions] for actions in lists]
         self.worker = [w for w, actions in enumerate(self.seq) for _ in actions]
         self.index = [k for actions in self.seq for k in range(len(actions))]  # place in the worker's list
-        made = {key: i for i, a in enumerate(self.run) for key in products(a)}
+        made = {key: i for i, a in enumerate(self.action) for key in products(a)}
         last = schedule.stages_per_pipeline - 1
-        self.deps = [[made[key] for key in dependencies(a, last)] for a in self.run]
+        self.deps = [[made[key] for key in dependencies(a, last)] for a in self.action]
         transfer = costs.transfer_time(schedule)
         # each action's inputs and users, with the transfer between them (none on one worker)
         self.inputs = [[(d, transfer if self.worker[d] != self.worker[i] else 0.0) for d in deps]
@@ -100,7 +102,7 @@ class _Timed:
         for i, inputs in enumerate(self.inputs):
             for d, gap in inputs:
                 self.users[d].append((i, gap))
-        self.time = [costs.compute_time(schedule, a) for a in self.run]
+        self.time = [costs.compute_time(schedule, a) for a in self.action]
         self.reductions = []  # (worker, R, the compute action before it or None): R posts when that ends
         for w, actions in enumerate(schedule.workers):
             before = None
@@ -280,7 +282,7 @@ class _Timed:
     def workers(self) -> tuple[tuple[Action | Overlapped, ...], ...]:
         """The worker lists with the pairs fused at the place of their first part; the gradient
         reductions between a pair's parts follow the pair."""
-        ids = {a: i for i, a in enumerate(self.run)}
+        ids = {a: i for i, a in enumerate(self.action)}
         out = []
         for actions in self.s.workers:
             row, between, inside = [], [], False

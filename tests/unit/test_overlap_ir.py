@@ -52,11 +52,13 @@ def test_schedule_json_round_trip_and_placement_inference(schedules):
 
 @pytest.mark.parametrize("name", OVERLAPPED)
 def test_the_pass_fuses_pairs_and_keeps_each_workers_order(name, schedules):
-    """At the trainer's costs (no all-to-all) the pass judges by REFERENCE's, and still fuses: every
-    variant but chimera split, where each pair would lengthen the iteration."""
+    """At the trainer's costs (no all-to-all) the pass judges by REFERENCE's, and still fuses pairs
+    (with --no-halves): every variant but chimera split, where each pair would lengthen the iteration.
+    With halves, what it keeps has pairs or halves, each worker's order unchanged."""
     s, plain = schedules[name], build_spec(dataclasses.replace(variant(name, 4, 8), overlap=None))
     validate(s)
-    assert bool(fused(s)) == (name != "chimera split overlap")
+    assert bool(fused(overlap_forward_backward(plain, halves=False))) == (name != "chimera split overlap")
+    assert fused(s) or any(a.op is Op.HALVED for w in s.workers for a in w), f"{name}: nothing overlapped"
     assert s == overlap_forward_backward(plain) == overlap_forward_backward(plain, REFERENCE)
     assert all(a.op is not Op.BACKWARD_WEIGHT for o in fused(s) for a in o.parts), f"{name}: a W paired: {fused(s)}"
     assert all(o.forward.op is Op.FORWARD and o.backward.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and
@@ -159,7 +161,8 @@ def test_overlap_never_makes_a_schedule_slower_at_the_costs_it_is_built_for(a2a,
         assert overlapped == overlap_forward_backward(plain, costs)  # the registry passes its costs on
         assert simulate(overlapped, costs).makespan <= simulate(plain, costs).makespan, name
         if name.startswith("dualpipe"):
-            assert fused(overlapped) and simulate(overlapped, costs).makespan < simulate(plain, costs).makespan
+            pairs = build_spec(dataclasses.replace(spec, halves=False), costs)
+            assert fused(pairs) and simulate(pairs, costs).makespan < simulate(plain, costs).makespan, name
 
 
 def test_overlap_judges_with_transfers_and_reductions():
@@ -199,8 +202,10 @@ def test_peak_activations_count_the_forward_before_the_backward():
 
 
 def test_pictures_and_cli(capsys, tmp_path, schedules):
+    pairs = build_spec(dataclasses.replace(variant("dualpipev overlap", 4, 8), halves=False))
+    assert "&B" in ascii_timeline(simulate(pairs)) and "/2" in ascii_timeline(simulate(schedules["dualpipev overlap"]))
     result = simulate(schedules["dualpipev overlap"])
-    assert "&B" in ascii_timeline(result) and "<svg" in svg_timeline(result)
+    assert "<svg" in svg_timeline(result)
     halved = sum(1 for e in result.events if e.action.op is Op.HALVED)
     assert len(_boxes(result)[0]) == len(result.events) + len(fused(result.schedule)) + halved  # two boxes each
     assert main(["validate", "--schedule", "dualpipe", "-D", "4", "-N", "8", "--overlap", "--comm", "nccl"]) == 0
