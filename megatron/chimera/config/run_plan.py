@@ -156,10 +156,20 @@ def schedule_request(args) -> ScheduleSpec | None:
     name = args.pipeline_schedule
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
+    options = given_options(args)
+    if args.overlap_moe_expert_parallel_comm and not halves_fit(args):
+        options["halves"] = False  # pairs only (docs/moe.md)
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
                         virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
-                        overlap=args.overlap_moe_expert_parallel_comm or None, **given_options(args))
+                        overlap=args.overlap_moe_expert_parallel_comm or None, **options)
     return spec
+
+
+def halves_fit(args) -> bool:
+    """Whether the micro-batches the schedule runs split into two halves along the batch: an even size
+    (--micro-batch-size, halved again under --chimera-concat halving)."""
+    size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
+    return size >= 2 and size % 2 == 0
 
 
 def model_stages(args, request: ScheduleSpec | None) -> int:
