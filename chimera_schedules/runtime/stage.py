@@ -20,10 +20,10 @@ batch dimension: the stage input [sequence, batch, hidden] on dim 1, the micro-b
 (``split_batch``), one plan per half (``forward_step_func`` called twice), both run interleaved by
 ``first.run_halves(second)``. What the next stage receives, and the gradient a backward hands back, are
 the whole micro-batch's (the halves concatenated): the wire format is unchanged. A last stage's loss is
-the whole micro-batch's: the halves' (loss sum, tokens, report) summed, scaled once. A backward runs as
-its forward ran, whatever the schedule's action says: a forward in halves left two plans, whose
-backwards run interleaved by ``run_halves`` (in an F&B, after the forward: two plans do not run beside a
-third); a whole forward left one plan, which cannot be halved (a halved B or I of it runs whole).
+the whole micro-batch's (``_whole``), scaled once. A backward runs as its forward ran, whatever the
+schedule's action says: a forward in halves left two plans, whose backwards run interleaved by
+``run_halves`` (in an F&B, after the forward: two plans do not run beside a third); a whole forward
+left one plan, which cannot be halved (a halved B or I of it runs whole).
 """
 from __future__ import annotations
 
@@ -111,13 +111,14 @@ def split_batch(batch):
                     f"not {type(batch).__name__}")
 
 
-def _summed(first: tuple, second: tuple) -> tuple:
-    """Two halves' loss_func outputs as the whole micro-batch's: megatron-core's (loss sum, num_tokens,
-    report) term by term, a report's [sum, count] tensors key by key."""
-    assert len(first) == 3 and len(second) == 3, \
-        "a micro-batch runs in halves only with a loss_func that returns (loss sum, num_tokens, report)"
-    report = {key: value + second[2][key] for key, value in first[2].items()}
-    return first[0] + second[0], first[1] + second[1], report
+def _whole(first: tuple, second: tuple) -> tuple:
+    """Two halves' loss_func outputs as the whole micro-batch's, by megatron-core's conventions: (loss sum,
+    num_tokens, report) summed term by term, a report's [sum, count] tensors key by key; (loss, report),
+    a mean over the micro-batch, the halves' mean (they are equal halves)."""
+    if len(first) == 3:
+        report = {key: value + second[2][key] for key, value in first[2].items()}
+        return first[0] + second[0], first[1] + second[1], report
+    return (first[0] + second[0]) / 2, {key: (value + second[1][key]) / 2 for key, value in first[1].items()}
 
 
 @dataclass
@@ -294,7 +295,7 @@ class PlanStage(Stage):
             self.saved[mb] = HalvesSaved(None, output, None, (first, second), inputs, None, None)
             return output
         outputs = tuple(o.detach().requires_grad_() for o in outputs)
-        loss = self.step.scaled_loss(_summed(first_loss(outputs[0]), second_loss(outputs[1])))
+        loss = self.step.scaled_loss(_whole(first_loss(outputs[0]), second_loss(outputs[1])))
         self.saved[mb] = HalvesSaved(None, None, None, (first, second), inputs, outputs, loss)
         return None
 

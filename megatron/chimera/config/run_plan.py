@@ -46,8 +46,9 @@ class RunPlan:
     chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``).
     ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``.
     ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order.
-    ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards, and
-    the executor runs every chunk through its schedule plan. ``name``: the schedule the run resolved
+    ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards (and runs
+    actions in halves where the micro-batch splits: ``halves_fit``), and the executor runs every chunk
+    through its schedule plan. ``name``: the schedule the run resolved
     (--pipeline-schedule, or Megatron-LM's choice); ``balanced_for``: the hardware profile
     --balance-pipeline-layout cut the layout for, None for a layout as given."""
 
