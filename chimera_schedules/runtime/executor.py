@@ -10,6 +10,9 @@ the iteration's state: the messages (messages.py) and one stage per held chunk (
   input gradient; W: the weight-gradient half the same micro-batch's I left;
 - F&B (an ``Overlapped`` action): the forward of one micro-batch and the B or I of another, run as one
   by schedule plans (stage.PlanStage, which ``schedule_plans`` makes every stage in training);
+- an F in halves (a ``Halved`` action): as the whole action, its stage running the micro-batch as two
+  interleaved halves (stage.PlanStage.forward_halves); a B or I in halves as the whole action, which a
+  PlanStage runs as its forward ran: in halves after a forward in halves (stage.py's docstring);
 - SEND: post the send of a kept output or input gradient; completed sends are dropped after every action;
 - ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
@@ -29,7 +32,7 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
-from ..ir.actions import Action, Op, Overlapped
+from ..ir.actions import COMPOUND_OPS, Action, Halved, Op, Overlapped
 from ..ir.dataflow import consumed_messages, forward_only, produced_messages
 from ..ir.schedule import Schedule
 from .clock import Clock
@@ -74,13 +77,13 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
     compute action's device time after the flush. ``nvtx_ranges`` (--nvtx-ranges) adds an NVTX range
     per action when the device is a GPU (there is no NVTX on the CPU). ``schedule_plans`` runs training's
     forwards and backwards through schedule plans (stage.PlanStage); a schedule with overlapped actions
-    needs it. megatron-core's options that this executor does not implement are refused when set, not
-    ignored."""
+    or actions in halves needs it. megatron-core's options that this executor does not implement are
+    refused when set, not ignored."""
     if any(a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE) and a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
-    if not schedule_plans and any(a.op is Op.OVERLAPPED for w in lowered.workers for a in w):
-        raise ValueError("a schedule with overlapped forwards and backwards runs its chunks through schedule "
-                         "plans: pass schedule_plans=True")
+    if not schedule_plans and any(a.op in COMPOUND_OPS for w in lowered.workers for a in w):
+        raise ValueError("a schedule with overlapped forwards and backwards, or actions in halves, runs its "
+                         "chunks through schedule plans: pass schedule_plans=True")
     nvtx = nvtx_ranges and transport.device.type == "cuda"
     held = [StageKey(*key) for key in lowered.held(transport.worker)]
     lists = {False: lowered.workers[transport.worker], True: forward_only(lowered).workers[transport.worker]}
@@ -208,12 +211,14 @@ class _Iteration:
         if a.op is Op.ALLREDUCE:
             return self.grad_sync.start(a.pipeline, a.stage, self.transport.groups[a.group])
         return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward,
-                Op.BACKWARD_WEIGHT: self.backward_weight, Op.OVERLAPPED: self.overlapped}[a.op](a)
+                Op.BACKWARD_WEIGHT: self.backward_weight, Op.OVERLAPPED: self.overlapped,
+                Op.HALVED: self.halved}[a.op](a)
 
-    def forward(self, a: Action) -> float:
+    def forward(self, a: Action, halves: bool = False) -> float:
+        stage = self._stage(a)
         x = self._input(a)
         started = self.clock.stamp()  # compute only: waiting for the input is a bubble
-        self._hand_on(a, self._stage(a).forward(a.mb, x))
+        self._hand_on(a, stage.forward_halves(a.mb, x) if halves else stage.forward(a.mb, x))
         return started
 
     def backward(self, a: Action) -> float:
@@ -224,6 +229,14 @@ class _Iteration:
         dx = stage.backward(a.mb, grad) if a.op is Op.BACKWARD else stage.backward_input(a.mb, grad)
         self._hand_on(a, dx)
         return started
+
+    def halved(self, a: Halved) -> float:
+        """An F in two halves of its micro-batch; a B or I, which its PlanStage runs as the forward ran."""
+        whole = a.action
+        stage = self._stage(whole)
+        assert isinstance(stage, PlanStage), \
+            f"{a} runs through schedule plans, but its stage is a {type(stage).__name__}"
+        return self.forward(whole, halves=True) if whole.op is Op.FORWARD else self.backward(whole)
 
     def backward_weight(self, a: Action) -> float:
         started = self.clock.stamp()

@@ -14,6 +14,16 @@ the forward's output; a backward's input gradient lands in the stage input's ``.
 loss is computed from the plan's output detached (its gradient is what the plan's backward starts from).
 Before a backward that is an I, ``plan.defer_weight_gradients()`` returns the W that completes it. A sent
 activation keeps its data there: the plan's nodes hold it for their backward.
+
+A halved forward (``forward_halves``: a ``Halved`` F) runs the micro-batch as two halves split along the
+batch dimension: the stage input [sequence, batch, hidden] on dim 1, the micro-batch's data on its first
+(``split_batch``), one plan per half (``forward_step_func`` called twice), both run interleaved by
+``first.run_halves(second)``. What the next stage receives, and the gradient a backward hands back, are
+the whole micro-batch's (the halves concatenated): the wire format is unchanged. A last stage's loss is
+the whole micro-batch's (``_whole``), scaled once. A backward runs as its forward ran, whatever the
+schedule's action says: a forward in halves left two plans, whose backwards run interleaved by
+``run_halves`` (in an F&B, after the forward: two plans do not run beside a third); a whole forward
+left one plan, which cannot be halved (a halved B or I of it runs whole).
 """
 from __future__ import annotations
 
@@ -50,6 +60,13 @@ class SchedulePlan(Protocol):
 
     def defer_weight_gradients(self) -> WeightGradients: ...
 
+    def run_halves(self, second: SchedulePlan, grads: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Two halves of one micro-batch through one chunk, this plan the first half's, ``second`` the
+        other's, interleaved layer by layer so that one half's all-to-all runs while the other computes
+        (chimera_schedules/ir/parts.py, ``halves``). ``grads=None``: both forwards, returning
+        ``(output_first, output_second)``; ``grads=(g_first, g_second)``: both backwards, each plan's
+        input getting its ``.grad`` as ``run(None, plan, b_grad)`` gives it; returns None."""
+
 
 @dataclass
 class ForwardStep:
@@ -77,6 +94,33 @@ class ForwardStep:
         return loss
 
 
+def split_batch(batch):
+    """A micro-batch's data (what a data iterator yields) as its two halves along the batch dimension,
+    the first of every tensor (Megatron-LM's get_batch: [batch, sequence]): a tensor in two, a dict
+    key by key, None as None."""
+    if batch is None:
+        return None, None
+    if isinstance(batch, torch.Tensor):
+        assert batch.dim() > 0 and batch.shape[0] % 2 == 0, \
+            f"a micro-batch of shape {tuple(batch.shape)} does not split into two halves along its first dimension"
+        return tuple(batch.chunk(2, dim=0))
+    if isinstance(batch, dict):
+        halves = {key: split_batch(value) for key, value in batch.items()}
+        return tuple({key: pair[k] for key, pair in halves.items()} for k in (0, 1))
+    raise TypeError(f"a micro-batch runs in halves when its data is tensors or dicts of them, "
+                    f"not {type(batch).__name__}")
+
+
+def _whole(first: tuple, second: tuple) -> tuple:
+    """Two halves' loss_func outputs as the whole micro-batch's, by megatron-core's conventions: (loss sum,
+    num_tokens, report) summed term by term, a report's [sum, count] tensors key by key; (loss, report),
+    a mean over the micro-batch, the halves' mean (they are equal halves)."""
+    if len(first) == 3:
+        report = {key: value + second[2][key] for key, value in first[2].items()}
+        return first[0] + second[0], first[1] + second[1], report
+    return (first[0] + second[0]) / 2, {key: (value + second[1][key]) / 2 for key, value in first[1].items()}
+
+
 @dataclass
 class Saved:
     """What one micro-batch's forward leaves for its backward: the stage input (a leaf; None on a first
@@ -97,6 +141,36 @@ class PlanSaved(Saved):
 
     plan: SchedulePlan
     loss: torch.Tensor | None
+
+
+@dataclass
+class HalvesSaved(Saved):
+    """Saved, for a forward run in two halves: their plans and stage inputs (leaves, where each half's
+    backward leaves its input gradient; None on a first stage; the whole input is not kept), on a last
+    stage their detached outputs (``output`` is then None) and the whole micro-batch's scaled loss."""
+
+    plans: tuple[SchedulePlan, SchedulePlan]
+    inputs: tuple[torch.Tensor | None, torch.Tensor | None]
+    outputs: tuple[torch.Tensor, torch.Tensor] | None
+    loss: torch.Tensor | None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        kept = (self.input, self.output, *self.inputs, *(self.outputs or ()))
+        return (t for t in kept if t is not None)
+
+
+class BothWeightPasses:
+    """The W of an I run in halves: each half's deferred weight pass, in turn."""
+
+    def __init__(self, *passes: WeightGradients):
+        self.passes = passes
+
+    def run(self) -> None:
+        for weight_pass in self.passes:
+            weight_pass.run()
+
+    def kept(self) -> list[torch.Tensor]:
+        return [t for weight_pass in self.passes for t in weight_pass.kept()]
 
 
 class Stage:
@@ -177,7 +251,7 @@ class PlanStage(Stage):
         super().__init__(key, chunk, data, step, last)  # its I is the plan's own: no embedding to watch
 
     def forward(self, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
-        plan, loss_func = self._plan(x)
+        plan, loss_func = self._plan(x, self.data)
         return self._keep(mb, x, type(plan).run(plan, None), loss_func, plan)
 
     def backward(self, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -190,21 +264,60 @@ class PlanStage(Stage):
                        grad: torch.Tensor | None, split: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """F&B: this stage's forward of ``mb`` beside ``other``'s B (or, ``split``, I) of ``other_mb``,
         interleaved part by part by their plans (megatron-core's combined 1F1B). The forward's output
-        for the next stage and the backward's input gradient."""
-        plan, loss_func = self._plan(x)
+        for the next stage and the backward's input gradient. A backward whose forward ran in halves
+        runs in halves after the forward (two plans do not run beside a third)."""
+        if isinstance(other.saved[other_mb], HalvesSaved):
+            output = self.forward(mb, x)
+            return output, other._backward(other_mb, grad, split)
+        plan, loss_func = self._plan(x, self.data)
         saved, b_grad = other._start_backward(other_mb, grad, split)
         output = self._keep(mb, x, type(plan).run(plan, saved.plan, b_grad=b_grad), loss_func, plan)
         return output, saved.input.grad if saved.input is not None else None
 
     def _backward(self, mb: int, grad: torch.Tensor | None, split: bool) -> torch.Tensor | None:
+        """B, or (``split``) I, as mb's forward ran: whole, or in halves (``_backward_halves``)."""
+        if isinstance(self.saved[mb], HalvesSaved):
+            return self._backward_halves(mb, grad, split)
         saved, b_grad = self._start_backward(mb, grad, split)
         type(saved.plan).run(None, saved.plan, b_grad=b_grad)
         return saved.input.grad if saved.input is not None else None
 
-    def _plan(self, x: torch.Tensor | None) -> tuple[SchedulePlan, Callable]:
+    def forward_halves(self, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        """F in two halves of the micro-batch (the module's docstring): the whole micro-batch's output for
+        the next stage (None on a last stage, which keeps the whole micro-batch's loss and report)."""
+        inputs = _halves(x, dim=1)
+        batches = split_batch(next(self.data)) if self.data is not None else (None, None)
+        (first, first_loss), (second, second_loss) = (
+            self._plan(half, iter([batch]) if batch is not None else None) for half, batch in zip(inputs, batches))
+        outputs = first.run_halves(second)
+        if not self.last:
+            output = torch.cat(outputs, dim=1)
+            self.saved[mb] = HalvesSaved(None, output, None, (first, second), inputs, None, None)
+            return output
+        outputs = tuple(o.detach().requires_grad_() for o in outputs)
+        loss = self.step.scaled_loss(_whole(first_loss(outputs[0]), second_loss(outputs[1])))
+        self.saved[mb] = HalvesSaved(None, None, None, (first, second), inputs, outputs, loss)
+        return None
+
+    def _backward_halves(self, mb: int, grad: torch.Tensor | None, split: bool) -> torch.Tensor | None:
+        """B, or (``split``) I, of a forward run in halves, in halves: the whole input gradient (None on a
+        first stage); an I leaves both halves' weight gradients to one W."""
+        saved = self.saved.pop(mb)
+        first, second = saved.plans
+        if saved.loss is not None:
+            torch.autograd.backward(saved.loss)
+            grads = tuple(o.grad for o in saved.outputs)
+        else:
+            grads = _halves(grad, dim=1)
+        if split:
+            self.weight_passes[mb] = BothWeightPasses(first.defer_weight_gradients(), second.defer_weight_gradients())
+        first.run_halves(second, grads=grads)
+        return torch.cat([half.grad for half in saved.inputs], dim=1) if saved.inputs[0] is not None else None
+
+    def _plan(self, x: torch.Tensor | None, data: Iterator | None) -> tuple[SchedulePlan, Callable]:
         """The micro-batch's schedule plan and loss function (megatron-core's forward_step convention)."""
         self.chunk.set_input_tensor(x)
-        return self.step.func(self.data, self.chunk, return_schedule_plan=True)
+        return self.step.func(data, self.chunk, return_schedule_plan=True)
 
     def _keep(self, mb: int, x, output: torch.Tensor, loss_func: Callable, plan: SchedulePlan) -> torch.Tensor | None:
         """Saves the forward for its backward; on a last stage computes the loss from the plan's output
@@ -227,6 +340,15 @@ class PlanStage(Stage):
         if split:
             self.weight_passes[mb] = saved.plan.defer_weight_gradients()
         return saved, grad
+
+
+def _halves(t: torch.Tensor | None, dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``t``'s two halves along ``dim``, each a contiguous leaf that requires a gradient when ``t`` does
+    (None: two Nones)."""
+    if t is None:
+        return None, None
+    assert t.shape[dim] % 2 == 0, f"a tensor of shape {tuple(t.shape)} does not split into two halves along dim {dim}"
+    return tuple(h.detach().contiguous().requires_grad_(t.requires_grad) for h in t.chunk(2, dim=dim))
 
 
 def make_stages(chunks: dict[StageKey, torch.nn.Module], data: dict[StageKey, Iterator | None], step: ForwardStep,

@@ -18,6 +18,7 @@ from megatron.chimera.testing.equivalence import (
     DETERMINISTIC,
     DROPPED_EXPERT,
     EVERY_PAIR,
+    HALVES_CASES,
     KAPPA_MAX,
     PER_PIPELINE,
     PLANTED_COPY,
@@ -211,16 +212,36 @@ def test_gradient_reductions_start_as_overlap_grad_reduce_says(results):
 
 def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results):
     """--overlap-moe-expert-parallel-comm under every schedule that takes it (the losses and weights above
-    equal one process's): F&B actions under 1F1B, Chimera and DualPipe(V); the pass pairs nothing under
-    Chimera split at D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every
-    pair fused runs F&I actions. No other case runs any."""
+    equal one process's): F&B actions under 1F1B, DualPipe(V); the pass pairs nothing under Chimera split at
+    D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every pair fused runs
+    F&I actions. At micro-batch size 1 no action runs in halves. No other case runs any."""
     paired = {case: results[case]["overlapped"] for case in CASES}
     overlap = {case for case in CASES if "overlap" in case and "EP=2" in case}
-    assert len(overlap) == 5 and paired[EVERY_PAIR].get("I", 0) > 0, paired
-    names = ("1f1b", "chimera direct", "dualpipe", "dualpipev")
-    assert all(paired[f"mixtral overlap {name} D=2 EP=2"].get("B", 0) > 0 for name in names), paired
-    others = {case: paired[case] for case in CASES if case not in overlap and paired[case]}
+    assert len(overlap) == 6 and paired[EVERY_PAIR].get("I", 0) > 0, paired
+    names = ("mixtral overlap 1f1b D=2 EP=2", "mixtral overlap dualpipe D=2 EP=2",
+             "mixtral overlap dualpipev D=2 halves EP=2")
+    assert all(paired[name].get("B", 0) > 0 for name in names), paired
+    whole = {case: results[case]["halved"] for case in overlap - HALVES_CASES.keys() if results[case]["halved"]}
+    assert whole == {}, f"cases at micro-batch size 1 that ran actions in halves: {whole}"
+    others = {case: (paired[case], results[case]["halved"]) for case in CASES if case not in overlap
+              and (paired[case] or results[case]["halved"])}
     assert others == {}, f"cases without --overlap-moe-expert-parallel-comm that ran overlapped actions: {others}"
+
+
+def test_overlap_moe_expert_parallel_comm_runs_actions_in_halves(results):
+    """Where no other micro-batch pairs with an action, an F, B or I runs as two halves of its micro-batch
+    (micro-batch size 2 or 4), equal to one process (the losses, weights and MoE log fields above): under
+    Chimera at N = D every action (no pair), under Chimera split its F and I, under DualPipeV its F, B and
+    I beside F&B pairs."""
+    halved = {case: results[case]["halved"] for case in HALVES_CASES}
+    expected = {"mixtral overlap chimera direct D=2 N=D halves EP=2": {"F", "B"},
+                "mixtral overlap chimera split D=2 halves EP=2": {"F", "I"},
+                "mixtral overlap dualpipev D=2 halves EP=2": {"F", "B", "I"}}
+    assert {case: set(ops) for case, ops in halved.items()} == expected, halved
+    assert results["mixtral overlap chimera direct D=2 N=D halves EP=2"]["overlapped"] == {}, \
+        "Chimera at N = D has no two micro-batches to pair"
+    fields = {case: results[case]["moe_fields"] for case in HALVES_CASES}
+    assert all(f == ["seq_load_balancing_loss", "z_loss"] for f in fields.values()), fields
 
 
 def readme_main_command() -> str:

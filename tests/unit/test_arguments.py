@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from chimera_schedules import Op
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
@@ -46,6 +47,7 @@ LAYOUT_CASES = [
 ]
 
 OVERLAP = "--overlap-moe-expert-parallel-comm"
+HALVES = ["--micro-batch-size", "2"]
 MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
        "--expert-model-parallel-size", "2"]
 # --overlap-moe-expert-parallel-comm: each rule names the flag, and what it needs
@@ -59,6 +61,13 @@ OVERLAP_CASES = [
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", *MOE, OVERLAP], 4,
      f"{OVERLAP}=True: applies to --pipeline-schedule 1f1b or chimera or dualpipe or dualpipev only"),
     (CHIMERA2 + MOE + [OVERLAP, "--moe-layer-recompute"], 4, f"{OVERLAP}=True: runs a layer's parts one by one"),
+    # with actions in halves (an even micro-batch): what is computed from all a micro-batch's tokens together
+    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-aux-loss-coeff", "1e-2"], 4, "--moe-router-load-balancing-type"
+     f"=aux_loss: is computed over a whole micro-batch's tokens together, which {OVERLAP} runs in two halves"),
+    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff",
+                       "1e-2"], 4, "--moe-router-load-balancing-type=global_aux_loss: is computed over a whole"),
+    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-expert-capacity-factor", "1.0"], 4,
+     "--moe-expert-capacity-factor=1.0: drops tokens past a capacity of the whole micro-batch's"),
 ]
 
 
@@ -120,6 +129,19 @@ def test_split_backward_and_dualpipev_build_their_schedules():
     plan = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
                                     world_size=2))
     assert (plan.model_stages, plan.schedule.placement) == (4, ((0, 1, 1, 0),))
+
+
+def test_halves_run_where_the_micro_batch_splits_in_two():
+    """--overlap-moe-expert-parallel-comm runs actions in halves at an even micro-batch size, with
+    seq_aux_loss or an aux_loss of coefficient 0; at size 1 the schedule has pairs only, silently."""
+    overlap = MODEL + CHIMERA2 + MOE + [OVERLAP]
+    halved = {size: any(a.op is Op.HALVED for w in make_run_plan(parse_args(overlap + ["--micro-batch-size", size],
+                                                                             world_size=4)).schedule.workers for a in w)
+              for size in ("1", "2")}
+    assert halved == {"1": False, "2": True}, halved
+    args = parse_args(overlap + HALVES + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+                                          "1e-2"], world_size=4)
+    assert args.micro_batch_size == 2 and args.moe_router_load_balancing_type == "seq_aux_loss"
 
 
 def test_valid_chimera_configuration_builds_its_schedule():

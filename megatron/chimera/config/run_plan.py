@@ -46,8 +46,9 @@ class RunPlan:
     chunks per rank, for its parallel state; None otherwise (ours are in ``schedule.virtual_stages``).
     ``lowered``: what our executor posts, proven to complete under ``PROOF_MODE`` in ``proof_seconds``.
     ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order.
-    ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards, and
-    the executor runs every chunk through its schedule plan. ``name``: the schedule the run resolved
+    ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards (and runs
+    actions in halves where the micro-batch splits: ``halves_fit``), and the executor runs every chunk
+    through its schedule plan. ``name``: the schedule the run resolved
     (--pipeline-schedule, or Megatron-LM's choice); ``balanced_for``: the hardware profile
     --balance-pipeline-layout cut the layout for, None for a layout as given."""
 
@@ -156,10 +157,20 @@ def schedule_request(args) -> ScheduleSpec | None:
     name = args.pipeline_schedule
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
+    options = given_options(args)
+    if args.overlap_moe_expert_parallel_comm and not halves_fit(args):
+        options["halves"] = False  # pairs only (docs/moe.md)
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
                         virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
-                        overlap=args.overlap_moe_expert_parallel_comm or None, **given_options(args))
+                        overlap=args.overlap_moe_expert_parallel_comm or None, **options)
     return spec
+
+
+def halves_fit(args) -> bool:
+    """Whether the micro-batches the schedule runs split into two halves along the batch: an even size
+    (--micro-batch-size, halved again under --chimera-concat halving)."""
+    size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
+    return size >= 2 and size % 2 == 0
 
 
 def model_stages(args, request: ScheduleSpec | None) -> int:

@@ -23,19 +23,26 @@ has nothing left.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel.utils import ScheduleNode, set_streams
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 
 def build(model, *args, **kwargs):
     """``model.build_schedule_plan(*args, **kwargs)``, with megatron-core's communication stream made
     (``set_streams``: on the CPU, cpu_compat's stand-in) and the plan given ``defer_weight_gradients``,
-    which the executor calls before a backward that is an I."""
+    which the executor calls before a backward that is an I, and ``run_halves`` (stage.SchedulePlan's
+    protocol), with the stage input the chunk was given (read again when the plan's forward starts)."""
     set_streams(high_priority=model.config.high_priority_a2a_comm_stream)
     plan = model.build_schedule_plan(*args, **kwargs)
     plan.defer_weight_gradients = partial(defer_weight_gradients, plan, model)
+    plan.run_halves = partial(run_halves, plan)
+    chunk = plan.state.model  # the GPTModel itself, ``model`` perhaps a wrapper
+    plan.stage_input = None if chunk.pre_process else chunk.decoder.input_tensor
     return plan
 
 
@@ -45,13 +52,16 @@ class PlanWeightPass:
 
     def __init__(self, params: list[torch.Tensor]):
         self.params, self.segments = params, []
+        self.aux_loss_share = 1.0  # a half's (run_halves): its auxiliary losses' gradients at this share
+
 
     def keep(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         self.segments.append((tensors, grads))
 
     def run(self) -> None:
-        for tensors, grads in self.segments:
-            torch.autograd.backward(tensors, grads, inputs=self.params)
+        with _aux_losses_at(self.aux_loss_share):
+            for tensors, grads in self.segments:
+                torch.autograd.backward(tensors, grads, inputs=self.params)
         self.segments = []  # frees the graphs
 
     def kept(self) -> list[torch.Tensor]:
@@ -67,7 +77,7 @@ def defer_weight_gradients(plan, model) -> PlanWeightPass:
     add it into ``main_grad`` there), so a W that ran the nodes again would add it twice."""
     if model.config.transformer_impl == "transformer_engine":
         return PlanWeightPass([])
-    weight_pass = PlanWeightPass([p for p in model.parameters() if p.requires_grad])
+    weight_pass = plan.weight_pass = PlanWeightPass([p for p in model.parameters() if p.requires_grad])
     nodes = [n for n in _nodes(plan) if n is not plan.post_process]  # the loss's backward runs once: whole, in I
     leaves = _detached_leaves(plan, nodes)
     input_only = partial(_input_gradients, leaves, weight_pass)
@@ -108,3 +118,137 @@ def _detached_leaves(plan, nodes: list) -> list[torch.Tensor]:
         found += list(node.inputs or ()) + list(getattr(node, "detached", ()))
     unique = {id(t): t for t in found if t is not None and t.requires_grad and t.grad_fn is None}
     return list(unique.values())
+
+
+def run_halves(first, second, grads: tuple | None = None):
+    """stage.SchedulePlan.run_halves: ``first`` and ``second``, two plans of one chunk (a micro-batch's two
+    halves), run interleaved: their forwards, returning both outputs, or with ``grads`` their backwards."""
+    plans = (first, second)
+    if grads is None:
+        with _tracked_as_mean():
+            return _forward_halves(plans)
+    share = _aux_loss_share(first)
+    for plan in plans:
+        if getattr(plan, "weight_pass", None) is not None:  # an I: its W runs the same segments again
+            plan.weight_pass.aux_loss_share = share
+    with _aux_losses_at(share):
+        _backward_halves(plans, list(grads))
+    return None
+
+
+def _forward_halves(plans: tuple) -> tuple:
+    """megatron-core's forward (TransformerModelChunkSchedulePlan.run without a backward) for two plans,
+    each layer's parts in the halves order."""
+    outputs = []
+    for plan in plans:
+        model = plan.state.model
+        if not model.pre_process:
+            model.set_input_tensor(plan.stage_input)  # the pre-process node reads the chunk's input now
+        plan.record_current_stream()
+        outputs.append(plan.pre_process.forward())
+    for i in range(plans[0].num_layers()):
+        outputs = _forward_layer([plan.get_layer(i) for plan in plans], outputs)
+    outputs = [plan.post_process.forward(x) if plan.post_process is not None else x for plan, x in zip(plans, outputs)]
+    for plan in plans:
+        plan.wait_current_stream()
+    return tuple(outputs)
+
+
+def _forward_layer(layers: list, xs: list) -> list:
+    """One layer of both halves (TransformerLayerSchedulePlan.run's forward calls): attention and dispatch
+    of half a, of half b, then experts and combine of a, of b; each half's dispatcher state its own."""
+    kept = [None] * len(layers)
+    for names in (("pre_dispatch_computation", "moe_dispatch"), ("mlp", "moe_combine")):
+        for k, layer in enumerate(layers):
+            with _own_dispatcher(layer, kept, k), layer.get_low_precision_context():
+                for name in names:
+                    xs[k] = getattr(layer, name).forward(xs[k])
+    for k, layer in enumerate(layers):
+        with layer.get_low_precision_context():
+            xs[k] = layer.mtp_post_process.forward(xs[k])
+    return xs
+
+
+def _backward_halves(plans: tuple, grads: list) -> None:
+    """megatron-core's backward (TransformerModelChunkSchedulePlan.run without a forward) for two plans,
+    each layer's parts in the halves order; each plan's input gets its gradient, its state is released."""
+    for plan in plans:
+        plan.record_current_stream()
+    grads = [plan.post_process.backward(g) if plan.post_process is not None else g for plan, g in zip(plans, grads)]
+    for _ in range(plans[0].num_layers()):
+        layers = [plan.pop_layer() for plan in plans]
+        grads = _backward_layer(layers, grads)
+        for layer in layers:
+            layer.release_state()
+    for plan, grad in zip(plans, grads):
+        plan.pre_process.backward(grad)
+        plan.wait_current_stream()
+        plan.release_state()
+
+
+def _backward_layer(layers: list, grads: list) -> list:
+    """One layer of both halves backwards (TransformerLayerSchedulePlan.run's backward calls): combine and
+    experts of half a, of half b, then dispatch and attention of a, of b; each compute part's weight
+    gradients right after it."""
+    for k, layer in enumerate(layers):
+        grads[k] = layer.mtp_post_process.backward(grads[k])
+    for k, layer in enumerate(layers):
+        grads[k] = layer.mlp.backward(layer.moe_combine.backward(grads[k]))
+        layer.mlp.backward_dw()
+    for k, layer in enumerate(layers):
+        grads[k] = layer.pre_dispatch_computation.backward(layer.moe_dispatch.backward(grads[k]))
+        layer.pre_dispatch_computation.backward_dw()
+    return grads
+
+
+@contextmanager
+def _own_dispatcher(layer, kept: list, k: int):
+    """Half ``k``'s state of the layer's token dispatcher around its parts: megatron-core's alltoall
+    dispatcher keeps one micro-batch's routing (splits, permutation maps) on itself from the dispatch
+    preprocessing to the combine, and the other half's parts run between. Restored from ``kept[k]`` when
+    the half has run a part before, kept after."""
+    dispatcher = getattr(getattr(layer.layer, "mlp", None), "token_dispatcher", None)
+    if dispatcher is None:
+        yield
+        return
+    state = vars(dispatcher)
+    if kept[k] is not None:
+        state.clear()
+        state.update(kept[k])
+    yield
+    kept[k] = dict(state)
+
+
+def _aux_loss_share(plan) -> float:
+    """The share of each half's auxiliary losses in the whole micro-batch's: a half's z-loss and
+    seq_aux_loss are means over its tokens or sequences (half the whole's), weighed by their tokens
+    instead with --calculate-per-token-loss (the halves' sum is the whole's)."""
+    return 1.0 if plan.state.model.config.calculate_per_token_loss else 0.5
+
+
+@contextmanager
+def _aux_losses_at(share: float):
+    """MoEAuxLossAutoScaler's scale (the trainer's, moe.scale_auxiliary_losses) times ``share`` inside,
+    restored after (set_loss_scale copies into the tensor it holds)."""
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if share == 1.0 or scale is None:
+        yield
+        return
+    kept = scale.clone()
+    MoEAuxLossAutoScaler.set_loss_scale(kept * share)
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale(kept)
+
+
+@contextmanager
+def _tracked_as_mean():
+    """What two halves' routers add to megatron-core's metrics tracker (each the mean of its loss over
+    its half), halved: the whole micro-batch's mean, as one forward would add it."""
+    entries = get_moe_metrics_tracker().metrics
+    before = {name: entry.values.clone() for name, entry in entries.items()}
+    yield
+    for name, entry in entries.items():
+        added = entry.values - before[name] if name in before else entry.values.clone()
+        entry.values.sub_(added / 2)

@@ -92,6 +92,11 @@ GLOBAL_AUX = MIXTRAL + ["--moe-router-load-balancing-type", "global_aux_loss"]
 PER_PIPELINE = "mixtral-global-aux-per-pipeline"
 SINKHORN = MIXTRAL + ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
 VARIANTS |= {"mixtral-sinkhorn": SINKHORN, "mixtral-global-aux": GLOBAL_AUX, PER_PIPELINE: GLOBAL_AUX}
+# Mixtral balanced per sequence (seq_aux_loss, and the z-loss: means over sequences and tokens, whatever the
+# micro-batch size), over a global batch of 16: --overlap-moe-expert-parallel-comm runs actions in two halves
+# of micro-batches of 2 or 4 against it, where another micro-batch's loss would differ (aux_loss is refused)
+SEQ_AUX = "mixtral-seq-aux"
+VARIANTS[SEQ_AUX] = MIXTRAL + ["--moe-router-load-balancing-type", "seq_aux_loss", "--global-batch-size", "16"]
 # Qwen3-Next's shared expert, its output scaled by a sigmoid gate of the token (--moe-shared-expert-gate: one
 # weight row per layer, megatron-core's SharedExpertMLP.gate_weight)
 VARIANTS["shared-expert-gate"] = MIXTRAL + ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
@@ -258,6 +263,12 @@ LAYOUT_CASES = {
 # split instead, so that the executor's F&I (a forward beside an I, its W later) runs on a real model.
 EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
 
+# --overlap-moe-expert-parallel-comm with actions in halves (SEQ_AUX's global batch of 16 over DP=2): name ->
+# (schedule case, micro-batch size)
+HALVES_CASES = {"mixtral overlap chimera direct D=2 N=D halves EP=2": ("chimera direct D=2", "4"),
+                "mixtral overlap chimera split D=2 halves EP=2": ("chimera split D=2", "2"),
+                "mixtral overlap dualpipev D=2 halves EP=2": ("dualpipev D=2", "2")}
+
 # A planted bug, to show the fp32 weight bounds catch one: global expert 0 of layer 3 never updates (its
 # gradient is zeroed in every backward, on every copy). test_training checks that it fails them.
 DROPPED_EXPERT = "mixtral chimera D=2 planted bug: expert 0's gradient dropped"
@@ -343,10 +354,14 @@ CASES = {
         # MTP's own norms (embedding, hidden states, last) under sequence parallelism: Megatron-LM's MoE configs
         "mtp chimera D=2 TP=2 sequence parallel": ("mtp", CHIMERA2 + TP2 + ["--sequence-parallel"]),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
-    # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage (Chimera split, which
-    # the pass leaves unpaired at D=2, as EVERY_PAIR: 1F1B split with its I passes paired)
+    # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage. At micro-batch size 1
+    # the pairs only (1F1B, DualPipe; EVERY_PAIR: 1F1B split with its I passes paired); at 2 or 4 actions in
+    # halves too (HALVES_CASES: Chimera at N = D, whose every action runs in halves; Chimera split at N = 4,
+    # halved F and I; DualPipeV at N = 4, halves and pairs)
     } | {f"mixtral overlap {name} EP=2": ("mixtral", D2[name] + EP2 + ALLTOALL + MOE_OVERLAP)
-         for name in ("1f1b D=2", "chimera direct D=2", "dualpipe D=2", "dualpipev D=2")} | {
+         for name in ("1f1b D=2", "dualpipe D=2")} | {
+        name: (SEQ_AUX, D2[schedule] + EP2 + ALLTOALL + MOE_OVERLAP + ["--micro-batch-size", mbs])
+        for name, (schedule, mbs) in HALVES_CASES.items()} | {
         EVERY_PAIR: ("mixtral", D2["1f1b split D=2"] + EP2 + ALLTOALL + MOE_OVERLAP),
     # the MoE families; gpt-oss with an odd first stage, so that each stage's slice of its window pattern
     # (every other layer) matters
@@ -563,6 +578,13 @@ def _overlapped(trainer) -> dict[str, int]:
     return {op: pairs.count(op) for op in set(pairs)}
 
 
+def _halved(trainer) -> dict[str, int]:
+    """This rank's actions in halves, by the op of their whole action."""
+    actions = trainer.plan.lowered.workers[trainer.rt.worker] if trainer.plan.lowered is not None else ()
+    halved = [a.action.op.value for a in actions if a.op is Op.HALVED]
+    return {op: halved.count(op) for op in set(halved)}
+
+
 def drop_expert_gradient(trainer, prefix: str = "decoder.layers.3.mlp.experts.local_experts.0.") -> None:
     """Zero every gradient of the expert whose global names start with ``prefix``, wherever it is held."""
     for m in trainer.models:
@@ -664,7 +686,7 @@ def compared(run: dict, trainer, ref: dict) -> dict:
         "precision": "fp16" if precision.fp16 else "bf16" if precision.bf16 else "fp32",
         "hooks": run["hooks"], "layout_held": run["layout_held"],
         "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.job.train.optimizer.overlap_grad_reduce,
-        "overlapped": _overlapped(trainer),
+        "overlapped": _overlapped(trainer), "halved": _halved(trainer),
         "reductions_before_flush": run["reductions_before_flush"],
         "moe_fields": sorted({name for f in moe for name in f}),
         "mtp_loss": moe[-1].get("mtp_1 loss"),

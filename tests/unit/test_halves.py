@@ -1,0 +1,49 @@
+"""A micro-batch run as two halves (a ``Halved`` action): the split of its data, and what megatron-core keeps
+per process that the halves make the whole micro-batch's (model/schedule_plan.py). Their exactness on a
+model is the equivalence harness's (its halves cases)."""
+import torch
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from chimera_schedules.runtime.stage import _whole, split_batch
+from megatron.chimera.model.schedule_plan import _aux_losses_at, _tracked_as_mean
+
+
+def test_a_micro_batch_splits_along_its_batch_dimension_key_by_key():
+    batch = {"tokens": torch.arange(8).view(4, 2), "loss_mask": torch.ones(4, 2), "attention_mask": None}
+    first, second = split_batch(batch)
+    assert torch.equal(first["tokens"], batch["tokens"][:2]) and torch.equal(second["tokens"], batch["tokens"][2:])
+    assert first["loss_mask"].shape == (2, 2) and first["attention_mask"] is None and second["attention_mask"] is None
+    assert split_batch(None) == (None, None), "a stage without data gives its halves none"
+
+
+def test_a_last_stages_loss_is_the_whole_micro_batchs():
+    """megatron-core's loss_func conventions: a sum over tokens with its count and report adds up; a
+    mean over the micro-batch is the mean of its equal halves'."""
+    first = (torch.tensor(3.0), torch.tensor(4), {"lm loss": torch.tensor([3.0, 4.0])})
+    second = (torch.tensor(5.0), torch.tensor(4), {"lm loss": torch.tensor([5.0, 4.0])})
+    loss, tokens, report = _whole(first, second)
+    assert (float(loss), int(tokens), report["lm loss"].tolist()) == (8.0, 8, [8.0, 8.0]), "the halves' sums"
+    loss, report = _whole(*((torch.tensor(v), {"loss": torch.tensor(v)}) for v in (1.0, 3.0)))
+    assert (float(loss), float(report["loss"])) == (2.0, 2.0), "the halves' mean"
+
+
+def test_the_halves_backward_takes_the_auxiliary_losses_at_half_their_scale_and_restores_it(monkeypatch):
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.tensor(0.25))  # a trainer's
+    with _aux_losses_at(0.5):
+        inside = float(MoEAuxLossAutoScaler.main_loss_backward_scale)
+    assert (inside, float(MoEAuxLossAutoScaler.main_loss_backward_scale)) == (0.125, 0.25), \
+        "the scale inside the halves' backward, and after it"
+
+
+def test_what_the_halves_log_is_their_mean():
+    destroy_moe_metrics_tracker()
+    tracker = get_moe_metrics_tracker()
+    tracker.record("z_loss", torch.tensor(1.0), layer_number=1, num_layers=2)  # an earlier micro-batch's
+    with _tracked_as_mean():
+        for half in (2.0, 4.0):
+            tracker.record("z_loss", torch.tensor(half), layer_number=1, num_layers=2)
+            tracker.record("seq_load_balancing_loss", torch.tensor(half), layer_number=2, num_layers=2)
+    values = {name: entry.values.tolist() for name, entry in tracker.metrics.items()}
+    destroy_moe_metrics_tracker()
+    assert values == {"z_loss": [4.0, 0.0], "seq_load_balancing_loss": [0.0, 3.0]}, values
