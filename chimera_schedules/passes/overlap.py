@@ -45,7 +45,7 @@ def overlap_forward_backward(schedule: Schedule, costs: CostModel | None = None,
     judge = costs if costs is not None and _has_a2a(costs) else REFERENCE
     paired = _fuse_pairs(schedule, judge)
     if halves:
-        orders = [_halve(paired, judge), _halve(schedule, judge)]
+        orders = [halve(paired, judge), halve(schedule, judge)]
         paired = min(orders, key=lambda order: simulate(order, judge).makespan)  # the first of equals
     return replace(paired, meta={**schedule.meta, "overlap": True})
 
@@ -58,7 +58,7 @@ def _fuse_pairs(schedule: Schedule, costs: CostModel) -> Schedule:
     return replace(schedule, workers=timed.workers())
 
 
-def _halve(schedule: Schedule, costs: CostModel) -> Schedule:
+def halve(schedule: Schedule, costs: CostModel) -> Schedule:
     """Each micro-batch's forward and backward (B or I) on one stage copy halved together where neither is
     in a pair and the two are shorter in halves: a backward runs in the halves its forward ran in (the
     executor keeps one schedule plan per half), so the two are halved or whole together."""

@@ -20,10 +20,10 @@ batch dimension: the stage input [sequence, batch, hidden] on dim 1, the micro-b
 (``split_batch``), one plan per half (``forward_step_func`` called twice), both run interleaved by
 ``first.run_halves(second)``. What the next stage receives, and the gradient a backward hands back, are
 the whole micro-batch's (the halves concatenated): the wire format is unchanged. A last stage's loss is
-the whole micro-batch's (``_whole``), scaled once. A backward runs as its forward ran, whatever the
-schedule's action says: a forward in halves left two plans, whose backwards run interleaved by
-``run_halves`` (in an F&B, after the forward: two plans do not run beside a third); a whole forward
-left one plan, which cannot be halved (a halved B or I of it runs whole).
+the whole micro-batch's (``_whole``), scaled once. A backward runs as its forward ran: a forward in
+halves left two plans, whose backwards run interleaved by ``run_halves``; a whole forward left one plan.
+The validator holds a schedule to it (a micro-batch's forward and backward on one stage copy are halved
+together), so a halved B or I finds two plans and a pair's backward one.
 """
 from __future__ import annotations
 
@@ -264,11 +264,10 @@ class PlanStage(Stage):
                        grad: torch.Tensor | None, split: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """F&B: this stage's forward of ``mb`` beside ``other``'s B (or, ``split``, I) of ``other_mb``,
         interleaved part by part by their plans (megatron-core's combined 1F1B). The forward's output
-        for the next stage and the backward's input gradient. A backward whose forward ran in halves
-        runs in halves after the forward (two plans do not run beside a third)."""
-        if isinstance(other.saved[other_mb], HalvesSaved):
-            output = self.forward(mb, x)
-            return output, other._backward(other_mb, grad, split)
+        for the next stage and the backward's input gradient. The backward's forward ran whole (the
+        validator's rule: a pair's backward is not halved, so neither was its forward)."""
+        assert not isinstance(other.saved[other_mb], HalvesSaved), \
+            f"micro-batch {other_mb}'s forward ran in halves: its backward cannot run beside another forward"
         plan, loss_func = self._plan(x, self.data)
         saved, b_grad = other._start_backward(other_mb, grad, split)
         output = self._keep(mb, x, type(plan).run(plan, saved.plan, b_grad=b_grad), loss_func, plan)

@@ -214,12 +214,14 @@ def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results)
     """--overlap-moe-expert-parallel-comm under every schedule that takes it (the losses and weights above
     equal one process's): F&B actions under 1F1B, DualPipe(V); the pass pairs nothing under Chimera split at
     D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every pair fused runs
-    F&I actions. At micro-batch size 1 no action runs in halves. No other case runs any."""
+    F&I actions, and with every pair fused DualPipeV and Chimera direct at N = 2D run pairs beside halves.
+    At micro-batch size 1 no action runs in halves. No other case runs any."""
     paired = {case: results[case]["overlapped"] for case in CASES}
     overlap = {case for case in CASES if "overlap" in case and "EP=2" in case}
-    assert len(overlap) == 6 and paired[EVERY_PAIR].get("I", 0) > 0, paired
+    assert len(overlap) == 7 and paired[EVERY_PAIR].get("I", 0) > 0, paired
     names = ("mixtral overlap 1f1b D=2 EP=2", "mixtral overlap dualpipe D=2 EP=2",
-             "mixtral overlap dualpipev D=2 halves EP=2")
+             "mixtral overlap dualpipev D=2 halves EP=2",
+             "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2")
     assert all(paired[name].get("B", 0) > 0 for name in names), paired
     whole = {case: results[case]["halved"] for case in overlap - HALVES_CASES.keys() if results[case]["halved"]}
     assert whole == {}, f"cases at micro-batch size 1 that ran actions in halves: {whole}"
@@ -232,11 +234,12 @@ def test_overlap_moe_expert_parallel_comm_runs_actions_in_halves(results):
     """Where no other micro-batch pairs with an action, an F, B or I runs as two halves of its micro-batch
     (micro-batch size 2 or 4), equal to one process (the losses, weights and MoE log fields above): under
     Chimera at N = D every action (no pair), under Chimera split its F and I, under DualPipeV its F, B and
-    I beside F&B pairs."""
+    I beside F&B pairs, under Chimera direct at N = 2D its F and B beside pairs (every pair fused)."""
     halved = {case: results[case]["halved"] for case in HALVES_CASES}
     expected = {"mixtral overlap chimera direct D=2 N=D halves EP=2": {"F", "B"},
                 "mixtral overlap chimera split D=2 halves EP=2": {"F", "I"},
-                "mixtral overlap dualpipev D=2 halves EP=2": {"F", "B", "I"}}
+                "mixtral overlap dualpipev D=2 halves EP=2": {"F", "B", "I"},
+                "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2": {"F", "B"}}
     assert {case: set(ops) for case, ops in halved.items()} == expected, halved
     assert results["mixtral overlap chimera direct D=2 N=D halves EP=2"]["overlapped"] == {}, \
         "Chimera at N = D has no two micro-batches to pair"

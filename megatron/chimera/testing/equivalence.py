@@ -26,9 +26,10 @@ import torch.distributed as dist
 from chimera_schedules import Op
 from chimera_schedules.analysis.nccl_model import check
 from chimera_schedules.analysis.validator import validate
-from chimera_schedules.ir.actions import Overlapped
+from chimera_schedules.ir.actions import Overlapped, parts
 from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
+from chimera_schedules.passes.overlap import REFERENCE, halve
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
@@ -267,7 +268,11 @@ EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
 # (schedule case, micro-batch size)
 HALVES_CASES = {"mixtral overlap chimera direct D=2 N=D halves EP=2": ("chimera direct D=2", "4"),
                 "mixtral overlap chimera split D=2 halves EP=2": ("chimera split D=2", "2"),
-                "mixtral overlap dualpipev D=2 halves EP=2": ("dualpipev D=2", "2")}
+                "mixtral overlap dualpipev D=2 halves EP=2": ("dualpipev D=2", "2"),
+                "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2": ("chimera direct D=2", "2")}
+# the cases with every pair fused (every_pair_fused): at micro-batch size 1 pairs only, at 2 pairs and halves
+PAIRS_FORCED = (EVERY_PAIR, "mixtral overlap dualpipev D=2 halves EP=2",
+                "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2")
 
 # A planted bug, to show the fp32 weight bounds catch one: global expert 0 of layer 3 never updates (its
 # gradient is zeroed in every backward, on every copy). test_training checks that it fails them.
@@ -549,8 +554,12 @@ class HookRecorder(Hooks):
 
 def every_pair_fused(plan):
     """``plan`` with each worker's adjacent forward and B-or-I of two micro-batches fused wherever the
-    schedule stays valid, whether or not the pair pays."""
-    schedule = plan.schedule
+    schedule stays valid, whether or not the pair pays; where the plan ran actions in halves, every
+    forward and backward left unpaired halved (``passes.overlap.halve`` at its reference costs), so that
+    one case runs pairs and halves both."""
+    halves = any(a.op is Op.HALVED for w in plan.schedule.workers for a in w)
+    schedule = replace(plan.schedule, workers=tuple(tuple(p for a in w for p in parts(a)) if halves else w
+                                                   for w in plan.schedule.workers))
     workers = [list(w) for w in schedule.workers]
     for actions in workers:
         i = 0
@@ -566,6 +575,9 @@ def every_pair_fused(plan):
                     actions[i:i + 1] = kept
             i += 1
     fused = replace(schedule, workers=tuple(map(tuple, workers)))
+    if halves:
+        fused = halve(fused, REFERENCE)
+    validate(fused)
     lowered = lower(fused)
     check(lowered, PROOF_MODE)  # what make_run_plan proves of every schedule before it runs
     return replace(plan, schedule=fused, lowered=lowered)
@@ -707,7 +719,7 @@ def main() -> None:
         if options.only not in name:
             continue
         with process_state_kept():  # --deterministic-mode's torch switch and environment stay the case's
-            trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name == EVERY_PAIR,
+            trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name in PAIRS_FORCED,
                                     drop_expert=name == DROPPED_EXPERT, per_pipeline=variant == PER_PIPELINE,
                                     plant_copy=name == PLANTED_COPY)
         if world == 1:
