@@ -9,7 +9,9 @@ the iteration's state: the messages (messages.py) and one stage per held chunk (
 - B, I: take the output gradient and run the stage's backward (I: its input-gradient half), keeping the
   input gradient; W: the weight-gradient half the same micro-batch's I left;
 - F&B (an ``Overlapped`` action): the forward of one micro-batch and the B or I of another, run as one
-  by schedule plans (stage.PlanStage, which ``schedule_plans`` makes every stage in training);
+  by schedule plans (stage.PlanStage, which ``schedule_plans`` makes every stage in training); the
+  backward's gradient is waited for only when its parts begin (megatron-core's ``pre_backward``), after
+  the forward's input and first part;
 - an F in halves (a ``Halved`` action): as the whole action, its stage running the micro-batch as two
   interleaved halves (stage.PlanStage.forward_halves); a B or I in halves as the whole action, which a
   PlanStage runs as its forward ran: in halves after a forward in halves (stage.py's docstring);
@@ -250,9 +252,10 @@ class _Iteration:
         assert isinstance(forward, PlanStage) and isinstance(backward, PlanStage), \
             f"{a} runs through schedule plans, but its stages are {type(forward).__name__}s"
         x = self._input(f)
-        grad = self._output_grad(b, backward)
-        started = self.clock.stamp()
-        output, dx = forward.forward_beside(f.mb, x, backward, b.mb, grad, split=b.op is Op.BACKWARD_INPUT)
+        grad, wait = self._claimed_grad(b, backward)
+        started = self.clock.stamp()  # the backward's wait for its gradient is inside the pair, as simulated
+        output, dx = forward.forward_beside(f.mb, x, backward, b.mb, grad, split=b.op is Op.BACKWARD_INPUT,
+                                            wait_grad=wait)
         self._hand_on(f, output)
         self._hand_on(b, dx)
         return started
@@ -272,6 +275,12 @@ class _Iteration:
         if stage.last:
             return None
         return self.messages.take(consumed_messages(self.lowered, a)[0]).to(stage.output_dtype(a.mb))
+
+    def _claimed_grad(self, a: Action, stage: Stage) -> tuple[torch.Tensor | None, Callable[[], None]]:
+        """A paired backward's incoming gradient, not waited for yet, and its wait (messages.claim)."""
+        if stage.last:
+            return None, lambda: None
+        return self.messages.claim(consumed_messages(self.lowered, a)[0], stage.output_dtype(a.mb))
 
     def _hand_on(self, a: Action, tensor: torch.Tensor | None) -> None:
         """Keep what a compute action produced for the stage that takes it: a forward's output (None on a

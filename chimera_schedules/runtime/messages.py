@@ -9,7 +9,7 @@ naming the message and the peer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -133,12 +133,32 @@ class Messages:
         if message not in self.posted:  # from a stage on this worker: a leaf of its own, as if sent
             return self.kept.pop(message).detach()
         work, buffer, a = self.posted.pop(message)
+        self._wait(work, a)
+        return buffer.to(self.transport.device)
+
+    def claim(self, message: Message, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], None]]:
+        """An input whose wait comes later: the tensor (of ``dtype``, on the device) it will hold, and the
+        wait that fills it. A pair's backward waits only when its parts need the gradient (megatron-core's
+        ``pre_backward``), so its forward's first parts need not wait for it. A local output is there."""
+        if message not in self.posted:
+            return self.kept.pop(message).detach().to(dtype), _nothing
+        work, buffer, a = self.posted.pop(message)
+        device = self.transport.device
+        same = buffer.device == device and buffer.dtype == dtype
+        target = buffer if same else torch.empty(buffer.shape, dtype=dtype, device=device)
+
+        def wait() -> None:
+            self._wait(work, a)
+            if not same:
+                target.copy_(buffer)
+        return target, wait
+
+    def _wait(self, work, a: Action) -> None:
         try:
             self.transport.p2p.wait(work)
         except RuntimeError as e:  # the peer died or the timeout passed
             raise PipelineFault(f"{worker_name(self.transport.worker)} waited for the "
                                 f"{describe_message(a, self.transport.ranks)}: {first_line(e)}", action=a) from None
-        return buffer.to(self.transport.device)
 
     def drain(self) -> None:
         for queue in self.sends.values():
@@ -159,3 +179,7 @@ class Messages:
             raise PipelineFault(f"{worker_name(self.transport.worker)} could not deliver the "
                                 f"{describe_message(send.action, self.transport.ranks)}: {first_line(e)}",
                                 action=send.action) from None
+
+
+def _nothing() -> None:
+    """The wait of an input that is already there."""

@@ -56,7 +56,10 @@ class SchedulePlan(Protocol):
     """A micro-batch's megatron-core schedule plan, as megatron/chimera/model/schedule_plan.py builds it."""
 
     @staticmethod
-    def run(f_plan: SchedulePlan | None, b_plan: SchedulePlan | None, b_grad: torch.Tensor | None = None): ...
+    def run(f_plan: SchedulePlan | None, b_plan: SchedulePlan | None, b_grad: torch.Tensor | None = None,
+            pre_backward: Callable[[int | None], None] | None = None):
+        """megatron-core's ``TransformerModelChunkSchedulePlan.run``: ``pre_backward(vp_stage)`` is called
+        when the backward's parts begin, after the forward's first (the wait for ``b_grad``)."""
 
     def defer_weight_gradients(self) -> WeightGradients: ...
 
@@ -261,16 +264,19 @@ class PlanStage(Stage):
         return self._backward(mb, grad, split=True)
 
     def forward_beside(self, mb: int, x: torch.Tensor | None, other: PlanStage, other_mb: int,
-                       grad: torch.Tensor | None, split: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       grad: torch.Tensor | None, split: bool, wait_grad: Callable[[], None] = lambda: None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """F&B: this stage's forward of ``mb`` beside ``other``'s B (or, ``split``, I) of ``other_mb``,
-        interleaved part by part by their plans (megatron-core's combined 1F1B). The forward's output
-        for the next stage and the backward's input gradient. The backward's forward ran whole (the
-        validator's rule: a pair's backward is not halved, so neither was its forward)."""
+        interleaved part by part by their plans (megatron-core's combined 1F1B). ``grad`` is filled by
+        ``wait_grad``, which the plans call when the backward's parts begin (``pre_backward``). The
+        forward's output for the next stage and the backward's input gradient. The backward's forward ran
+        whole (the validator's rule: a pair's backward is not halved, so neither was its forward)."""
         assert not isinstance(other.saved[other_mb], HalvesSaved), \
             f"micro-batch {other_mb}'s forward ran in halves: its backward cannot run beside another forward"
         plan, loss_func = self._plan(x, self.data)
         saved, b_grad = other._start_backward(other_mb, grad, split)
-        output = self._keep(mb, x, type(plan).run(plan, saved.plan, b_grad=b_grad), loss_func, plan)
+        run = type(plan).run(plan, saved.plan, b_grad=b_grad, pre_backward=lambda _vp_stage: wait_grad())
+        output = self._keep(mb, x, run, loss_func, plan)
         return output, saved.input.grad if saved.input is not None else None
 
     def _backward(self, mb: int, grad: torch.Tensor | None, split: bool) -> torch.Tensor | None:
