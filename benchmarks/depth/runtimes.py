@@ -196,8 +196,8 @@ COMBINED = "combined 1f1b v=2"  # megatron-core's interleaved schedule with its 
 
 
 def megatron_order(depth: int, n: int, name: str) -> Schedule:
-    """megatron-core's compute order: our 1f1b's or interleaved's (its combined 1F1B's too: our
-    interleaved order with each steady-state forward and backward priced apart, an upper bound)."""
+    """megatron-core's compute order: our 1f1b's or interleaved's (its combined 1F1B's too, which our IR
+    does not generate: the interleaved order, its pairs and extra warm-up forward left out)."""
     v = 2 if name == COMBINED else MEGATRON[name]
     return build("interleaved", depth, n, virtual_stages=v) if v > 1 else build("1f1b", depth, n)
 
