@@ -42,6 +42,7 @@ from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.series import validation_ppl
 from megatron.chimera.testing.cases import process_state_kept
+from megatron.chimera.testing.parsing import read_field_docstrings_once
 
 ITERS = 3
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -448,17 +449,19 @@ def compare_weights(weights: dict, reference: dict, tp: int, config, lr_sum: flo
             "tensor_steps": max((d / c) ** 0.5 / lr_sum for d, _, c in merged)}
 
 
-def what_evaluation_changed(trainer) -> dict:
+def what_evaluation_changed(trainer) -> tuple[dict, float]:
     """Evaluation must change no gradient, the model's or the main ones the optimizer steps (the
     distributed optimizer's live only there), and no optimizer state; with no gradient there to change
     the check would prove nothing. Returns the gradients there were, the training-state tensors before and
-    after, and the names of those that changed."""
+    after, and the names of those that changed; and the evaluation loss (the one compared with the
+    reference: evaluating again would only repeat it, the state being unchanged)."""
     before = {name: t.clone() for name, t in _training_state(trainer).items()}
     gradients = sum(p.grad is not None for p in trainer.main.all())
-    trainer.evaluate(0)
+    loss = trainer.evaluate(0)
     after = _training_state(trainer)
     changed = sorted(name for name in before.keys() & after.keys() if not torch.equal(before[name], after[name]))
-    return {"gradients": gradients, "tensors before": len(before), "tensors after": len(after), "changed": changed}
+    return {"gradients": gradients, "tensors before": len(before), "tensors after": len(after),
+            "changed": changed}, loss
 
 
 def _training_state(trainer) -> dict[str, torch.Tensor]:
@@ -645,13 +648,14 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
         moe_fields.append(stats["moe"])  # the iteration line's MoE fields
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         differing += [f"iteration {i + 1}: {tensor}" for tensor in copies_differing(trainer)]
-    return trainer, {  # in this order: the checks on the trained state before evaluation runs
+    run = {  # in this order: the checks on the trained state before evaluation runs
         "losses": losses, "kappa": None if None in kappas else max(kappas), "moe_fields": moe_fields,
         "lr_sum": sum(lrs), "params_norms": norms, "num_zeros": zeros,
         "copies_differing": differing, "weight_hashes": weight_hash_check(trainer, plant_copy),
         "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
-        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
-        "evaluation": what_evaluation_changed(trainer), "eval": trainer.evaluate(0)}
+        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early)}
+    run["evaluation"], run["eval"] = what_evaluation_changed(trainer)
+    return trainer, run
 
 
 def compared(run: dict, trainer, ref: dict) -> dict:
@@ -689,6 +693,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run the cases whose name contains this text (debugging)")
     options = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    read_field_docstrings_once()
     try:
         results = run_cases(world, options.out, options.only)
     except BaseException:
