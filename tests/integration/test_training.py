@@ -38,11 +38,12 @@ def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("equivalence"))
     worlds, merged = (1, 2, 4), {}
     with ThreadPoolExecutor(len(worlds)) as pool:
-        procs = list(pool.map(lambda world: launch(world, *HARNESS, "--out", out), worlds))
-    for world, proc in zip(worlds, procs):  # the one-process launch first: the others' failure may be its
-        assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        with open(os.path.join(out, f"cases_w{world}.json")) as f:
-            merged.update(json.load(f))
+        running = [(world, pool.submit(launch, world, *HARNESS, "--out", out)) for world in worlds]
+        for world, launched in running:  # the one-process launch first: a failure of the others may be its
+            proc = launched.result()
+            assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            with open(os.path.join(out, f"cases_w{world}.json")) as f:
+                merged.update(json.load(f))
     return merged
 
 
