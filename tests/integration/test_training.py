@@ -2,13 +2,14 @@
 
 Three launches share all cases (see megatron/chimera/testing/equivalence.py): 1 process (the references, megatron-core's
 no-pipelining schedule), 2 and 4 processes (every schedule at D=2 and D=4, 4 pipelines, DP=2, TP=2,
-untied embeddings, RoPE). Then the README's main command, run as written.
+untied embeddings, RoPE), all three at once. Then the README's main command, run as written.
 """
 import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,13 +34,17 @@ CASES = sorted(name for world in (2, 4) for name in cases(world) if name != DROP
 
 @pytest.fixture(scope="session")
 def results(tmp_path_factory):
+    """The three launches run at once, their cases waiting for the references they need (the harness): the ranks
+    of a pipeline wait on each other, and each launch's start-up (imports) would leave the cores idle."""
     out = str(tmp_path_factory.mktemp("equivalence"))
-    merged = {}
-    for world in (1, 2, 4):
-        proc = launch(world, *HARNESS, "--out", out)
-        assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        with open(os.path.join(out, f"cases_w{world}.json")) as f:
-            merged.update(json.load(f))
+    worlds, merged = (1, 2, 4), {}
+    with ThreadPoolExecutor(len(worlds)) as pool:
+        running = [(world, pool.submit(launch, world, *HARNESS, "--out", out)) for world in worlds]
+        for world, launched in running:  # the one-process launch first: a failure of the others may be its
+            proc = launched.result()
+            assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            with open(os.path.join(out, f"cases_w{world}.json")) as f:
+                merged.update(json.load(f))
     return merged
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.chimera import parse_args, pretrain
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.testing.launch import launch
+from megatron.chimera.testing.parsing import read_field_docstrings_once
 
 
 def run_cases(nproc: int, cases: dict[str, list[str]], timeout: int = 900) -> dict[str, subprocess.CompletedProcess]:
@@ -161,6 +162,7 @@ def main() -> None:
     # gloo: the launcher runs the suite's CPU cases; each case's own groups take its flags' timeout
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank = dist.get_rank()
+    read_field_docstrings_once()
     for index, flags in enumerate(cases.values()):
         with _output_to(os.path.join(options.out, f"{index}.{rank}")), process_state_kept():
             code, go_on = _agreed(*_run_one(flags))

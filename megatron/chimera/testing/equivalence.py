@@ -10,6 +10,11 @@ not bitwise identical after a step, what --check-weight-hash-across-dp-replicas-
 what evaluation changed, what the hooks saw and what each chunk holds, each beside what was expected:
 the harness reports, the tests (tests/integration/test_training.py) assert. The one-process launch writes
 the references (losses, evaluation loss, final weights) per model variant.
+
+The three launches may run at once (the tests start them together): a pipeline's ranks wait on each other,
+so one launch alone leaves the cores partly idle. A multi-process case waits for its reference file, which
+the one-process launch writes whole (os.replace) when that reference is done, or gives up when that launch
+has written REFERENCES_FAILED; each launch builds its own data-set cache, so none reads one half-written.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -37,6 +43,7 @@ from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.series import validation_ppl
 from megatron.chimera.testing.cases import process_state_kept
+from megatron.chimera.testing.parsing import read_field_docstrings_once
 
 ITERS = 3
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -285,6 +292,9 @@ DETERMINISTIC = "chimera direct D=2 deterministic mode"
 # check must name that stage and rank (both pipelines, two data-parallel replicas, experts spread over EP=2)
 PLANTED_COPY = "mixtral chimera distributed optimizer D=2 EP=2"
 
+# What the one-process launch writes into --out when it fails, so that no launch waits for its references
+REFERENCES_FAILED = "references failed"
+
 # Every case, by the number of processes that runs it: name -> (reference variant, flags)
 CASES = {
     1: {f"reference {v}": (v, ["--micro-batch-size", "1"]) for v in VARIANTS},
@@ -459,17 +469,19 @@ def compare_weights(weights: dict, reference: dict, tp: int, config, lr_sum: flo
             "tensor_steps": max((d / c) ** 0.5 / lr_sum for d, _, c in merged)}
 
 
-def what_evaluation_changed(trainer) -> dict:
+def what_evaluation_changed(trainer) -> tuple[dict, float]:
     """Evaluation must change no gradient, the model's or the main ones the optimizer steps (the
     distributed optimizer's live only there), and no optimizer state; with no gradient there to change
     the check would prove nothing. Returns the gradients there were, the training-state tensors before and
-    after, and the names of those that changed."""
+    after, and the names of those that changed; and the evaluation loss (the one compared with the
+    reference: evaluating again would only repeat it, the state being unchanged)."""
     before = {name: t.clone() for name, t in _training_state(trainer).items()}
     gradients = sum(p.grad is not None for p in trainer.main.all())
-    trainer.evaluate(0)
+    loss = trainer.evaluate(0)
     after = _training_state(trainer)
     changed = sorted(name for name in before.keys() & after.keys() if not torch.equal(before[name], after[name]))
-    return {"gradients": gradients, "tensors before": len(before), "tensors after": len(after), "changed": changed}
+    return {"gradients": gradients, "tensors before": len(before), "tensors after": len(after),
+            "changed": changed}, loss
 
 
 def _training_state(trainer) -> dict[str, torch.Tensor]:
@@ -649,8 +661,9 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     """Train one case; return the trainer and what was observed of it (the checks' values, which the
     tests assert on)."""
     # Megatron-LM's --data-cache-path: the first case builds the mock dataset's indices (4 million
-    # samples, about a third of a small case's time), every later case and launch loads them
-    args = parse_args(MODEL + flags + ["--data-cache-path", os.path.join(out, "data_cache")], world_size=world)
+    # samples, about a third of a small case's time), every later case of the launch loads them
+    cache = os.path.join(out, f"data_cache_w{world}")
+    args = parse_args(MODEL + flags + ["--data-cache-path", cache], world_size=world)
     hooks = HookRecorder()
     plan = make_run_plan(args)
     trainer = Trainer(job_config(args), every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
@@ -669,13 +682,14 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
         moe_fields.append(stats["moe"])  # the iteration line's MoE fields
         kappas.append(condition_number(trainer, losses[-1]) if world == 1 else None)
         differing += [f"iteration {i + 1}: {tensor}" for tensor in copies_differing(trainer)]
-    return trainer, {  # in this order: the checks on the trained state before evaluation runs
+    run = {  # in this order: the checks on the trained state before evaluation runs
         "losses": losses, "kappa": None if None in kappas else max(kappas), "moe_fields": moe_fields,
         "lr_sum": sum(lrs), "params_norms": norms, "num_zeros": zeros,
         "copies_differing": differing, "weight_hashes": weight_hash_check(trainer, plant_copy),
         "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
-        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
-        "evaluation": what_evaluation_changed(trainer), "eval": trainer.evaluate(0)}
+        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early)}
+    run["evaluation"], run["eval"] = what_evaluation_changed(trainer)
+    return trainer, run
 
 
 def compared(run: dict, trainer, ref: dict) -> dict:
@@ -712,35 +726,66 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="", help="run the cases whose name contains this text (debugging)")
     options = parser.parse_args()
-    out = options.out
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    read_field_docstrings_once()
+    try:
+        results = run_cases(world, options.out, options.only)
+    except BaseException:
+        if world == 1:  # the launches waiting for a reference stop waiting
+            open(os.path.join(options.out, REFERENCES_FAILED), "w").close()
+        raise
+    if dist.get_rank() == 0:
+        with open(os.path.join(options.out, f"cases_w{world}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cases(world: int, out: str, only: str) -> dict[str, dict]:
+    """Every case of ``world`` whose name contains ``only``: on one process, write its reference and
+    return what the tests check of it; on more, return it compared with its reference."""
     results = {}
     for name, (variant, flags) in cases(world).items():
-        if options.only not in name:
+        if only not in name:
             continue
         with process_state_kept():  # --deterministic-mode's torch switch and environment stay the case's
             trainer, run = run_case(VARIANTS[variant] + flags, world, out, pair_all=name in PAIRS_FORCED,
                                     drop_expert=name == DROPPED_EXPERT, per_pipeline=variant == PER_PIPELINE,
                                     plant_copy=name == PLANTED_COPY)
         if world == 1:
-            weights = {k[0]: v for k, v in local_weights(trainer).items()}
-            torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"],
-                        "params_norms": run["params_norms"], "num_zeros": run["num_zeros"]},
-                       os.path.join(out, f"ref_{variant}.pt"))
+            save_reference(trainer, run, os.path.join(out, f"ref_{variant}.pt"))
             results[name] = {"losses": run["losses"], "eval": run["eval"], "kappa": run["kappa"]}
             trainer.close()
             continue
-        results[name] = compared(run, trainer, torch.load(os.path.join(out, f"ref_{variant}.pt"), weights_only=True))
+        results[name] = compared(run, trainer, load_reference(out, variant))
         trainer.close()
         if dist.get_rank() == 0:
             r = results[name]
             print(f"{name}: loss_rel {r['loss_rel']:.2e} weight_rel {r['weight_rel']:.2e} ({r['weight_steps']:.2e} "
                   f"steps) worst tensor {r['worst_tensor_rel']:.2e} ({r['worst_tensor_steps']:.2e} steps)", flush=True)
-    if dist.get_rank() == 0:
-        with open(os.path.join(out, f"cases_w{world}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
+
+
+def save_reference(trainer, run: dict, path: str) -> None:
+    """What a layout's case is compared with, written whole: a launch running beside this one waits for ``path``
+    and reads it as soon as it exists."""
+    weights = {k[0]: v for k, v in local_weights(trainer).items()}
+    torch.save({"losses": run["losses"], "eval": run["eval"], "weights": weights, "moe": run["moe_fields"],
+                "params_norms": run["params_norms"], "num_zeros": run["num_zeros"]}, path + ".partial")
+    os.replace(path + ".partial", path)
+
+
+def load_reference(out: str, variant: str, timeout: float = 600) -> dict:
+    """``variant``'s one-process reference, once the one-process launch has written it (it may be running
+    beside this launch); raises if that launch failed, or wrote nothing within ``timeout`` seconds."""
+    path, deadline = os.path.join(out, f"ref_{variant}.pt"), time.monotonic() + timeout
+    while not os.path.exists(path):
+        if os.path.exists(os.path.join(out, REFERENCES_FAILED)):
+            raise RuntimeError(f"the one-process launch failed before writing {path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no one-process reference {path} after {timeout} s")
+        time.sleep(0.2)
+    return torch.load(path, weights_only=True)
 
 
 if __name__ == "__main__":
