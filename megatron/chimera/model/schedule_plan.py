@@ -54,7 +54,6 @@ class PlanWeightPass:
         self.params, self.segments = params, []
         self.aux_loss_share = 1.0  # a half's (run_halves): its auxiliary losses' gradients at this share
 
-
     def keep(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         self.segments.append((tensors, grads))
 
