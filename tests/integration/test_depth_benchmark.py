@@ -32,17 +32,20 @@ def test_every_runtime_completes_on_the_emulated_device(tmp_path):
 
 def test_forward_and_backward_overlapped_on_the_emulated_device(tmp_path):
     """--a2a-fraction at its smallest (D=2, 16 s here): DualPipe with overlap and without runs through
-    schedule plans; the rows and the document have the overlap fields, and only the overlap row ran an
-    all-to-all inside the other micro-batch's compute."""
+    schedule plans, and megatron-core's own combined 1F1B through the same emulated stages; the rows and
+    the document have the overlap fields, the overlap row ran actions in halves, and only it and
+    megatron-core's combined 1F1B ran an all-to-all inside another chain's compute."""
     out = tmp_path / "overlap.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.depth", "--stages", "2", "--model", "deepseek-v3",
-                           "--a2a-fraction", "0.5", "--schedules", "dualpipe", "--microbatches", "4", "--forward-ms",
-                           "2", "--rounds", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+                           "--a2a-fraction", "0.5", "--schedules", "dualpipe", "combined 1f1b v=2", "--microbatches",
+                           "4", "--forward-ms", "2", "--rounds", "1", "--contention", "0", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    off, on = sorted(doc["rows"], key=lambda r: r["overlap"])
+    off, on = sorted((r for r in doc["rows"] if r["runtime"] == "ours"), key=lambda r: r["overlap"])
     assert (off["schedule"], on["schedule"]) == ("dualpipe", "dualpipe overlap")
     assert off["a2a_critical_ms"] == on["a2a_critical_ms"] > 0 and "predicted_hidden" in on
-    assert off["a2a_overlapped_share"] == 0 < on["a2a_overlapped_share"]
+    assert off["a2a_overlapped_share"] == 0 < on["a2a_overlapped_share"] and on["halved_actions"] > 0, on
+    combined = [r for r in doc["rows"] if r["runtime"] == "megatron-core"]
+    assert [r["schedule"] for r in combined] == ["combined 1f1b v=2"] and combined[0]["a2a_overlapped_share"] > 0
     assert doc["overlap"] and doc["overlap_timeline"]["2"] and (tmp_path / "overlap.md").exists()

@@ -61,13 +61,6 @@ OVERLAP_CASES = [
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", *MOE, OVERLAP], 4,
      f"{OVERLAP}=True: applies to --pipeline-schedule 1f1b or chimera or dualpipe or dualpipev only"),
     (CHIMERA2 + MOE + [OVERLAP, "--moe-layer-recompute"], 4, f"{OVERLAP}=True: runs a layer's parts one by one"),
-    # with actions in halves (an even micro-batch): what is computed from all a micro-batch's tokens together
-    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-aux-loss-coeff", "1e-2"], 4, "--moe-router-load-balancing-type"
-     f"=aux_loss: is computed over a whole micro-batch's tokens together, which {OVERLAP} runs in two halves"),
-    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff",
-                       "1e-2"], 4, "--moe-router-load-balancing-type=global_aux_loss: is computed over a whole"),
-    (CHIMERA2 + MOE + [OVERLAP, *HALVES, "--moe-expert-capacity-factor", "1.0"], 4,
-     "--moe-expert-capacity-factor=1.0: drops tokens past a capacity of the whole micro-batch's"),
 ]
 
 
@@ -133,12 +126,20 @@ def test_split_backward_and_dualpipev_build_their_schedules():
 
 def test_halves_run_where_the_micro_batch_splits_in_two():
     """--overlap-moe-expert-parallel-comm runs actions in halves at an even micro-batch size, with
-    seq_aux_loss or an aux_loss of coefficient 0; at size 1 the schedule has pairs only, silently."""
+    seq_aux_loss or an aux_loss of coefficient 0; at size 1, or with router statistics of the whole
+    micro-batch's tokens together (aux_loss, global_aux_loss, sinkhorn, a capacity factor), the schedule has
+    pairs only, silently: a Megatron-LM configuration with the flag still trains, exactly."""
     overlap = MODEL + CHIMERA2 + MOE + [OVERLAP]
-    halved = {size: any(a.op is Op.HALVED for w in make_run_plan(parse_args(overlap + ["--micro-batch-size", size],
-                                                                             world_size=4)).schedule.workers for a in w)
-              for size in ("1", "2")}
-    assert halved == {"1": False, "2": True}, halved
+    cases = {"size 1": ["--micro-batch-size", "1"], "size 2": HALVES,
+             "aux_loss": [*HALVES, "--moe-aux-loss-coeff", "1e-2"],
+             "global_aux_loss": [*HALVES, "--moe-router-load-balancing-type", "global_aux_loss",
+                                 "--moe-aux-loss-coeff", "1e-2"],
+             "capacity": [*HALVES, "--moe-expert-capacity-factor", "1.0"]}
+    halved = {name: any(a.op is Op.HALVED for w in make_run_plan(parse_args(overlap + flags, world_size=4)
+                                                                 ).schedule.workers for a in w)
+              for name, flags in cases.items()}
+    assert halved == {"size 1": False, "size 2": True, "aux_loss": False, "global_aux_loss": False,
+                      "capacity": False}, halved
     args = parse_args(overlap + HALVES + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
                                           "1e-2"], world_size=4)
     assert args.micro_batch_size == 2 and args.moe_router_load_balancing_type == "seq_aux_loss"

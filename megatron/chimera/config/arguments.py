@@ -382,28 +382,6 @@ def _check_overlap(args, request: ScheduleSpec | None) -> None:
         needs("and --moe-shared-expert-overlap exclude each other (megatron-core's rule): drop one")
     if args.mtp_num_layers:
         needs("with --mtp-num-layers is not supported yet")
-    if request is not None and request.halves is not False:
-        _check_halves(args)
-
-
-def _check_halves(args) -> None:
-    """With --overlap-moe-expert-parallel-comm an action may run as two halves of its micro-batch
-    (model/schedule_plan.py): the router's statistics must then be the whole micro-batch's. Means over
-    tokens or sequences (z-loss, seq_aux_loss) and token counts (expert bias) are; what is computed from
-    the whole micro-batch's tokens together is not, and is refused."""
-    kinds = args.moe_router_load_balancing_type
-    kinds = [kinds] if isinstance(kinds, str) else kinds or []
-    coeffs = args.moe_aux_loss_coeff
-    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
-    whole = [kind for kind, coeff in zip(kinds, coeffs)  # sinkhorn routes each token by all the others
-             if kind == "sinkhorn" or kind in ("aux_loss", "global_aux_loss") and coeff]
-    off = "give --no-overlap-moe-halves (pairs only)"
-    require(not whole, "--moe-router-load-balancing-type", ",".join(whole),
-            f"is computed over a whole micro-batch's tokens together, which {OVERLAP_FLAG} runs in two halves "
-            f"where no other micro-batch pairs with an action: {off} or use seq_aux_loss or none")
-    require(args.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor", args.moe_expert_capacity_factor,
-            f"drops tokens past a capacity of the whole micro-batch's, which {OVERLAP_FLAG} runs in two halves "
-            f"where no other micro-batch pairs with an action: {off} or drop the capacity")
 
 
 def _check_split_backward(args, request: ScheduleSpec) -> None:

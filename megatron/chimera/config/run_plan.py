@@ -159,7 +159,7 @@ def schedule_request(args) -> ScheduleSpec | None:
         return None
     options = given_options(args)
     if args.overlap_moe_expert_parallel_comm and not halves_fit(args):
-        options["halves"] = False  # pairs only (docs/moe.md)
+        options["halves"] = False  # pairs only (docs/moe.md): a micro-batch that does not split exactly
     spec = ScheduleSpec(name, args.pipeline_model_parallel_size, args.num_microbatches,
                         virtual_stages=interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None,
                         overlap=args.overlap_moe_expert_parallel_comm or None, **options)
@@ -167,10 +167,27 @@ def schedule_request(args) -> ScheduleSpec | None:
 
 
 def halves_fit(args) -> bool:
-    """Whether the micro-batches the schedule runs split into two halves along the batch: an even size
-    (--micro-batch-size, halved again under --chimera-concat halving)."""
+    """Whether the micro-batches the schedule runs split into two halves along the batch, exactly: an
+    even size (--micro-batch-size, halved again under --chimera-concat halving), and router statistics
+    that two halves reproduce (``whole_batch_statistics``)."""
     size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
-    return size >= 2 and size % 2 == 0
+    return size >= 2 and size % 2 == 0 and not whole_batch_statistics(args)
+
+
+def whole_batch_statistics(args) -> list[str]:
+    """The flags whose router statistics are computed from a whole micro-batch's tokens together, which
+    two halves cannot reproduce: --moe-router-load-balancing-type aux_loss or global_aux_loss (with a
+    coefficient) and sinkhorn (which routes each token by all the others), and
+    --moe-expert-capacity-factor (a capacity of the whole micro-batch's). Means over tokens or sequences
+    (z-loss, seq_aux_loss) and token counts (expert bias) are the whole's from its halves
+    (model/schedule_plan.py)."""
+    kinds = args.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    coeffs = args.moe_aux_loss_coeff
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
+    whole = [f"--moe-router-load-balancing-type {kind}" for kind, coeff in zip(kinds, coeffs)
+             if kind == "sinkhorn" or kind in ("aux_loss", "global_aux_loss") and coeff]
+    return whole + (["--moe-expert-capacity-factor"] if args.moe_expert_capacity_factor is not None else [])
 
 
 def model_stages(args, request: ScheduleSpec | None) -> int:
