@@ -182,11 +182,12 @@ def ours(setup: Setup, name: str, n: int, schedule: Schedule, chosen: Chosen, co
     step = make_forward_backward(lowered, transport, _ReplicaSum(dict(zip(held, chunks))), schedule_plans=moe)
     seq = max(1, round(setup.seq * scale))  # a half-size micro-batch of one sample: half the sequence
     batch = 2 if moe else 1  # MoE: two samples of half the rows, which a halved action splits
-    data = batch_first_sample((batch, seq // batch, HIDDEN))
+    rows = max(1, seq // batch)
+    data = batch_first_sample((batch, rows, HIDDEN)) if moe else sample((seq, 1, HIDDEN))
 
     def run():
         step(forward_step_func=forward_step, data_iterator=[itertools.repeat(data) for _ in held], model=chunks,
-             num_microbatches=lowered.microbatches, seq_length=seq // batch, micro_batch_size=batch)
+             num_microbatches=lowered.microbatches, seq_length=rows, micro_batch_size=batch)
     return Case("ours", name, n, run, schedule, lowered=True, chosen=chosen, contention=contention)
 
 
