@@ -224,9 +224,9 @@ def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results)
     paired = {case: results[case]["overlapped"] for case in CASES}
     overlap = {case for case in CASES if "overlap" in case and "EP=2" in case}
     assert len(overlap) == 7 and paired[EVERY_PAIR].get("I", 0) > 0, paired
-    names = ("mixtral overlap 1f1b D=2 EP=2", "mixtral overlap dualpipe D=2 EP=2",
-             "mixtral overlap dualpipev D=2 halves EP=2",
-             "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2")
+    names = ("mixtral overlap 1f1b D=2 overlapped gather EP=2", "mixtral overlap dualpipe D=2 EP=2",
+             "mixtral overlap dualpipev D=2 halves overlapped gather EP=2",
+             "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2")
     assert all(paired[name].get("B", 0) > 0 for name in names), paired
     whole = {case: results[case]["halved"] for case in overlap - HALVES_CASES.keys() if results[case]["halved"]}
     assert whole == {}, f"cases at micro-batch size 1 that ran actions in halves: {whole}"
@@ -243,8 +243,8 @@ def test_overlap_moe_expert_parallel_comm_runs_actions_in_halves(results):
     halved = {case: results[case]["halved"] for case in HALVES_CASES}
     expected = {"mixtral overlap chimera direct D=2 N=D halves EP=2": {"F", "B"},
                 "mixtral overlap chimera split D=2 halves EP=2": {"F", "I"},
-                "mixtral overlap dualpipev D=2 halves EP=2": {"F", "B", "I"},
-                "mixtral overlap chimera direct D=2 N=2D pairs and halves EP=2": {"F", "B"}}
+                "mixtral overlap dualpipev D=2 halves overlapped gather EP=2": {"F", "B", "I"},
+                "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2": {"F", "B"}}
     assert {case: set(ops) for case, ops in halved.items()} == expected, halved
     assert results["mixtral overlap chimera direct D=2 N=D halves EP=2"]["overlapped"] == {}, \
         "Chimera at N = D has no two micro-batches to pair"

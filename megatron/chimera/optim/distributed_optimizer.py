@@ -163,6 +163,13 @@ def _holds(chunk, ids: set) -> bool:
     return any(id(p) in ids for p in chunk.parameters())
 
 
+def _holding_parameters(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """Where a forward that reads the chunk's weights begins: the chunk, and every module holding parameters of
+    its own, as megatron-core's DDP hooks them. megatron-core's schedule plans (--overlap-moe-expert-parallel-comm)
+    run a chunk's submodules and never call the chunk."""
+    return [m for m in chunk.modules() if m is chunk or next(m.parameters(recurse=False), None) is not None]
+
+
 def _finish(buckets) -> None:
     for bucket in buckets:
         bucket.finish_gather()
@@ -206,7 +213,8 @@ class ShardedMainParams:
             for (_, stage), chunk in chunks.items():
                 users = [self.stages[stage], *([self.experts[stage]] if stage in self.experts else []),
                          *([self.tied] if self.tied and _holds(chunk, shared_ids) else [])]
-                chunk.register_forward_pre_hook(lambda module, inputs, users=users: _finish(users))
+                for module in _holding_parameters(chunk):
+                    module.register_forward_pre_hook(lambda module, inputs, users=users: _finish(users))
 
     def all(self) -> list[torch.nn.Parameter]:
         return [piece for b in self.buckets for piece in b.pieces]
