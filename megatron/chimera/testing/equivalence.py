@@ -278,7 +278,8 @@ EVERY_PAIR = "mixtral overlap 1f1b split D=2 EP=2 every pair fused"
 GATHER_OVERLAPPED = DISTOPT + OVERLAP + ["--overlap-param-gather"]
 HALVES_CASES = {"mixtral overlap chimera direct D=2 N=D halves EP=2": ("chimera direct D=2", "4", []),
                 "mixtral overlap chimera split D=2 halves EP=2": ("chimera split D=2", "2", []),
-                "mixtral overlap dualpipev D=2 halves overlapped gather EP=2": ("dualpipev D=2", "2", GATHER_OVERLAPPED),
+                "mixtral overlap dualpipev D=2 halves overlapped gather EP=2": (
+                    "dualpipev D=2", "2", GATHER_OVERLAPPED),
                 "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2": (
                     "chimera direct D=2", "2", GATHER_OVERLAPPED)}
 # the cases with every pair fused (every_pair_fused): at micro-batch size 1 pairs only, at 2 pairs and halves
