@@ -5,7 +5,7 @@ import torch
 from chimera_schedules import Op
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.run_plan import make_run_plan
-from megatron.chimera.model import chunk
+from megatron.chimera.model import chunk, kernels
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
@@ -157,7 +157,7 @@ def test_split_backward_with_transformer_engine_layers_is_refused_on_a_gpu(monke
     """Where the layers would be Transformer Engine's (a GPU with TE installed, Megatron-LM's default
     --transformer-impl), --split-backward is refused in one line naming --transformer-impl."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(kernels, "transformer_engine_usable", lambda: True)
     split = MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--split-backward"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(split, world_size=2)

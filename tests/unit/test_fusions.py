@@ -12,6 +12,7 @@ from megatron.core import utils
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe import moe_utils
 from megatron.training.argument_utils import core_transformer_config_from_args
 from packaging.version import Version
 
@@ -20,11 +21,12 @@ from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.process_groups import Runtime
-from megatron.chimera.model import chunk
+from megatron.chimera.model import chunk, kernels
 from megatron.chimera.observability.startup import print_building
 from megatron.chimera.optim.distributed_optimizer import ShardedMainParams, _accumulate
 from megatron.chimera.optim.gradients import ReplicaGradSync
 from megatron.chimera.optim.precision import MainParams
+from megatron.chimera.testing.equivalence import MIXTRAL
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -36,8 +38,7 @@ FUSIONS = chunk.FUSIONS
 def gpu_kernels(monkeypatch):
     """A GPU with apex and Transformer Engine (at ``version``) as far as the config builder asks."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(chunk, "_transformer_engine_installed", lambda: True)
-    monkeypatch.setattr(chunk, "_kernel_installed", lambda module: True)
+    monkeypatch.setattr(kernels, "importable", lambda module: True)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
 
     def version(v: str):
@@ -86,10 +87,54 @@ def test_missing_gpu_kernels_and_a_split_backward_keep_their_fusions_off(gpu_ker
     assert chunk.transformer_config(spec, 2, 0, "cuda").gradient_accumulation_fusion
     assert "gradient_accumulation_fusion" in chunk.fusions_off(spec, "cuda", split_backward=True)
     assert not chunk.transformer_config(spec, 2, 0, "cuda", split_backward=True).gradient_accumulation_fusion
-    monkeypatch.setattr(chunk, "_kernel_installed", lambda module: False)
+    monkeypatch.setattr(kernels, "importable", lambda module: module == "transformer_engine.pytorch")
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     assert set(chunk.fusions_off(spec, "cuda")) == {"gradient_accumulation_fusion", "apply_rope_fusion",
                                                     "masked_softmax_fusion", "persist_layer_norm"}
+
+
+MOE = MIXTRAL + ["--disable-bias-linear", "--moe-permute-fusion", "--moe-router-fusion"]
+MOE_FUSIONS = ("moe_permute_fusion", "moe_router_fusion")
+# megatron-core's handles on Transformer Engine's MoE kernels: permutation (2.1 and later), router (2.7 and later)
+TE_MOE_KERNELS = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                  "fused_sort_chunks_by_index_with_probs", "fused_unpermute", "fused_topk_with_score_function",
+                  "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss")
+
+
+def test_moe_fusions_reach_the_config_where_transformer_engine_has_their_kernels(gpu_kernels, monkeypatch):
+    """--moe-permute-fusion and --moe-router-fusion on a GPU with Transformer Engine's MoE kernels: each chunk's
+    config is Megatron-LM's own (core_transformer_config_from_args, whose __post_init__ checks the permutation
+    kernels); without those kernels they stay off, each with its reason."""
+    gpu_kernels("2.7.0")
+    for name in TE_MOE_KERNELS:
+        monkeypatch.setattr(moe_utils, name, lambda *args, **kwargs: None)
+    args = parse_args(BASE + MOE, world_size=1)
+    megatron = core_transformer_config_from_args(args)
+    assert (megatron.moe_permute_fusion, megatron.moe_router_fusion) == (True, True)
+    for impl in ("transformer_engine", "local"):  # megatron-core's dispatcher and router call them for both
+        args.transformer_impl = impl
+        ours = chunk.transformer_config(ModelSpec.from_args(args), 2, 0, "cuda")
+        assert {f: getattr(ours, f) for f in FUSIONS} == {f: getattr(megatron, f) for f in FUSIONS}, impl
+    monkeypatch.setattr(moe_utils, "fused_unpermute", None)
+    monkeypatch.setattr(moe_utils, "fused_moe_aux_loss", None)
+    spec = ModelSpec.from_args(args)
+    assert {f: chunk.fusions_off(spec, "cuda").get(f) for f in MOE_FUSIONS} == {
+        "moe_permute_fusion": "needs Transformer Engine's permutation kernels (2.1 or later)",
+        "moe_router_fusion": "needs Transformer Engine's fused router (2.7 or later)"}
+    config = chunk.transformer_config(spec, 2, 0, "cuda")
+    assert not (config.moe_permute_fusion or config.moe_router_fusion), "a MoE fusion on without its kernels"
+
+
+def test_moe_fusions_stay_off_on_the_cpu_and_startup_says_so(one_process_group, capsys):
+    spec = ModelSpec.from_args(parse_args(BASE + MOE, world_size=1))
+    assert (spec.config.moe_permute_fusion, spec.config.moe_router_fusion) == (True, True), "not Megatron-LM's"
+    config = chunk.transformer_config(spec, 2, 0, "cpu")
+    assert not (config.moe_permute_fusion or config.moe_router_fusion), "a MoE fusion on on the CPU"
+    capsys.readouterr()
+    print_building(spec, False, "cpu")
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(" > fusions kept off: ") and line.endswith(
+        "moe_permute_fusion, moe_router_fusion (on the CPU: their kernels are CUDA's)"), line
 
 
 DUALPIPE = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipe", "--global-batch-size", "8"]

@@ -70,7 +70,7 @@ HONOURED = _flags("""
     --rotary-scaling-factor --mscale --mscale-all-dim --rope-type --moe-grouped-gemm --attention-softmax-in-fp32
     --overlap-moe-expert-parallel-comm
     --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
-    --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+    --no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm --moe-permute-fusion --moe-router-fusion
     --rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --padded-vocab-size
     --window-size --window-attn-skip-freq --softmax-type --quick-geglu --glu-linear-offset
     --activation-func-clamp-value --enable-experimental --disable-bf16-reduced-precision-matmul
@@ -92,10 +92,6 @@ NO_EFFECT = {
     ('per-layer MoE values: the iteration line and TensorBoard carry the means over the MoE layers (the '
      'routers number their layers within a stage)'): _flags("""
         --moe-per-layer-logging
-    """),
-    ("a fused GPU kernel of megatron-core's MoE path (permutation, router); the unfused path computes the "
-     "same"): _flags("""
-        --moe-permute-fusion --moe-router-fusion
     """),
     "a fused GPU kernel; the CPU path and megatron-core's local layer spec run without it": _flags("""
         --use-flash-attn --disable-jit-fuser

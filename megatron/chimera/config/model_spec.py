@@ -2,14 +2,15 @@
 GPTModel takes beside it.
 
 The config is Megatron-LM's for the whole model, built once from the validated namespace by Megatron-LM's own
-function (``MLATransformerConfig`` with --multi-latent-attention, as that function picks it). Two fields are
+function (``MLATransformerConfig`` with --multi-latent-attention, as that function picks it). Three fields are
 set apart, because megatron-core checks them at construction for what runs here and Megatron-LM on a GPU,
 and the fields of the flags that have no effect here (config/flag_classes.py) stay at megatron-core's defaults
 (``NO_EFFECT``):
 
-- ``apply_rope_fusion``: megatron-core refuses it where Transformer Engine's fused RoPE is not installed (the
-  CPU). The config is built with it off and given Megatron-LM's value after; each chunk's config keeps on only
-  the fusions its device runs (model/chunk.py's ``fusion_fields``), and megatron-core checks those.
+- ``apply_rope_fusion`` and ``moe_permute_fusion`` (``KERNEL_CHECKED``): megatron-core refuses them where
+  Transformer Engine's fused RoPE or permutation kernels are not installed (the CPU). The config is built with
+  them off and given Megatron-LM's values after; each chunk's config keeps on only the fusions its device runs
+  (model/chunk.py's ``fusion_fields``), and megatron-core checks those.
 - ``overlap_moe_expert_parallel_comm``: megatron-core's rules for it belong to its combined 1F1B (bf16, virtual
   stages); ours runs schedule plans in our executor (config/arguments.py's ``_check_overlap``), so the field
   stays off in the config and the flag is kept here.
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
 
-# --config-logger-dir (megatron-core would write its configs there); --moe-permute-fusion and
-# --moe-router-fusion, GPU kernels of Transformer Engine's that megatron-core requires at construction;
-# --test-mode (a collective inside attention's forward) and --defer-embedding-wgrad-compute (its output
-# layer would keep the weight gradient for megatron-core's schedules to compute), whose reasons flag_classes gives
-NO_EFFECT = {"config_logger_dir": "", "moe_permute_fusion": False, "moe_router_fusion": False, "test_mode": False,
-             "defer_embedding_wgrad_compute": False, "wgrad_deferral_limit": 0}
+# --config-logger-dir (megatron-core would write its configs there); --test-mode (a collective inside attention's
+# forward) and --defer-embedding-wgrad-compute (its output layer would keep the weight gradient for megatron-core's
+# schedules to compute), whose reasons flag_classes gives
+NO_EFFECT = {"config_logger_dir": "", "test_mode": False, "defer_embedding_wgrad_compute": False,
+             "wgrad_deferral_limit": 0}
+# fusions megatron-core checks for their kernels at construction (see the module docstring)
+KERNEL_CHECKED = ("apply_rope_fusion", "moe_permute_fusion")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class ModelSpec:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
         config = core_transformer_config_from_args(_for_megatron_core(args))
-        config.apply_rope_fusion = args.apply_rope_fusion  # as Megatron-LM's function copies it; see above
+        for field in KERNEL_CHECKED:  # as Megatron-LM's function copies them; see above
+            setattr(config, field, getattr(args, field))
         return cls(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
@@ -73,5 +76,5 @@ def _for_megatron_core(args: argparse.Namespace) -> argparse.Namespace:
     (megatron-core's config appends to lists it is given: "moe" to recompute_modules with
     --moe-layer-recompute), less the fields the module docstring sets apart."""
     values = {name: copy.copy(value) if isinstance(value, list) else value for name, value in vars(args).items()}
-    return argparse.Namespace(**{**values, **NO_EFFECT, "apply_rope_fusion": False,
+    return argparse.Namespace(**{**values, **NO_EFFECT, **dict.fromkeys(KERNEL_CHECKED, False),
                                  "overlap_moe_expert_parallel_comm": False})

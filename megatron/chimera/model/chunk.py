@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import re
 import zlib
 
@@ -28,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_core_utils  # a module: tests stand in for its get_te_version
 from megatron.core.config import set_experimental_flag
 from megatron.core.extensions.transformer_engine import TENorm
+from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt.gpt_layer_specs import (
     LNImpl,
@@ -46,6 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe import moe_utils  # a module: tests stand in for its fused kernels
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -54,13 +55,13 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from packaging.version import Version
 
 from ..config.model_spec import ModelSpec
-from . import recompute
+from . import kernels, recompute
 
 # TransformerConfig's fusion fields, which Megatron-LM sets from its fusion flags (--no-gradient-accumulation-fusion,
 # --no-bias-swiglu-fusion / --no-bias-gelu-fusion, --no-bias-dropout-fusion, --no-rope-fusion,
-# --no-masked-softmax-fusion, --no-persist-layer-norm)
+# --no-masked-softmax-fusion, --no-persist-layer-norm, --moe-permute-fusion, --moe-router-fusion)
 FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-           "masked_softmax_fusion", "persist_layer_norm")
+           "masked_softmax_fusion", "persist_layer_norm", "moe_permute_fusion", "moe_router_fusion")
 # What a chunk's config describes as a model of its own, with no pipeline (see the module docstring)
 ONE_STAGE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
              "pipeline_model_parallel_layout": None, "num_layers_in_first_pipeline_stage": None,
@@ -81,12 +82,9 @@ TIED_NAME = "embedding.word_embeddings.weight"
 
 
 def uses_transformer_engine(transformer_impl: str, device_type: str) -> bool:
-    """Transformer Engine's layers on a GPU where it is installed, unless --transformer-impl local."""
-    return device_type == "cuda" and transformer_impl == "transformer_engine" and _transformer_engine_installed()
-
-
-def _transformer_engine_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Transformer Engine's layers on a GPU where it is installed with its PyTorch part (model/kernels.py),
+    unless --transformer-impl local."""
+    return device_type == "cuda" and transformer_impl == "transformer_engine" and kernels.transformer_engine_usable()
 
 
 def transformer_engine_version() -> str:
@@ -114,21 +112,12 @@ def delays_weight_gradients(overlap_grad_reduce: bool, gradient_accumulation_fus
     return te_at_least(delayed_wgrad_te(overlap_grad_reduce, gradient_accumulation_fusion))
 
 
-# the two kernels megatron-core's FusedScaleMaskSoftmax imports: causal, and with an explicit mask
-SOFTMAX_KERNELS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda")
-
-
-def _kernel_installed(module: str) -> bool:
-    """Whether a compiled extension megatron-core imports for a fused kernel (apex's) is installed."""
-    return importlib.util.find_spec(module) is not None
-
-
 def _masked_softmax_fusion_missing(config: TransformerConfig, te: bool) -> str | None:
     if te:
         return None
     if config.window_size is not None:  # megatron-core's fused softmax would attend past the window
         return "megatron-core's fused masked softmax ignores --window-size"
-    if all(map(_kernel_installed, SOFTMAX_KERNELS)):
+    if all(map(kernels.importable, kernels.SOFTMAX_KERNELS)):
         return None
     return "megatron-core's local attention needs apex's fused softmax"
 
@@ -136,9 +125,10 @@ def _masked_softmax_fusion_missing(config: TransformerConfig, te: bool) -> str |
 def fusions_off(spec: ModelSpec, device_type: str, split_backward: bool = False) -> dict[str, str]:
     """Each fusion Megatron-LM's config turns on (the run's, ``spec.config``) that stays off here, and why: on
     the CPU all of them (their kernels are CUDA's); on a GPU those megatron-core cannot run here (its kernel
-    is not installed, or its own rules exclude the case: Megatron-LM fails on these instead), and the
-    gradient-accumulation fusion of megatron-core's local linears under a split backward, which multiply
-    with torch's own ops there (``_splittable_linears``) so that I and W each compute only their part."""
+    is not installed, model/kernels.py, or its own rules exclude the case: Megatron-LM fails on these
+    instead), and the gradient-accumulation fusion of megatron-core's local linears under a split backward,
+    which multiply with torch's own ops there (``_splittable_linears``) so that I and W each compute only
+    their part."""
     config = spec.config
     asked = [field for field in FUSIONS if getattr(config, field)]
     if device_type != "cuda":
@@ -147,16 +137,43 @@ def fusions_off(spec: ModelSpec, device_type: str, split_backward: bool = False)
     missing = {"gradient_accumulation_fusion": _gradient_accumulation_fusion_missing(te, split_backward),
                "apply_rope_fusion": _rope_fusion_missing(config),
                "masked_softmax_fusion": _masked_softmax_fusion_missing(config, te),
-               "persist_layer_norm": None if te or _kernel_installed("apex")
-               else "megatron-core's local norms without apex are torch's, which have no persistent kernel"}
+               "persist_layer_norm": None if te else _persistent_layer_norm_missing(),
+               "moe_permute_fusion": _permute_fusion_missing(),
+               "moe_router_fusion": _router_fusion_missing()}
     return {field: missing[field] for field in asked if missing.get(field)}
 
 
 def _gradient_accumulation_fusion_missing(te: bool, split_backward: bool) -> str | None:
     if split_backward and not te:
         return "a split backward's local linears multiply with torch's own ops"
-    if not _kernel_installed("fused_weight_gradient_mlp_cuda"):  # the output layer is always megatron-core's
+    if not kernels.importable(kernels.WEIGHT_GRADIENT_KERNEL):  # the output layer is always megatron-core's
         return "megatron-core's linears need apex's fused_weight_gradient_mlp_cuda"
+    return None
+
+
+def _persistent_layer_norm_missing() -> str | None:
+    if kernels.apex_missing():
+        return "megatron-core's local norms without apex are torch's, which have no persistent kernel"
+    if not kernels.importable(kernels.PERSISTENT_LAYER_NORM):  # megatron-core would fall back silently
+        return "apex's persistent layer norm (its fast_layer_norm extension) is not built"
+    return None
+
+
+def _permute_fusion_missing() -> str | None:
+    """megatron-core's own check (TransformerConfig.__post_init__): Transformer Engine's permutation kernels."""
+    if None in (moe_utils.fused_permute, moe_utils.fused_permute_with_probs, moe_utils.fused_sort_chunks_by_index,
+                moe_utils.fused_sort_chunks_by_index_with_probs, moe_utils.fused_unpermute):
+        return "needs Transformer Engine's permutation kernels (2.1 or later)"
+    return None
+
+
+def _router_fusion_missing() -> str | None:
+    """megatron-core's rule for moe_router_fusion (moe/moe_utils.py), which it checks only when the router runs:
+    Transformer Engine's fused top-k and auxiliary-loss kernels (its score functions and load balancing that
+    have none, sqrtsoftplus and quantile balancing, are refused: config/flag_classes.py's VALUES)."""
+    if None in (moe_utils.fused_topk_with_score_function, moe_utils.fused_compute_score_for_moe_aux_loss,
+                moe_utils.fused_moe_aux_loss):
+        return "needs Transformer Engine's fused router (2.7 or later)"
     return None
 
 
@@ -209,7 +226,7 @@ def _with_local_norms(specs: list, config):
     """Without apex the local spec uses torch's norms, which megatron-core refuses with zero-centred
     gamma (--apply-layernorm-1p) and with sequence parallelism. LocalNorm does both; the final norm
     goes in through the block spec."""
-    if specs[0].submodules.input_layernorm is not WrappedTorchNorm:
+    if not _torch_norm(specs[0].submodules.input_layernorm):
         return _block(specs, LNImpl)  # apex's FusedLayerNorm has both
     for spec in {id(spec): spec for spec in specs}.values():
         layer = spec.submodules
@@ -218,12 +235,19 @@ def _with_local_norms(specs: list, config):
         if hasattr(attention, "kv_layernorm"):  # multi-latent attention
             layer.self_attention.module = LatentSelfAttention
             attention.core_attention = LatentCoreAttention
-            if attention.kv_layernorm is WrappedTorchNorm:  # norms of the latents, whole vectors; no query
+            if _torch_norm(attention.kv_layernorm):  # norms of the latents, whole vectors; no query
                 attention.kv_layernorm = LocalNorm  # latent without --q-lora-rank, so no norm of it
                 attention.q_layernorm = LocalNorm if config.q_lora_rank is not None else IdentityOp
-        elif attention.q_layernorm is WrappedTorchNorm:
+        elif _torch_norm(attention.q_layernorm):
             attention.q_layernorm = attention.k_layernorm = HeadNorm
     return _block(specs, LocalNorm)
+
+
+def _torch_norm(norm) -> bool:
+    """A norm of the local spec that is torch's: WrappedTorchNorm, or FusedLayerNorm where apex is not
+    NVIDIA's with its kernels (megatron-core picks it when any package named apex imports, and it would
+    fail when built)."""
+    return norm is WrappedTorchNorm or (norm is FusedLayerNorm and kernels.apex_missing() is not None)
 
 
 class LatentSelfAttention(MLASelfAttention):
@@ -427,7 +451,7 @@ def _mtp_block_spec(spec: ModelSpec, config: TransformerConfig, device_type: str
                                    use_transformer_engine=config.transformer_impl == "transformer_engine")
     for layer in {id(layer): layer for layer in (block.layer_specs if block else [])}.values():
         for name in ("enorm", "hnorm", "layer_norm"):
-            if getattr(layer.submodules, name) is WrappedTorchNorm:
+            if _torch_norm(getattr(layer.submodules, name)):
                 setattr(layer.submodules, name, LocalNorm)
     return block
 
