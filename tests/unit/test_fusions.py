@@ -3,7 +3,6 @@ weight-gradient kernels' contract (add into ``main_grad``, flag ``grad_added_to_
 doubles no gradient under two copies and the distributed optimizer; and Transformer Engine's split of
 the backward (delay_wgrad_compute, backward_dw) runs as the executor's I and W. Neither Transformer
 Engine nor apex is installed here: stand-ins play their kernels and their availability."""
-import sys
 import types
 
 import pytest
@@ -203,7 +202,19 @@ def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, 
 # --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------
 
 class _FakeTEModule(torch.nn.Module):
-    """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, for the marking."""
+    """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, whose ``backward_dw`` (2.3 to 2.9)
+    reads the layer's weight-gradient store, which only its linears have: DotProductAttention's fails."""
+
+    def backward_dw(self):
+        if self.wgrad_store is None or not self.wgrad_store.delay_wgrad_compute():
+            return
+
+
+class _Store:
+    """Transformer Engine's WeightGradStore under delay_wgrad_compute."""
+
+    def delay_wgrad_compute(self):
+        return True
 
 
 class _Queued(torch.autograd.Function):
@@ -230,6 +241,7 @@ class DelayedLinear(_FakeTEModule):
     def __init__(self, weight: torch.Tensor, fused: bool):
         super().__init__()
         self.weight, self.fused, self.queue = torch.nn.Parameter(weight.clone()), fused, []
+        self.wgrad_store = _Store()
 
     def forward(self, x):
         return _Queued.apply(x, self.weight, self)
@@ -243,33 +255,43 @@ class DelayedLinear(_FakeTEModule):
             self.weight.grad = wgrad
 
 
-def _stack(weights, fused: bool | None):
-    """Delayed, plain, delayed layers (None: all plain, the reference)."""
+class Sink(_FakeTEModule):
+    """Transformer Engine's DotProductAttention under --softmax-type learnable: a parameter (the attention
+    sink, ``softmax_offset``) whose gradient autograd computes, and no weight-gradient store."""
+
+    def __init__(self, offset: torch.Tensor):
+        super().__init__()
+        self.softmax_offset = torch.nn.Parameter(offset.clone())
+
+    def forward(self, x):
+        return torch.softmax(torch.cat([x, self.softmax_offset.expand(len(x), -1)], dim=-1), dim=-1)[:, :4] * 4
+
+
+def _stack(weights, fused: bool | None, sink: torch.Tensor | None):
+    """Delayed, plain, delayed layers (None: all plain, the reference), a sink after the plain one."""
     layers = [torch.nn.Linear(4, 4, bias=False) if fused is None or i == 1 else DelayedLinear(w, fused)
               for i, w in enumerate(weights)]
     for layer, w in zip(layers, weights):
         layer.weight.data.copy_(w)
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers[:2], *([] if sink is None else [Sink(sink)]), *layers[2:])
 
 
+@pytest.mark.parametrize("softmax", ["vanilla", "learnable"])
 @pytest.mark.parametrize("gradients", ["persistent", "hook", "fused"])
-def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
+def test_delayed_weight_gradients_run_as_w(gradients, softmax):
     """I is the whole backward with the stand-in layers' weight GEMMs queued, W their backward_dw, last
     layer first; what they leave reaches the gradient as a whole backward's would: in a persistent
     ``.grad`` (fp32 buffers), through the distributed optimizer's hook (``.grad`` None in I), or, fused,
-    straight into ``main_grad``."""
-    te = types.ModuleType("transformer_engine.pytorch.module.base")
-    te.TransformerEngineBaseModule = _FakeTEModule
-    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.module"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, te.__name__, te)
+    straight into ``main_grad``. A learnable softmax's sink delays nothing: its gradient comes in I, once."""
     torch.manual_seed(0)
     weights, inputs = [torch.randn(4, 4) for _ in range(3)], [torch.randn(5, 4) for _ in range(2)]
-    model, reference = _stack(weights, gradients == "fused"), _stack(weights, None)
+    sink = torch.randn(1) if softmax == "learnable" else None
+    model, reference = _stack(weights, gradients == "fused", sink), _stack(weights, None, sink)
     chunk._delayed_weight_gradients(model)
     params = list(model.parameters())
-    assert [hasattr(p, "delayed_wgrad") for p in params] == [True, False, True]
-    buffers = [torch.zeros(4, 4) for _ in params]
+    delayed = [True, False] + ([False] if sink is not None else []) + [True]
+    assert [hasattr(p, "delayed_wgrad") for p in params] == delayed, "only the delaying layers' parameters"
+    buffers = [torch.zeros_like(p) for p in params]
     for p, buffer in zip(params, buffers):
         if gradients == "persistent":
             p.grad = buffer
@@ -290,7 +312,7 @@ def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
         reference(x).square().sum().backward()
         expected.append(x.grad)
     assert all(torch.allclose(a, b) for a, b in zip(sent, expected)), f"sent {sent}, expected {expected}"
-    assert all(torch.allclose(b, r.weight.grad) for b, r in zip(buffers, reference)), \
-        f"buffers {buffers}, reference gradients {[r.weight.grad for r in reference]}"
+    wanted = [r.grad for r in reference.parameters()]
+    assert all(torch.allclose(b, r) for b, r in zip(buffers, wanted)), f"buffers {buffers}, reference {wanted}"
     if gradients == "persistent":
         assert all(p.grad is b for p, b in zip(params, buffers)), "a parameter's .grad is not its main_grad buffer"

@@ -471,14 +471,23 @@ def _delayed_weight_gradients(model) -> None:
     """Under a split backward, Transformer Engine's layers (config.delay_wgrad_compute) queue their
     weight-gradient GEMMs during the backward and run them in ``backward_dw()``; each of their parameters
     carries that call as ``delayed_wgrad``, which makes the executor's I the whole backward and its W the
-    calls, last layer first (chimera_schedules/runtime/autograd_split.py). Untested with Transformer Engine
-    itself (none is installed where the tests run): tests/unit/test_fusions.py stands in for its layers."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # an optional package
-
+    calls, last layer first (chimera_schedules/runtime/autograd_split.py). Only the layers that delay
+    (``_delays_weight_gradients``): others' parameters, such as the attention sink of Transformer Engine's
+    DotProductAttention (--softmax-type learnable), get their gradients in I with the rest of the backward.
+    Untested with Transformer Engine itself (none is installed where the tests run):
+    tests/unit/test_fusions.py stands in for its layers."""
     for module in model.modules():
-        if isinstance(module, TransformerEngineBaseModule):
+        if _delays_weight_gradients(module):
             for param in module.parameters(recurse=False):
                 param.delayed_wgrad = module.backward_dw
+
+
+def _delays_weight_gradients(module) -> bool:
+    """Transformer Engine's own test of a layer that delays (its need_backward_dw): a weight-gradient store
+    that delays. Its linears (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) have one, enabled by
+    delay_wgrad_compute; its DotProductAttention has none, and its backward_dw before 2.10 fails on that."""
+    store = getattr(module, "wgrad_store", None)
+    return store is not None and store.delay_wgrad_compute()
 
 
 def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, **_):
