@@ -157,46 +157,74 @@ def apex_kernel(monkeypatch):
 
 
 def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[torch.Tensor]:
-    """Stages 0 and 1 in this process, the tied word embedding a copy in each (the distributed
-    optimizer's tied bucket sums the two into one buffer), two micro-batches: the fp32 gradients the
-    optimizer steps."""
+    """Every stage in this process (two: the tied word embedding a copy in each, which the distributed
+    optimizer's tied bucket sums into one buffer; one: both its uses in the same chunk), two micro-batches:
+    the fp32 gradients the optimizer steps."""
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
+    stages = range(len(plan.layout.stages))
     with monkeypatch.context() as m:
         if fused:
             m.setattr(chunk, "fusions_off", lambda *a, **k: {})
         spec = ModelSpec.from_args(args)
-        chunks = {(0, s): chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in (0, 1)}
+        chunks = {(0, s): chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in stages}
     assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values()), \
         [c.config.gradient_accumulation_fusion for c in chunks.values()]
-    rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
-                 pipelines=len(plan.placement), embedding_stages=(0, 1))
+    tied = len(stages) > 1
+    rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=len(stages), dp=1, tp_rank=0, dp_rank=0,
+                 worker=0, pipelines=len(plan.placement), embedding_stages=(0, stages[-1]) if tied else (0,))
     if distributed:
-        main = sync = ShardedMainParams(chunks, rt, True)
+        main = sync = ShardedMainParams(chunks, rt, tied)
     else:
         main = MainParams(chunks)
         sync = ReplicaGradSync(main.by_chunk, rt)
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
-    first, last = chunks[(0, 0)], chunks[(0, 1)]
+    first, last = chunks[(0, 0)], chunks[(0, stages[-1])]
     for mb in range(2):
-        tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
-        last.set_input_tensor(first(tokens, torch.arange(16).expand(2, 16), None))
-        last(None, None, None, labels=tokens).float().sum().backward()
+        tokens, positions = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16), torch.arange(16).expand(2, 16)
+        if tied:
+            last.set_input_tensor(first(tokens, positions, None))
+            tokens, positions = None, None
+        last(tokens, positions, None, labels=torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
+             ).float().sum().backward()
     sync.finish()
     return [p.grad.clone() for p in main.all()]
 
 
+@pytest.mark.parametrize("stages", [2, 1])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
-                                                             precision):
-    args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
+                                                             precision, stages):
+    """At one stage the tied weight's lookup and logits meet in one chunk, whose placeholder megatron-core
+    zeroes (zero_out_wgrad); the fused kernel adds the logits' part into the fp32 gradient first, where
+    autograd sums the two parts in the parameters' precision, so they agree to its rounding. At two stages
+    each chunk holds one use and zeroes no placeholder."""
+    pipeline = ["--pipeline-model-parallel-size", str(stages)]
+    args = parse_args(FUSED + pipeline + ([] if precision == "fp32" else ["--bf16"]), world_size=stages)
+    rounding = 1e-6 if precision == "fp32" else 2.0 ** -7  # bf16: 8 significant bits
+    same = torch.equal if stages == 2 else lambda a, b: bool((a - b).abs().max() <= rounding * b.abs().max())
     for distributed in (False, True):
         reference = _main_gradients(args, False, distributed, monkeypatch)
         assert not apex_kernel
         fused = _main_gradients(args, True, distributed, monkeypatch)
-        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
+        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both layers' 4 linears, the output layer"
         apex_kernel.clear()
-        assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
+        assert all(same(f, r) for f, r in zip(fused, reference)), (precision, distributed, stages)
+
+
+def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_process_group):
+    """megatron-core's model of one stage marks the tied word embedding ``zero_out_wgrad``: its logits' fused
+    weight-gradient GEMM then hands autograd a zeroed placeholder for the lookup's gradient to add into.
+    A chunk of one use (E, or L, of a pipeline) has nothing to add: a zeroed vocabulary-sized placeholder,
+    added into ``main_grad`` every micro-batch, would be wasted, and Megatron-LM's stages of a pipeline
+    (PP > 1) carry no mark. A last stage of MTP layers holds both: their lookup and the logits."""
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    for stages, extra, marked in ((2, [], [False, False]), (1, [], [True]), (2, mtp, [False, True])):
+        args = parse_args(FUSED + extra + ["--pipeline-model-parallel-size", str(stages)], world_size=stages)
+        plan, spec = make_run_plan(args), ModelSpec.from_args(args)
+        chunks = [chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in range(stages)]
+        got = [getattr(c.shared_embedding_or_output_weight(), "zero_out_wgrad", False) for c in chunks]
+        assert got == marked, f"zero_out_wgrad of the tied weight per stage, {stages} stages {extra}: {got}"
 
 
 # --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------

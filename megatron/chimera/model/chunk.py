@@ -394,6 +394,7 @@ def build_chunk(spec: ModelSpec, plan, stage: int, device: torch.device) -> GPTM
         # tied, megatron-core's stage of MTP and loss computes its logits with its embedding's weight (the
         # copy MTP needs) and keys no output layer in its checkpoint: the unused matrix is not kept
         model.output_layer.weight = None
+    _zeroed_placeholder_where_both_uses_meet(model)
     model.stage = stage
     mark_per_head(model)
     mark_tensor_parallel_sums(model, config)
@@ -416,6 +417,20 @@ def _one_stage_view():
     finally:
         parallel_state.set_pipeline_model_parallel_world_size(None)
         parallel_state.set_pipeline_model_parallel_rank(None)
+
+
+def _zeroed_placeholder_where_both_uses_meet(model) -> None:
+    """megatron-core marks the tied word embedding ``zero_out_wgrad`` in a model of one stage, whose backward
+    meets both of its uses, the lookup and the logits: under gradient-accumulation fusion the logits' GEMM
+    adds into ``main_grad`` and hands autograd a placeholder, which must be zeros for the lookup's gradient
+    summed into it to reach ``main_grad`` (optim/precision.py, unfused_gradient). Built as one stage
+    (``_one_stage_view``), every chunk got the mark, and a chunk of one use zeroed a vocabulary-sized
+    placeholder and added it into ``main_grad`` on every micro-batch. It keeps the mark only where both uses
+    meet (the logits, and E or MTP's lookup): elsewhere it carries none, as Megatron-LM's pipeline stages."""
+    lookup = model.pre_process or model.mtp_process
+    if not (model.share_embeddings_and_output_weights and model.post_process and lookup):
+        for param in model.parameters():
+            vars(param).pop("zero_out_wgrad", None)
 
 
 def _mtp_block_spec(spec: ModelSpec, config: TransformerConfig, device_type: str, split_backward: bool):
