@@ -181,12 +181,12 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
     first, last = chunks[(0, 0)], chunks[(0, stages[-1])]
     for mb in range(2):
-        tokens, positions = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16), torch.arange(16).expand(2, 16)
+        labels = tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
+        positions = torch.arange(16).expand(2, 16)
         if tied:
             last.set_input_tensor(first(tokens, positions, None))
-            tokens, positions = None, None
-        last(tokens, positions, None, labels=torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
-             ).float().sum().backward()
+            tokens = positions = None
+        last(tokens, positions, None, labels=labels).float().sum().backward()
     sync.finish()
     return [p.grad.clone() for p in main.all()]
 
@@ -231,7 +231,8 @@ def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_
 
 class _FakeTEModule(torch.nn.Module):
     """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, whose ``backward_dw`` (2.3 to 2.9)
-    reads the layer's weight-gradient store, which only its linears have: DotProductAttention's fails."""
+    first reads the layer's weight-gradient store, which only its linears have (their GEMMs: DelayedLinear's
+    own backward_dw here): DotProductAttention's fails on that read."""
 
     def backward_dw(self):
         if self.wgrad_store is None or not self.wgrad_store.delay_wgrad_compute():
