@@ -3,7 +3,6 @@ weight-gradient kernels' contract (add into ``main_grad``, flag ``grad_added_to_
 doubles no gradient under two copies and the distributed optimizer; and Transformer Engine's split of
 the backward (delay_wgrad_compute, backward_dw) runs as the executor's I and W. Neither Transformer
 Engine nor apex is installed here: stand-ins play their kernels and their availability."""
-import sys
 import types
 
 import pytest
@@ -203,52 +202,93 @@ def apex_kernel(monkeypatch):
 
 
 def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[torch.Tensor]:
-    """Stages 0 and 1 in this process, the tied word embedding a copy in each (the distributed
-    optimizer's tied bucket sums the two into one buffer), two micro-batches: the fp32 gradients the
-    optimizer steps."""
+    """Every stage in this process (two: the tied word embedding a copy in each, which the distributed
+    optimizer's tied bucket sums into one buffer; one: both its uses in the same chunk), two micro-batches:
+    the fp32 gradients the optimizer steps."""
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
+    stages = range(len(plan.layout.stages))
     with monkeypatch.context() as m:
         if fused:
             m.setattr(chunk, "fusions_off", lambda *a, **k: {})
         spec = ModelSpec.from_args(args)
-        chunks = {(0, s): chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in (0, 1)}
+        chunks = {(0, s): chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in stages}
     assert all(c.config.gradient_accumulation_fusion == fused for c in chunks.values()), \
         [c.config.gradient_accumulation_fusion for c in chunks.values()]
-    rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
-                 pipelines=len(plan.placement), embedding_stages=(0, 1))
+    tied = len(stages) > 1
+    rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=len(stages), dp=1, tp_rank=0, dp_rank=0,
+                 worker=0, pipelines=len(plan.placement), embedding_stages=(0, stages[-1]) if tied else (0,))
     if distributed:
-        main = sync = ShardedMainParams(chunks, rt, True)
+        main = sync = ShardedMainParams(chunks, rt, tied)
     else:
         main = MainParams(chunks)
         sync = ReplicaGradSync(main.by_chunk, rt)
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
-    first, last = chunks[(0, 0)], chunks[(0, 1)]
+    first, last = chunks[(0, 0)], chunks[(0, stages[-1])]
     for mb in range(2):
-        tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
-        last.set_input_tensor(first(tokens, torch.arange(16).expand(2, 16), None))
-        last(None, None, None, labels=tokens).float().sum().backward()
+        labels = tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
+        positions = torch.arange(16).expand(2, 16)
+        if tied:
+            last.set_input_tensor(first(tokens, positions, None))
+            tokens = positions = None
+        last(tokens, positions, None, labels=labels).float().sum().backward()
     sync.finish()
     return [p.grad.clone() for p in main.all()]
 
 
+@pytest.mark.parametrize("stages", [2, 1])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
-                                                             precision):
-    args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
+                                                             precision, stages):
+    """At one stage the tied weight's lookup and logits meet in one chunk, whose placeholder megatron-core
+    zeroes (zero_out_wgrad); the fused kernel adds the logits' part into the fp32 gradient first, where
+    autograd sums the two parts in the parameters' precision, so they agree to its rounding. At two stages
+    each chunk holds one use and zeroes no placeholder."""
+    pipeline = ["--pipeline-model-parallel-size", str(stages)]
+    args = parse_args(FUSED + pipeline + ([] if precision == "fp32" else ["--bf16"]), world_size=stages)
+    rounding = 1e-6 if precision == "fp32" else 2.0 ** -7  # bf16: 8 significant bits
+    same = torch.equal if stages == 2 else lambda a, b: bool((a - b).abs().max() <= rounding * b.abs().max())
     for distributed in (False, True):
         reference = _main_gradients(args, False, distributed, monkeypatch)
         assert not apex_kernel
         fused = _main_gradients(args, True, distributed, monkeypatch)
-        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
+        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both layers' 4 linears, the output layer"
         apex_kernel.clear()
-        assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
+        assert all(same(f, r) for f, r in zip(fused, reference)), (precision, distributed, stages)
+
+
+def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_process_group):
+    """megatron-core's model of one stage marks the tied word embedding ``zero_out_wgrad``: its logits' fused
+    weight-gradient GEMM then hands autograd a zeroed placeholder for the lookup's gradient to add into.
+    A chunk of one use (E, or L, of a pipeline) has nothing to add: a zeroed vocabulary-sized placeholder,
+    added into ``main_grad`` every micro-batch, would be wasted, and Megatron-LM's stages of a pipeline
+    (PP > 1) carry no mark. A last stage of MTP layers holds both: their lookup and the logits."""
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    for stages, extra, marked in ((2, [], [False, False]), (1, [], [True]), (2, mtp, [False, True])):
+        args = parse_args(FUSED + extra + ["--pipeline-model-parallel-size", str(stages)], world_size=stages)
+        plan, spec = make_run_plan(args), ModelSpec.from_args(args)
+        chunks = [chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in range(stages)]
+        got = [getattr(c.shared_embedding_or_output_weight(), "zero_out_wgrad", False) for c in chunks]
+        assert got == marked, f"zero_out_wgrad of the tied weight per stage, {stages} stages {extra}: {got}"
 
 
 # --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------
 
 class _FakeTEModule(torch.nn.Module):
-    """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, for the marking."""
+    """transformer_engine.pytorch.module.base.TransformerEngineBaseModule, whose ``backward_dw`` (2.3 to 2.9)
+    first reads the layer's weight-gradient store, which only its linears have (their GEMMs: DelayedLinear's
+    own backward_dw here): DotProductAttention's fails on that read."""
+
+    def backward_dw(self):
+        if self.wgrad_store is None or not self.wgrad_store.delay_wgrad_compute():
+            return
+
+
+class _Store:
+    """Transformer Engine's WeightGradStore under delay_wgrad_compute."""
+
+    def delay_wgrad_compute(self):
+        return True
 
 
 class _Queued(torch.autograd.Function):
@@ -275,6 +315,7 @@ class DelayedLinear(_FakeTEModule):
     def __init__(self, weight: torch.Tensor, fused: bool):
         super().__init__()
         self.weight, self.fused, self.queue = torch.nn.Parameter(weight.clone()), fused, []
+        self.wgrad_store = _Store()
 
     def forward(self, x):
         return _Queued.apply(x, self.weight, self)
@@ -288,33 +329,43 @@ class DelayedLinear(_FakeTEModule):
             self.weight.grad = wgrad
 
 
-def _stack(weights, fused: bool | None):
-    """Delayed, plain, delayed layers (None: all plain, the reference)."""
+class Sink(_FakeTEModule):
+    """Transformer Engine's DotProductAttention under --softmax-type learnable: a parameter (the attention
+    sink, ``softmax_offset``) whose gradient autograd computes, and no weight-gradient store."""
+
+    def __init__(self, offset: torch.Tensor):
+        super().__init__()
+        self.softmax_offset = torch.nn.Parameter(offset.clone())
+
+    def forward(self, x):
+        return torch.softmax(torch.cat([x, self.softmax_offset.expand(len(x), -1)], dim=-1), dim=-1)[:, :4] * 4
+
+
+def _stack(weights, fused: bool | None, sink: torch.Tensor | None):
+    """Delayed, plain, delayed layers (None: all plain, the reference), a sink after the plain one."""
     layers = [torch.nn.Linear(4, 4, bias=False) if fused is None or i == 1 else DelayedLinear(w, fused)
               for i, w in enumerate(weights)]
     for layer, w in zip(layers, weights):
         layer.weight.data.copy_(w)
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers[:2], *([] if sink is None else [Sink(sink)]), *layers[2:])
 
 
+@pytest.mark.parametrize("softmax", ["vanilla", "learnable"])
 @pytest.mark.parametrize("gradients", ["persistent", "hook", "fused"])
-def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
+def test_delayed_weight_gradients_run_as_w(gradients, softmax):
     """I is the whole backward with the stand-in layers' weight GEMMs queued, W their backward_dw, last
     layer first; what they leave reaches the gradient as a whole backward's would: in a persistent
     ``.grad`` (fp32 buffers), through the distributed optimizer's hook (``.grad`` None in I), or, fused,
-    straight into ``main_grad``."""
-    te = types.ModuleType("transformer_engine.pytorch.module.base")
-    te.TransformerEngineBaseModule = _FakeTEModule
-    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.module"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, te.__name__, te)
+    straight into ``main_grad``. A learnable softmax's sink delays nothing: its gradient comes in I, once."""
     torch.manual_seed(0)
     weights, inputs = [torch.randn(4, 4) for _ in range(3)], [torch.randn(5, 4) for _ in range(2)]
-    model, reference = _stack(weights, gradients == "fused"), _stack(weights, None)
+    sink = torch.randn(1) if softmax == "learnable" else None
+    model, reference = _stack(weights, gradients == "fused", sink), _stack(weights, None, sink)
     chunk._delayed_weight_gradients(model)
     params = list(model.parameters())
-    assert [hasattr(p, "delayed_wgrad") for p in params] == [True, False, True]
-    buffers = [torch.zeros(4, 4) for _ in params]
+    delayed = [True, False] + ([False] if sink is not None else []) + [True]
+    assert [hasattr(p, "delayed_wgrad") for p in params] == delayed, "only the delaying layers' parameters"
+    buffers = [torch.zeros_like(p) for p in params]
     for p, buffer in zip(params, buffers):
         if gradients == "persistent":
             p.grad = buffer
@@ -335,7 +386,7 @@ def test_delayed_weight_gradients_run_as_w(monkeypatch, gradients):
         reference(x).square().sum().backward()
         expected.append(x.grad)
     assert all(torch.allclose(a, b) for a, b in zip(sent, expected)), f"sent {sent}, expected {expected}"
-    assert all(torch.allclose(b, r.weight.grad) for b, r in zip(buffers, reference)), \
-        f"buffers {buffers}, reference gradients {[r.weight.grad for r in reference]}"
+    wanted = [r.grad for r in reference.parameters()]
+    assert all(torch.allclose(b, r) for b, r in zip(buffers, wanted)), f"buffers {buffers}, reference {wanted}"
     if gradients == "persistent":
         assert all(p.grad is b for p, b in zip(params, buffers)), "a parameter's .grad is not its main_grad buffer"

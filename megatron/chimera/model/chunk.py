@@ -418,6 +418,7 @@ def build_chunk(spec: ModelSpec, plan, stage: int, device: torch.device) -> GPTM
         # tied, megatron-core's stage of MTP and loss computes its logits with its embedding's weight (the
         # copy MTP needs) and keys no output layer in its checkpoint: the unused matrix is not kept
         model.output_layer.weight = None
+    _zeroed_placeholder_where_both_uses_meet(model)
     model.stage = stage
     mark_per_head(model)
     mark_tensor_parallel_sums(model, config)
@@ -440,6 +441,20 @@ def _one_stage_view():
     finally:
         parallel_state.set_pipeline_model_parallel_world_size(None)
         parallel_state.set_pipeline_model_parallel_rank(None)
+
+
+def _zeroed_placeholder_where_both_uses_meet(model) -> None:
+    """megatron-core marks the tied word embedding ``zero_out_wgrad`` in a model of one stage, whose backward
+    meets both of its uses, the lookup and the logits: under gradient-accumulation fusion the logits' GEMM
+    adds into ``main_grad`` and hands autograd a placeholder, which must be zeros for the lookup's gradient
+    summed into it to reach ``main_grad`` (optim/precision.py, unfused_gradient). Built as one stage
+    (``_one_stage_view``), every chunk got the mark, and a chunk of one use zeroed a vocabulary-sized
+    placeholder and added it into ``main_grad`` on every micro-batch. It keeps the mark only where both uses
+    meet (the logits, and E or MTP's lookup): elsewhere it carries none, as Megatron-LM's pipeline stages."""
+    lookup = model.pre_process or model.mtp_process
+    if not (model.share_embeddings_and_output_weights and model.post_process and lookup):
+        for param in model.parameters():
+            vars(param).pop("zero_out_wgrad", None)
 
 
 def _mtp_block_spec(spec: ModelSpec, config: TransformerConfig, device_type: str, split_backward: bool):
@@ -495,14 +510,23 @@ def _delayed_weight_gradients(model) -> None:
     """Under a split backward, Transformer Engine's layers (config.delay_wgrad_compute) queue their
     weight-gradient GEMMs during the backward and run them in ``backward_dw()``; each of their parameters
     carries that call as ``delayed_wgrad``, which makes the executor's I the whole backward and its W the
-    calls, last layer first (chimera_schedules/runtime/autograd_split.py). Untested with Transformer Engine
-    itself (none is installed where the tests run): tests/unit/test_fusions.py stands in for its layers."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # an optional package
-
+    calls, last layer first (chimera_schedules/runtime/autograd_split.py). Only the layers that delay
+    (``_delays_weight_gradients``): others' parameters, such as the attention sink of Transformer Engine's
+    DotProductAttention (--softmax-type learnable), get their gradients in I with the rest of the backward.
+    Untested with Transformer Engine itself (none is installed where the tests run):
+    tests/unit/test_fusions.py stands in for its layers."""
     for module in model.modules():
-        if isinstance(module, TransformerEngineBaseModule):
+        if _delays_weight_gradients(module):
             for param in module.parameters(recurse=False):
                 param.delayed_wgrad = module.backward_dw
+
+
+def _delays_weight_gradients(module) -> bool:
+    """Transformer Engine's own test of a layer that delays (its need_backward_dw): a weight-gradient store
+    that delays. Its linears (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) have one, enabled by
+    delay_wgrad_compute; its DotProductAttention has none, and its backward_dw before 2.10 fails on that."""
+    store = getattr(module, "wgrad_store", None)
+    return store is not None and store.delay_wgrad_compute()
 
 
 def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, **_):
