@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..config.train_spec import PrecisionSpec
+from .adam import adam_state
 from .gradients import clip_, global_norm, global_zeros
 
 
@@ -110,8 +111,7 @@ class MainParams:
     def load_full_state(self, optimizer, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
         for model, main in self._model_and_main():
             saved = states[id(model)]
-            optimizer.state[main] = {"step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
-                                     "exp_avg": saved["exp_avg"], "exp_avg_sq": saved["exp_avg_sq"]}
+            optimizer.state[main] = adam_state(optimizer, main, step, saved["exp_avg"], saved["exp_avg_sq"])
             if "fp32_param" in saved and main is not model:
                 main.copy_(saved["fp32_param"])
 
