@@ -4,6 +4,7 @@ doubles no gradient under two copies and the distributed optimizer; and Transfor
 the backward (delay_wgrad_compute, backward_dw) runs as the executor's I and W. Neither Transformer
 Engine nor apex is installed here: stand-ins play their kernels and their availability."""
 import sys
+import threading
 import types
 
 import pytest
@@ -157,10 +158,10 @@ def apex_kernel(monkeypatch):
     return calls
 
 
-def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[torch.Tensor]:
+def _main_gradients(args, fused: bool, distributed: bool, monkeypatch, watch=None) -> list[torch.Tensor]:
     """Stages 0 and 1 in this process, the tied word embedding a copy in each (the distributed
     optimizer's tied bucket sums the two into one buffer), two micro-batches: the fp32 gradients the
-    optimizer steps."""
+    optimizer steps. ``watch(chunks, sync)``: called before the first forward, with --overlap-grad-reduce."""
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
     with monkeypatch.context() as m:
@@ -172,12 +173,15 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
         [c.config.gradient_accumulation_fusion for c in chunks.values()]
     rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=2, dp=1, tp_rank=0, dp_rank=0, worker=0,
                  pipelines=len(plan.placement), embedding_stages=(0, 1))
+    overlap = watch is not None
     if distributed:
-        main = sync = ShardedMainParams(chunks, rt, True)
+        main = sync = ShardedMainParams(chunks, rt, True, overlap)
     else:
         main = MainParams(chunks)
-        sync = ReplicaGradSync(main.by_chunk, rt)
+        sync = ReplicaGradSync(main.by_chunk, rt, overlap)
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
+    if watch is not None:
+        watch(chunks, sync)
     first, last = chunks[(0, 0)], chunks[(0, 1)]
     for mb in range(2):
         tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
@@ -198,6 +202,64 @@ def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, 
         assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
         apex_kernel.clear()
         assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
+
+
+def _watch_accumulation(undefined: list, starts: list):
+    """A ``watch`` for _main_gradients: the names of parameters whose gradient accumulator autograd runs
+    without a gradient, and the thread of each reduction start megatron-core's hooks make (as under
+    --overlap-grad-reduce). Autograd runs an accumulator on the device of its gradient, and one without a
+    gradient on the CPU's ready queue: on a GPU, the thread that called backward, not the device's."""
+    def watch(chunks, sync):
+        for i, hooks in enumerate(sync.chunk_syncs(list(chunks.values()))):
+            hooks.start = lambda i=i, start=hooks.start: (starts.append((i, threading.get_ident())), start())
+        for c in chunks.values():
+            for name, p in c.named_parameters():
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]  # the node autograd reuses for p
+                accumulator.register_prehook(lambda grads, name=name: undefined.append(name) if grads[0] is None
+                                             else None)
+                accumulators.append(accumulator)  # kept alive, so the forward's graph uses this one
+
+    accumulators = []
+    return watch
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_weight_gradients_hand_autograd_a_placeholder_so_hooks_run_on_one_thread(
+        one_process_group, apex_kernel, monkeypatch, precision):
+    """megatron-core's contract, that its DDP keeps with a dummy weight gradient: a fused kernel hands
+    autograd a placeholder wherever the weight has ``grad_added_to_main_grad``, and the hook skips it. With
+    fp32 weights none had the flag, so the kernel handed autograd no gradient, and on a GPU those weights'
+    hooks, which start reductions under --overlap-grad-reduce, ran on another thread than the rest."""
+    args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
+    for distributed in (False, True):
+        undefined, starts = [], []
+        _main_gradients(args, True, distributed, monkeypatch, _watch_accumulation(undefined, starts))
+        assert undefined == [], f"{precision} distributed={distributed}: no gradient reached {sorted(set(undefined))}"
+        assert {i for i, _ in starts} == {0, 1}, f"{precision} distributed={distributed}: started {starts}"
+        assert len({thread for _, thread in starts}) == 1, f"reductions started from threads {set(starts)}"
+
+
+def test_fp32_main_parameters_under_the_fusion_are_the_models_storage():
+    """What the placeholder costs in fp32: a second parameter object over the same storage, no copy; the
+    optimizer's step is the model's, the state is keyed by the model's parameters, and the model-state
+    line counts no main weights."""
+    model = torch.nn.Linear(3, 2)
+    model.config = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    main = MainParams({(0, 0): model})
+    assert [m.data_ptr() for m in main.all()] == [p.data_ptr() for p in model.parameters()], "main weights copied"
+    assert all(m is not p for m, p in zip(main.all(), model.parameters())) and not main.half
+    assert main.state_bytes() == (0, 4 * 8), main.state_bytes()
+    optimizer = torch.optim.AdamW(main.all(), lr=0.1)
+    for m in main.all():
+        m.grad = torch.ones_like(m)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(model.weight, before), "the step did not reach the model's weights"
+    states = main.full_state(optimizer, ("exp_avg", "exp_avg_sq", "fp32_param"))
+    assert set(states) == {id(p) for p in model.parameters()}, "the state is not keyed by the model's parameters"
+    states[id(model.weight)]["fp32_param"] = torch.zeros(2, 3)  # a bf16 run's: not the fp32 model's weights
+    main.load_full_state(optimizer, states, 1)
+    assert not torch.equal(model.weight, torch.zeros(2, 3)), "an fp32 run took a checkpoint's main weights"
 
 
 # --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------
