@@ -29,6 +29,8 @@ def test_adam_is_fused_on_a_gpu_and_torchs_default_on_the_cpu():
     assert adam_options("cpu") == {}, "the CPU's AdamW (the equivalence tests' reference) changed"
     optimizer = build_adamw([{"params": _params()}], SPEC, torch.device("cpu"))
     assert not optimizer.defaults["fused"] and not optimizer.defaults["foreach"], optimizer.defaults
+    gpu = build_adamw([{"params": _params()}], SPEC, torch.device("cuda"))  # torch's fused kernel runs here too
+    assert gpu.defaults["fused"] and gpu.defaults["lr"] == SPEC.lr, gpu.defaults
     assert set(SPEC.__dict__) <= set(OptimizerSpec.__dataclass_fields__), "build_adamw reads fields OptimizerSpec lacks"
     assert Precision().fused_adam, "the planner's default is not the AdamW the trainer runs on a GPU"
 

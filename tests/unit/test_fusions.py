@@ -191,24 +191,13 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch, watch=Non
     return [p.grad.clone() for p in main.all()]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
-                                                             precision):
-    args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
-    for distributed in (False, True):
-        reference = _main_gradients(args, False, distributed, monkeypatch)
-        assert not apex_kernel
-        fused = _main_gradients(args, True, distributed, monkeypatch)
-        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
-        apex_kernel.clear()
-        assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
-
-
 def _watch_accumulation(undefined: list, starts: list):
     """A ``watch`` for _main_gradients: the names of parameters whose gradient accumulator autograd runs
     without a gradient, and the thread of each reduction start megatron-core's hooks make (as under
     --overlap-grad-reduce). Autograd runs an accumulator on the device of its gradient, and one without a
     gradient on the CPU's ready queue: on a GPU, the thread that called backward, not the device's."""
+    accumulators = []  # kept alive, so that the forward's graph uses the nodes hooked here
+
     def watch(chunks, sync):
         for i, hooks in enumerate(sync.chunk_syncs(list(chunks.values()))):
             hooks.start = lambda i=i, start=hooks.start: (starts.append((i, threading.get_ident())), start())
@@ -217,23 +206,28 @@ def _watch_accumulation(undefined: list, starts: list):
                 accumulator = p.view_as(p).grad_fn.next_functions[0][0]  # the node autograd reuses for p
                 accumulator.register_prehook(lambda grads, name=name: undefined.append(name) if grads[0] is None
                                              else None)
-                accumulators.append(accumulator)  # kept alive, so the forward's graph uses this one
+                accumulators.append(accumulator)
 
-    accumulators = []
     return watch
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fused_weight_gradients_hand_autograd_a_placeholder_so_hooks_run_on_one_thread(
-        one_process_group, apex_kernel, monkeypatch, precision):
-    """megatron-core's contract, that its DDP keeps with a dummy weight gradient: a fused kernel hands
-    autograd a placeholder wherever the weight has ``grad_added_to_main_grad``, and the hook skips it. With
-    fp32 weights none had the flag, so the kernel handed autograd no gradient, and on a GPU those weights'
-    hooks, which start reductions under --overlap-grad-reduce, ran on another thread than the rest."""
+def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
+                                                             precision):
+    """The main gradients equal an unfused run's. And megatron-core's contract, which its DDP keeps with a
+    dummy weight gradient: a fused kernel hands autograd a placeholder wherever the weight has
+    ``grad_added_to_main_grad``, and the hook skips it. fp32 weights once had no flag, so the kernel handed
+    autograd no gradient, and on a GPU their hooks, which start reductions under --overlap-grad-reduce (on
+    in the fused runs), ran on another thread than the rest."""
     args = parse_args(FUSED + ([] if precision == "fp32" else ["--bf16"]), world_size=2)
     for distributed in (False, True):
+        reference = _main_gradients(args, False, distributed, monkeypatch)
+        assert not apex_kernel
         undefined, starts = [], []
-        _main_gradients(args, True, distributed, monkeypatch, _watch_accumulation(undefined, starts))
+        fused = _main_gradients(args, True, distributed, monkeypatch, _watch_accumulation(undefined, starts))
+        assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both stages' 4 linears, the output layer"
+        apex_kernel.clear()
+        assert all(torch.equal(f, r) for f, r in zip(fused, reference)), (precision, distributed)
         assert undefined == [], f"{precision} distributed={distributed}: no gradient reached {sorted(set(undefined))}"
         assert {i for i, _ in starts} == {0, 1}, f"{precision} distributed={distributed}: started {starts}"
         assert len({thread for _, thread in starts}) == 1, f"reductions started from threads {set(starts)}"
