@@ -5,7 +5,8 @@ has fp32's range and needs none).
 Every backward adds its half-precision gradient into the fp32 main parameter's gradient at once (a hook), so
 gradients accumulate over micro-batches and reduce over stage copies in fp32: Megatron-LM's
 --accumulate-allreduce-grads-in-fp32. That keeps layouts apart only by fp32 rounding; fp16 sums in
-each layout's own order would differ by far more. In fp32 the main parameters are the model's own.
+each layout's own order would differ by far more. In fp32 the main parameters are the model's own (or,
+under gradient-accumulation fusion, share their storage).
 
 With Megatron-LM's gradient-accumulation fusion (on a GPU) the fused weight-gradient kernels add into
 ``param.main_grad`` themselves: here the main parameter's fp32 gradient (``MainParams._point_main_grads``),
