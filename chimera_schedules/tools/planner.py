@@ -9,7 +9,8 @@ and ``python -m chimera_schedules plan``.
 Costs are Megatron's FLOP count at the profile's rate, p2p at its latency and bandwidth, and each
 stage's gradient all-reduce posted by the schedule's R actions; memory is the model state of the stage
 copies a worker holds (``model_state_bytes``) plus the simulator's peak of live micro-batches'
-activations. The formulas, and what experts add (``ModelShape.experts``): docs/notes/planner-model.md.
+activations, or what the optimizer step allocates after the flush (``step_bytes``) where that is more.
+The formulas, and what experts add (``ModelShape.experts``): docs/notes/planner-model.md.
 """
 from __future__ import annotations
 
@@ -151,9 +152,12 @@ class Profile:
 
 @dataclass(frozen=True)
 class Precision:
-    """The training flags that set the model state: --bf16 (or --fp16) and --use-distributed-optimizer."""
+    """The training flags that set the model state: --bf16 (or --fp16) and --use-distributed-optimizer;
+    and whether AdamW steps with one fused kernel (the trainer's on a GPU, megatron/chimera/optim/adam.py)
+    or with torch's foreach default, which allocates at the step (``step_bytes``)."""
     half: bool = False
     distributed_optimizer: bool = False
+    fused_adam: bool = True
 
 
 def model_state_bytes(params: float, copies: int, replicas: int, precision: Precision = Precision()) -> dict:
@@ -167,6 +171,15 @@ def model_state_bytes(params: float, copies: int, replicas: int, precision: Prec
                 "gradients": 4, "optimizer": 8 / shard}
     out = {k: copies * params * v for k, v in per_copy.items()}
     return {**out, "total": sum(out.values())}
+
+
+def step_bytes(params: float, replicas: int, precision: Precision = Precision()) -> float:
+    """What the optimizer step of ``params`` parameters allocates beyond the model state, in bytes. torch's
+    foreach AdamW holds sqrt(exp_avg_sq) of a whole parameter group at once: 4 bytes per main parameter (the
+    largest group's, nearly all of them: counted as all), sharded like the moments. A fused kernel (torch's
+    fused=True, Transformer Engine's or apex's FusedAdam) allocates nothing."""
+    shard = replicas if precision.distributed_optimizer else 1
+    return 0.0 if precision.fused_adam else 4 * params / shard
 
 
 @dataclass
@@ -270,18 +283,20 @@ def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int) 
 def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int, ep: int = 1,
                   precision: Precision = Precision()) -> float:
     """The largest worker's bytes: the model state of the stage copies it holds (routed experts sharded
-    over their expert-data-parallel ranks), plus the most activation bytes it keeps alive at once."""
+    over their expert-data-parallel ranks), plus the most activation bytes it keeps alive at once during
+    the flush or, after it, what the optimizer step allocates (``step_bytes``), whichever is more."""
     replicas, scale = schedule.pipelines * width, schedule.microbatch_scale
     stage_bytes = [scale * stage_activation_bytes(shape, held, s, b) for s in range(len(held.stages))]
     live = peak_activations(schedule, stage_bytes)
     most = 0.0
     for worker, act in enumerate(live):
-        state = 0.0
+        state = step = 0.0
         for s in (s for row in schedule.placement for s, w in enumerate(row) if w == worker):
             params, experts = _stage_params(shape, held, s, ep)
-            state += model_state_bytes(params - experts, 1, replicas, precision)["total"]
-            state += model_state_bytes(experts, 1, replicas // ep, precision)["total"]
-        most = max(most, state + act)
+            for count, group in ((params - experts, replicas), (experts, replicas // ep)):
+                state += model_state_bytes(count, 1, group, precision)["total"]
+                step += step_bytes(count, group, precision)
+        most = max(most, state + max(act, step))
     return most
 
 

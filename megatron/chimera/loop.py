@@ -59,6 +59,7 @@ from .observability.startup import (
     print_warm_up,
 )
 from .observability.timing import ITERATION, SETUP, make_timers, print_times
+from .optim.adam import adam_state, build_adamw
 from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
 from .optim.precision import LossScaler, MainParams, scaled_loss
@@ -95,8 +96,7 @@ def _allocate_state(optimizer) -> None:
     model-state line counts real tensors."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+            optimizer.state[p] = adam_state(optimizer, p, 0, torch.zeros_like(p), torch.zeros_like(p))
 
 
 def _scheduler(spec: OptimizerSpec, optimizer):
@@ -158,7 +158,8 @@ class Trainer:
         self.guard = guard_communicators(warmed) if backend == "nccl" or dims.emulate_nccl else None
 
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
-        """The chunks this rank holds, their main weights and gradient sync, AdamW and the LR schedule."""
+        """The chunks this rank holds, their main weights and gradient sync, AdamW (optim/adam.py) and the LR
+        schedule."""
         rt, spec, model = self.rt, self.job.train.optimizer, self.job.model
         print_building(model, uses_transformer_engine(model.config.transformer_impl, device.type), device.type)
         print_layout(self.plan)
@@ -176,8 +177,7 @@ class Trainer:
         precision = self.job.train.precision
         self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
-        self.optimizer = torch.optim.AdamW(_param_groups(self.main.all(), spec), lr=spec.lr,
-                                           weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
+        self.optimizer = build_adamw(_param_groups(self.main.all(), spec), spec, device)
         _allocate_state(self.optimizer)
         self.scheduler = _scheduler(spec, self.optimizer)
 

@@ -3,6 +3,7 @@ weight-gradient kernels' contract (add into ``main_grad``, flag ``grad_added_to_
 doubles no gradient under two copies and the distributed optimizer; and Transformer Engine's split of
 the backward (delay_wgrad_compute, backward_dw) runs as the executor's I and W. Neither Transformer
 Engine nor apex is installed here: stand-ins play their kernels and their availability."""
+import threading
 import types
 
 import pytest
@@ -201,10 +202,11 @@ def apex_kernel(monkeypatch):
     return calls
 
 
-def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[torch.Tensor]:
+def _main_gradients(args, fused: bool, distributed: bool, monkeypatch, watch=None) -> list[torch.Tensor]:
     """Every stage in this process (two: the tied word embedding a copy in each, which the distributed
     optimizer's tied bucket sums into one buffer; one: both its uses in the same chunk), two micro-batches:
-    the fp32 gradients the optimizer steps."""
+    the fp32 gradients the optimizer steps. ``watch(chunks, sync)``: called before the first forward, with
+    --overlap-grad-reduce."""
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     plan = make_run_plan(args)
     stages = range(len(plan.layout.stages))
@@ -218,12 +220,15 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     tied = len(stages) > 1
     rt = Runtime(torch.device("cpu"), "gloo", rank=0, world=1, tp=1, pp=len(stages), dp=1, tp_rank=0, dp_rank=0,
                  worker=0, pipelines=len(plan.placement), embedding_stages=(0, stages[-1]) if tied else (0,))
+    overlap = watch is not None
     if distributed:
-        main = sync = ShardedMainParams(chunks, rt, tied)
+        main = sync = ShardedMainParams(chunks, rt, tied, overlap)
     else:
         main = MainParams(chunks)
-        sync = ReplicaGradSync(main.by_chunk, rt)
+        sync = ReplicaGradSync(main.by_chunk, rt, overlap)
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
+    if watch is not None:
+        watch(chunks, sync)
     first, last = chunks[(0, 0)], chunks[(0, stages[-1])]
     for mb in range(2):
         labels = tokens = torch.arange(mb, mb + 2 * 16).remainder(128).view(2, 16)
@@ -236,14 +241,38 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch) -> list[t
     return [p.grad.clone() for p in main.all()]
 
 
+def _watch_accumulation(undefined: list, starts: list):
+    """A ``watch`` for _main_gradients: the names of parameters whose gradient accumulator autograd runs
+    without a gradient, and the thread of each reduction start megatron-core's hooks make (as under
+    --overlap-grad-reduce). Autograd runs an accumulator on the device of its gradient, and one without a
+    gradient on the CPU's ready queue: on a GPU, the thread that called backward, not the device's."""
+    accumulators = []  # kept alive, so that the forward's graph uses the nodes hooked here
+
+    def watch(chunks, sync):
+        for i, hooks in enumerate(sync.chunk_syncs(list(chunks.values()))):
+            hooks.start = lambda i=i, start=hooks.start: (starts.append((i, threading.get_ident())), start())
+        for c in chunks.values():
+            for name, p in c.named_parameters():
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]  # the node autograd reuses for p
+                accumulator.register_prehook(lambda grads, name=name: undefined.append(name) if grads[0] is None
+                                             else None)
+                accumulators.append(accumulator)
+
+    return watch
+
+
 @pytest.mark.parametrize("stages", [2, 1])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, apex_kernel, monkeypatch,
                                                              precision, stages):
-    """At one stage the tied weight's lookup and logits meet in one chunk, whose placeholder megatron-core
-    zeroes (zero_out_wgrad); the fused kernel adds the logits' part into the fp32 gradient first, where
-    autograd sums the two parts in the parameters' precision, so they agree to its rounding. At two stages
-    each chunk holds one use and zeroes no placeholder."""
+    """The main gradients equal an unfused run's. At one stage the tied weight's lookup and logits meet in one
+    chunk, whose placeholder megatron-core zeroes (zero_out_wgrad); the fused kernel adds the logits' part
+    into the fp32 gradient first, where autograd sums the two parts in the parameters' precision, so they
+    agree to its rounding. At two stages each chunk holds one use and zeroes no placeholder. And
+    megatron-core's contract, which its DDP keeps with a dummy weight gradient: a fused kernel hands autograd
+    a placeholder wherever the weight has ``grad_added_to_main_grad``, and the hook skips it. fp32 weights
+    once had no flag, so the kernel handed autograd no gradient, and on a GPU their hooks, which start
+    reductions under --overlap-grad-reduce (on in the fused runs), ran on another thread than the rest."""
     pipeline = ["--pipeline-model-parallel-size", str(stages)]
     args = parse_args(FUSED + pipeline + ([] if precision == "fp32" else ["--bf16"]), world_size=stages)
     rounding = 1e-6 if precision == "fp32" else 2.0 ** -7  # bf16: 8 significant bits
@@ -251,10 +280,14 @@ def test_fused_weight_gradients_are_neither_lost_nor_doubled(one_process_group, 
     for distributed in (False, True):
         reference = _main_gradients(args, False, distributed, monkeypatch)
         assert not apex_kernel
-        fused = _main_gradients(args, True, distributed, monkeypatch)
+        undefined, starts = [], []
+        fused = _main_gradients(args, True, distributed, monkeypatch, _watch_accumulation(undefined, starts))
         assert len(apex_kernel) == 2 * (4 + 4 + 1), "2 micro-batches: both layers' 4 linears, the output layer"
         apex_kernel.clear()
         assert all(same(f, r) for f, r in zip(fused, reference)), (precision, distributed, stages)
+        assert undefined == [], f"{precision} distributed={distributed}: no gradient reached {sorted(set(undefined))}"
+        assert {i for i, _ in starts} == set(range(stages)), f"{precision} distributed={distributed}: started {starts}"
+        assert len({thread for _, thread in starts}) == 1, f"reductions started from threads {set(starts)}"
 
 
 def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_process_group):
@@ -270,6 +303,29 @@ def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_
         chunks = [chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in range(stages)]
         got = [getattr(c.shared_embedding_or_output_weight(), "zero_out_wgrad", False) for c in chunks]
         assert got == marked, f"zero_out_wgrad of the tied weight per stage, {stages} stages {extra}: {got}"
+
+
+def test_fp32_main_parameters_under_the_fusion_are_the_models_storage():
+    """What the placeholder costs in fp32: a second parameter object over the same storage, no copy; the
+    optimizer's step is the model's, the state is keyed by the model's parameters, and the model-state
+    line counts no main weights."""
+    model = torch.nn.Linear(3, 2)
+    model.config = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    main = MainParams({(0, 0): model})
+    assert [m.data_ptr() for m in main.all()] == [p.data_ptr() for p in model.parameters()], "main weights copied"
+    assert all(m is not p for m, p in zip(main.all(), model.parameters())) and not main.half
+    assert main.state_bytes() == (0, 4 * 8), main.state_bytes()
+    optimizer = torch.optim.AdamW(main.all(), lr=0.1)
+    for m in main.all():
+        m.grad = torch.ones_like(m)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(model.weight, before), "the step did not reach the model's weights"
+    states = main.full_state(optimizer, ("exp_avg", "exp_avg_sq", "fp32_param"))
+    assert set(states) == {id(p) for p in model.parameters()}, "the state is not keyed by the model's parameters"
+    states[id(model.weight)]["fp32_param"] = torch.zeros(2, 3)  # a bf16 run's: not the fp32 model's weights
+    main.load_full_state(optimizer, states, 1)
+    assert not torch.equal(model.weight, torch.zeros(2, 3)), "an fp32 run took a checkpoint's main weights"
 
 
 # --- split backward with Transformer Engine's delayed weight gradients, a stand-in ------------------

@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from ..model.chunk import TIED_NAME
+from .adam import adam_state
 from .gradients import ChunkGradSync, chunk_syncs, is_expert, weighted_square_sum
 from .precision import unfused_gradient
 
@@ -343,8 +344,8 @@ class ShardedMainParams:
     def load_full_state(self, optimizer, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
         for piece in self.all():
             whole = {name: t.reshape(-1)[piece.span[0]:piece.span[1]] for name, t in states[id(piece.source)].items()}
-            optimizer.state[piece] = {"step": torch.tensor(float(step)),
-                                      "exp_avg": whole["exp_avg"].clone(), "exp_avg_sq": whole["exp_avg_sq"].clone()}
+            optimizer.state[piece] = adam_state(optimizer, piece, step, whole["exp_avg"].clone(),
+                                                whole["exp_avg_sq"].clone())
             if "fp32_param" in whole and piece.source.dtype != torch.float32:
                 piece.copy_(whole["fp32_param"])
 

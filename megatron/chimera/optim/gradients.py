@@ -68,11 +68,16 @@ class ChunkGradSync:
     sharding one replica's DP group, cannot hold); DDP's buffers and streams also need CUDA, so the
     equivalence tests could not run that path. One bucket per chunk: Megatron-LM's own on every chunk but
     the first pipeline rank's first (it disables bucketing on the others), and on that one too while it
-    holds fewer parameters than a 40M-parameter bucket."""
+    holds fewer parameters than a 40M-parameter bucket.
+
+    The hooks run on the thread autograd runs each accumulator on: the device's for a gradient on the GPU,
+    the CPU ready queue's (the thread that called backward) for a parameter handed no gradient. So that
+    the start, a collective, comes from one thread, every parameter gets a gradient: under
+    gradient-accumulation fusion the kernels' placeholder (precision.py, distributed_optimizer.py)."""
 
     def __init__(self, params: list[torch.nn.Parameter], start: Callable[[], None]):
         self.start, self.params, self.ready, self.syncing = start, {id(p) for p in params}, set(), True
-        for p in params:  # after the fp16/bf16 hook that adds the gradient into its fp32 main gradient
+        for p in params:  # after the hook that adds the gradient into its fp32 main gradient, if it has one
             p.register_post_accumulate_grad_hook(self._ready)
 
     @contextlib.contextmanager

@@ -5,10 +5,16 @@ has fp32's range and needs none).
 Every backward adds its half-precision gradient into the fp32 main parameter's gradient at once (a hook), so
 gradients accumulate over micro-batches and reduce over stage copies in fp32: Megatron-LM's
 --accumulate-allreduce-grads-in-fp32. That keeps layouts apart only by fp32 rounding; fp16 sums in
-each layout's own order would differ by far more. In fp32 the main parameters are the model's own.
+each layout's own order would differ by far more. In fp32 the main parameters are the model's own (or,
+under gradient-accumulation fusion, share their storage).
 
 With Megatron-LM's gradient-accumulation fusion (on a GPU) the fused weight-gradient kernels add into
-``param.main_grad`` themselves: here the main parameter's fp32 gradient (``MainParams._point_main_grads``).
+``param.main_grad`` themselves: here the main parameter's fp32 gradient (``MainParams._point_main_grads``),
+and hand autograd a placeholder the hook skips. In fp32 too the model's weights then get a main parameter
+and the hook: one sharing their storage (``MainParams.aliases``), so that nothing is copied. Without the
+placeholder autograd would get no weight gradient, and run those weights' hooks, which start reductions
+under --overlap-grad-reduce, on the CPU's ready queue while the rest run on the GPU's thread: NCCL from
+two threads. megatron-core's DDP keeps the same contract for the same reason.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import math
 import torch
 
 from ..config.train_spec import PrecisionSpec
+from .adam import adam_state
 from .gradients import clip_, global_norm, global_zeros
 
 
@@ -24,27 +31,32 @@ class MainParams:
     """The parameters the optimizer steps and the gradient code reads, per held chunk."""
 
     def __init__(self, chunks: dict):
-        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        self.by_chunk = {key: [self._main(p) for p in chunk.parameters()] for key, chunk in chunks.items()}
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model, fp32 copy)
+        self.aliases: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model, its storage)
         self.fused = {key: chunk for key, chunk in chunks.items() if chunk.config.gradient_accumulation_fusion}
+        self.by_chunk = {key: [self._main(p, key in self.fused) for p in chunk.parameters()]
+                         for key, chunk in chunks.items()}
 
-    def _main(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
-        if param.dtype == torch.float32:
+    def _main(self, param: torch.nn.Parameter, fused: bool) -> torch.nn.Parameter:
+        """The model's own fp32 parameter; an fp32 copy of a half-precision one; under gradient-accumulation
+        fusion, a new parameter over an fp32 one's storage, so that the model's ``.grad`` stays free for
+        the kernels' placeholder."""
+        copy = param.dtype != torch.float32
+        if not copy and not fused:
             return param
-        main = torch.nn.Parameter(param.detach().float())
+        main = torch.nn.Parameter(param.detach().float() if copy else param.detach())
         main.__dict__.update(param.__dict__)  # global_name, tensor-parallel and sequence-parallel marks
         param.main_param = main
         param.grad_added_to_main_grad = False
         param.register_post_accumulate_grad_hook(_accumulate_into_main)
-        self.pairs.append((param, main))
+        (self.pairs if copy else self.aliases).append((param, main))
         return main
 
     def _point_main_grads(self) -> None:
         """Under gradient-accumulation fusion, each parameter's ``main_grad`` is its main parameter's fp32
-        gradient, a view of the replica sync's persistent buffer (in fp32 the model's own ``.grad``), which
-        exists only once the replica sync is built, after this; the tied embedding, which it keeps no
-        buffer for, gets its persistent gradient here. fp32 parameters have no hook that could skip a
-        placeholder gradient, so they get no ``grad_added_to_main_grad`` and the kernels hand autograd none."""
+        gradient, a view of the replica sync's persistent buffer, which exists only once the replica sync
+        is built, after this; the tied embedding, which it keeps no buffer for, gets its persistent
+        gradient here."""
         for key, chunk in self.fused.items():
             for param, main in zip(chunk.parameters(), self.by_chunk[key]):
                 if main.grad is None:
@@ -108,15 +120,15 @@ class MainParams:
 
     @torch.no_grad()
     def load_full_state(self, optimizer, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        copies = {id(main) for _, main in self.pairs}
         for model, main in self._model_and_main():
             saved = states[id(model)]
-            optimizer.state[main] = {"step": torch.tensor(float(step)),  # AdamW keeps its step count on the CPU
-                                     "exp_avg": saved["exp_avg"], "exp_avg_sq": saved["exp_avg_sq"]}
-            if "fp32_param" in saved and main is not model:
+            optimizer.state[main] = adam_state(optimizer, main, step, saved["exp_avg"], saved["exp_avg_sq"])
+            if "fp32_param" in saved and id(main) in copies:
                 main.copy_(saved["fp32_param"])
 
     def _model_and_main(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        model_of = {id(main): model for model, main in self.pairs}
+        model_of = {id(main): model for model, main in self.pairs + self.aliases}
         return [(model_of.get(id(main), main), main) for main in self.all()]
 
     def state_bytes(self) -> tuple[int, int]:
