@@ -94,8 +94,8 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
     sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt) if kind == "replica" else ShardedMainParams(
         chunks, rt, tied=False)
     assert sync.chunk_syncs(list(chunks.values())) is None
-    sync.start(0, 1, "stage 1")
-    sync.start(1, 0, "stage 0")
+    sync.start(0, 1, "stage 1", "stage1")
+    sync.start(1, 0, "stage 0", "stage0")
     assert rt.calls == []
     sync.finish()
     assert [group for group, _, _ in rt.calls] == ["stage 0", "stage 1"]
@@ -104,7 +104,7 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
 def test_with_overlap_an_r_action_starts_its_reduction_at_once():
     rt = _Runtime()
     sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}).by_chunk, rt, overlap=True)
-    sync.start(0, 0, "stage 0")
+    sync.start(0, 0, "stage 0", "stage0")
     assert len(rt.calls) == 1
     sync.finish()
     assert len(rt.calls) == 1

@@ -37,7 +37,7 @@ from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.passes.overlap import REFERENCE, halve
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
-from megatron.chimera.config.run_plan import PROOF_MODE
+from megatron.chimera.config.run_plan import PROOF_MODE, wider_reductions
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
@@ -503,11 +503,14 @@ def condition_number(trainer, loss: float) -> float | None:
 
 
 def count_early_reductions(trainer) -> list[tuple[int, int]]:
-    """Per iteration on this rank, (stage copies whose gradient reduction had started when the GradSync's
-    ``finish`` began, stage copies): all of them with --overlap-grad-reduce (at R actions, or through
-    megatron-core's no_sync/grad_sync hooks), none without it (Megatron-LM's default: after the schedule)."""
+    """Per iteration on this rank, (gradient reductions that had started when the GradSync's ``finish``
+    began, reductions): stage copies', each stage's experts', the tied embedding's. With
+    --overlap-grad-reduce all of them under our executor (at their ALLREDUCE actions), the stage copies'
+    under megatron-core's schedules (through its no_sync/grad_sync hooks); none without it (Megatron-LM's
+    default: after the schedule)."""
     sync, seen = trainer.sync, []
-    copies = len(sync.stages) if hasattr(sync, "stages") else len(sync.buffers)  # distributed optimizer or not
+    copies = len(sync.reductions) if trainer.plan.schedule is not None else \
+        len(sync.stages) if hasattr(sync, "stages") else len(sync.buffers)  # distributed optimizer or not
     finish = sync.finish
 
     def counted():
@@ -564,7 +567,7 @@ class HookRecorder(Hooks):
                 "actions": actions, "posted": posted, "kinds": sorted(kinds)}
 
 
-def every_pair_fused(plan):
+def every_pair_fused(plan, args):
     """``plan`` with each worker's adjacent forward and B-or-I of two micro-batches fused wherever the
     schedule stays valid, whether or not the pair pays; where the plan ran actions in halves, every
     forward and backward left unpaired halved (``passes.overlap.halve`` at its reference costs), so that
@@ -590,7 +593,7 @@ def every_pair_fused(plan):
     if halves:
         fused = halve(fused, REFERENCE)
     validate(fused)
-    lowered = lower(fused)
+    lowered = lower(fused, **wider_reductions(args, plan.layout))
     check(lowered, PROOF_MODE)  # what make_run_plan proves of every schedule before it runs
     return replace(plan, schedule=fused, lowered=lowered)
 
@@ -666,7 +669,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     args = parse_args(MODEL + flags + ["--data-cache-path", cache], world_size=world)
     hooks = HookRecorder()
     plan = make_run_plan(args)
-    trainer = Trainer(job_config(args), every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
+    trainer = Trainer(job_config(args), every_pair_fused(plan, args) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
