@@ -110,17 +110,17 @@ def check_structure(s: Schedule) -> None:
 
 
 def _check_wider_reductions(s: Schedule) -> None:
-    """A stage's expert reduction (on ``experts{S}``) and the tied embedding's (on ``embedding``, over
-    the stages the lowered meta names) are posted once by every worker holding a copy of what they sum,
-    by no other, each after that worker's last backward of those copies: the checker counts a group's
-    members from the lists, so a member left out would go unseen."""
+    """Where any worker posts a stage's expert reduction (on ``experts{S}``) or the tied embedding's (on
+    ``embedding``, over the stages the lowered meta names), every worker holding a copy of what it sums
+    posts it once, and no other, after that worker's last backward of those copies: the checker counts
+    a group's members from the lists, so a member left out would go unseen."""
     tied = tuple(s.meta.get(EMBEDDING_META, ()))
     posted = {a.group for actions in s.workers for a in actions if a.op is Op.ALLREDUCE}
     for w, actions in enumerate(s.workers):
         held = {stage for _, stage in s.held(w)}
         # group -> (the stage its reduction names, the held stages whose copies it sums)
         expected = {expert_group(stage): (stage, (stage,)) for stage in held if expert_group(stage) in posted}
-        if tied and held & set(tied):
+        if EMBEDDING_GROUP in posted and held & set(tied):
             expected[EMBEDDING_GROUP] = (tied[0], tuple(stage for stage in tied if stage in held))
         pending = Counter(p.stage for a in actions if a.op not in COMM_OPS for p in parts(a) if p.op in _GRAD_DONE)
         for a in actions:
