@@ -206,8 +206,8 @@ class ShardedMainParams:
         self.buckets = [*self.stages.values(), *self.experts.values(), *([self.tied] if self.tied else [])]
         # the lowered lists' channel of each bucket: its ALLREDUCE action starts it (--overlap-grad-reduce)
         self.reductions = {**{stage_group(s): b for s, b in self.stages.items()},
-                         **{expert_group(s): b for s, b in self.experts.items()},
-                         **({EMBEDDING_GROUP: self.tied} if self.tied else {})}
+                           **{expert_group(s): b for s, b in self.experts.items()},
+                           **({EMBEDDING_GROUP: self.tied} if self.tied else {})}
         self.half = any(p.dtype != torch.float32 for c in chunks.values() for p in c.parameters())
         if overlap_gather:
             for (_, stage), chunk in chunks.items():
