@@ -11,6 +11,7 @@ from chimera_schedules.ir.actions import Op, parts
 from chimera_schedules.ir.dataflow import compute_part, forward_only
 from chimera_schedules.ir.schedule import Schedule
 from chimera_schedules.passes.lowering import lower
+from chimera_schedules.runtime import faults
 
 GRID = [("chimera", 2, 4, {}), ("chimera", 4, 8, {}), ("chimera", 4, 8, {"split_backward": True}),
         ("chimera", 4, 8, {"pipelines": 4}), ("1f1b", 4, 8, {}), ("interleaved", 2, 4, {"virtual_stages": 2}),
@@ -124,3 +125,15 @@ def test_lowered_lists_with_them_round_trip_through_json():
     assert Schedule.loads(lowered.dumps()) == lowered
     assert Schedule.loads(lowered.dumps()).meta["embedding_stages"] == [0, 3]
     check(Schedule.loads(lowered.dumps()), "nccl-single-queue")
+
+
+def test_a_failed_start_names_what_it_reduced(monkeypatch):
+    """A fault raised by starting one of them names the experts' or the embedding's reduction."""
+    monkeypatch.setattr(faults.dist, "get_rank", lambda: 0)
+    lowered = wider(build("chimera", 2, 4))
+    headlines = [faults.action_fault(a, ValueError("boom"), 0, [0, 1]).headline for a in lowered.workers[0]
+                 if a.op is Op.ALLREDUCE and a.group in ("experts1", "embedding")]
+    assert headlines == ["rank 0 (worker 0): the expert gradient all-reduce of pipeline 1, stage 1 on group experts1 "
+                         "(ARp1s1@experts1) raised ValueError: boom",
+                         "rank 0 (worker 0): the word embedding's gradient all-reduce on group embedding "
+                         "(ARp0s0@embedding) raised ValueError: boom"], headlines
