@@ -293,7 +293,7 @@ DETERMINISTIC = "chimera direct D=2 deterministic mode"
 PLANTED_COPY = "mixtral chimera distributed optimizer D=2 EP=2 overlapped reduce"
 # --overlap-grad-reduce with experts over EP=2 and a tied embedding under Chimera D=2, without and with the
 # distributed optimizer: the expert and embedding reductions start in the lowered lists
-OVERLAPPED_EXPERTS = ("mixtral alltoall chimera D=2 EP=2 overlapped reduce", PLANTED_COPY)
+OVERLAPPED_EXPERTS = ("mixtral alltoall chimera D=2 EP=2 emulated NCCL overlapped reduce", PLANTED_COPY)
 
 # What the one-process launch writes into --out when it fails, so that no launch waits for its references
 REFERENCES_FAILED = "references failed"
@@ -364,7 +364,7 @@ CASES = {
         "megatron-1f1b D=2 DP=2 overlapped reduce": ("tied-learned", D2["megatron-1f1b D=2"] + OVERLAP),
         "mixtral chimera D=4": ("mixtral", CHIMERA4),
         "mixtral dualpipe D=4": ("mixtral", D4["dualpipe D=4"]),
-        OVERLAPPED_EXPERTS[0]: ("mixtral", CHIMERA2 + EP2 + ALLTOALL + OVERLAP),
+        OVERLAPPED_EXPERTS[0]: ("mixtral", CHIMERA2 + EP2 + ALLTOALL + ["--emulate-nccl"] + OVERLAP),
         PLANTED_COPY: ("mixtral", CHIMERA2 + EP2 + DISTOPT + OVERLAP),
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
