@@ -148,7 +148,7 @@ class _ReplicaSum:
     def __init__(self, chunks: dict):
         self.chunks, self.pending = chunks, []
 
-    def start(self, pipeline: int, stage: int, group) -> None:
+    def start(self, pipeline: int, stage: int, group, channel: str) -> None:
         if group is None:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self.chunks[(pipeline, stage)].parameters()

@@ -12,11 +12,11 @@ cannot cross: docs/notes/nccl-model.md.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ..ir.actions import COMM_OPS, Action, Op, Overlapped, parts
-from ..ir.channels import stage_group
+from ..ir.channels import EMBEDDING_GROUP, EMBEDDING_META, expert_group, reduces, stage_group
 from ..ir.costs import CostModel, Event
 from ..ir.dataflow import consumed_messages, produced_messages, source_worker
 from ..ir.errors import InvalidSchedule
@@ -24,6 +24,7 @@ from ..ir.schedule import Schedule
 from .validator import validate
 
 MODES = ("gloo", "nccl", "nccl-single-queue")
+_GRAD_DONE = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the passes after which a copy's gradient is final
 
 
 @dataclass(eq=False)
@@ -46,12 +47,21 @@ class _Item:
 
 
 def shared_groups(s: Schedule) -> dict[str, str]:
-    """Each stage's replica group -> the communicator it runs on, named by all the groups sharing it
+    """Each collective group -> the communicator it runs on, named by all the groups sharing it
     ("stage0/stage3"): one per set of workers holding a stage (data and tensor parallelism multiply
-    every stage's ranks alike)."""
+    every stage's ranks alike), the embedding group's being its stages' holders. A stage's expert group
+    (where the lists post one) spans the stage's workers but may have fewer ranks, so its own process
+    group: it is modelled on the stage's communicator all the same, the stricter model (lists that
+    complete with both on one queue complete with each on its own, which keeps their order)."""
+    holders = lambda stage: frozenset(row[stage] for row in s.placement)  # noqa: E731
+    posted = {a.group for actions in s.workers for a in actions if a.op is Op.ALLREDUCE}
     by_workers = {}
     for stage in range(s.stages_per_pipeline):
-        by_workers.setdefault(frozenset(row[stage] for row in s.placement), []).append(stage_group(stage))
+        named = [stage_group(stage)] + [expert_group(stage)] * (expert_group(stage) in posted)
+        by_workers.setdefault(holders(stage), []).extend(named)
+    tied = s.meta.get(EMBEDDING_META, ())
+    if tied:
+        by_workers.setdefault(frozenset().union(*map(holders, tied)), []).append(EMBEDDING_GROUP)
     return {name: "/".join(names) for names in by_workers.values() for name in names}
 
 
@@ -81,7 +91,9 @@ def run_lowered(lowered: Schedule, mode: str, costs: CostModel) -> LoweredRun:
 
 def check_structure(s: Schedule) -> None:
     """Every remote input has a RECV from its producer before its consumer, every remote output a
-    SEND after its producer, each exactly once, and batches are consecutive p2p operations."""
+    SEND after its producer, each exactly once, batches are consecutive p2p operations, and the expert
+    and embedding reductions are where they belong (``_check_wider_reductions``)."""
+    _check_wider_reductions(s)
     for w, actions in enumerate(s.workers):
         sent, received, computed, batches = set(), set(), set(), []
         for a in actions:
@@ -95,6 +107,35 @@ def check_structure(s: Schedule) -> None:
                     raise InvalidSchedule(f"batch {a.batch} is not consecutive", w, a)
                 batches.append(a.batch)
         _check_outputs(s, w, actions, sent)
+
+
+def _check_wider_reductions(s: Schedule) -> None:
+    """Where any worker posts a stage's expert reduction (on ``experts{S}``) or the tied embedding's (on
+    ``embedding``, over the stages the lowered meta names), every worker holding a copy of what it sums
+    posts it once, and no other, after that worker's last backward of those copies: the checker counts
+    a group's members from the lists, so a member left out would go unseen."""
+    tied = tuple(s.meta.get(EMBEDDING_META, ()))
+    posted = {a.group for actions in s.workers for a in actions if a.op is Op.ALLREDUCE}
+    for w, actions in enumerate(s.workers):
+        held = {stage for _, stage in s.held(w)}
+        # group -> (the stage its reduction names, the held stages whose copies it sums)
+        expected = {expert_group(stage): (stage, (stage,)) for stage in held if expert_group(stage) in posted}
+        if EMBEDDING_GROUP in posted and held & set(tied):
+            expected[EMBEDDING_GROUP] = (tied[0], tuple(stage for stage in tied if stage in held))
+        pending = Counter(p.stage for a in actions if a.op not in COMM_OPS for p in parts(a) if p.op in _GRAD_DONE)
+        for a in actions:
+            for p in parts(a) if a.op not in COMM_OPS else ():
+                pending[p.stage] -= p.op in _GRAD_DONE
+            if a.op is not Op.ALLREDUCE or reduces(a.group) == "stage":
+                continue
+            named, sums = expected.pop(a.group, (None, ()))
+            if a.stage != named:
+                raise InvalidSchedule(f"posted twice, or where no copy of what group {a.group} sums is held, "
+                                      f"or naming another stage than {named}", w, a)
+            if any(pending[stage] for stage in sums):
+                raise InvalidSchedule("reduction posted before the last backward of a copy it sums", w, a)
+        if expected:
+            raise InvalidSchedule(f"no reduction posted on {', '.join(sorted(expected))}, whose copies it holds", w)
 
 
 def _check_comm(s: Schedule, w: int, a: Action, sent: set, received: set, computed: set) -> None:

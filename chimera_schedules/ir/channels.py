@@ -7,6 +7,9 @@
   down-pipeline activations share ``down`` with its up-pipeline gradients (4 communicators per
   interior rank instead of 8). Both ends post a channel's messages in one global order (lowering).
 - ``stage{S}`` is model stage S's replica group (every copy, every data-parallel rank).
+- ``experts{S}`` is stage S's expert replica group (expert parallelism: every copy of the same experts),
+  ``embedding`` the word embedding's group (every copy of a tied embedding): lowering names them only
+  when asked to post those reductions in the lists (``lower``'s ``experts`` and ``embedding_stages``).
 Lowering names them; the trainer creates a process group for each.
 """
 
@@ -20,3 +23,19 @@ def p2p_group(src: int, dst: int) -> str:
 
 def stage_group(stage: int) -> str:
     return f"stage{stage}"
+
+
+EMBEDDING_GROUP = "embedding"
+EMBEDDING_META = "embedding_stages"  # a lowered schedule's meta: the stages whose copies ``embedding`` sums
+
+
+def expert_group(stage: int) -> str:
+    return f"experts{stage}"
+
+
+def reduces(group: str) -> str:
+    """What an all-reduce on collective group ``group`` sums: "stage" (a stage copy's gradients),
+    "experts" (a stage's routed experts) or "embedding" (the tied word embedding's copies)."""
+    if group == EMBEDDING_GROUP:
+        return "embedding"
+    return "experts" if group.startswith("experts") else "stage"

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .actions import COMPOUND_OPS, Action, Op, Overlapped, parts
+from .channels import reduces
 from .schedule import Schedule
 
 Key = tuple[str, int, int, int]
@@ -104,7 +105,9 @@ def forward_only(lowered: Schedule) -> Schedule:
 
 
 def compute_part(schedule: Schedule) -> Schedule:
-    """The compute schedule inside a lowered one (ALLREDUCE back to R); a compute schedule itself."""
+    """The compute schedule inside a lowered one (a stage copy's ALLREDUCE back to R; the expert and
+    embedding reductions, which no compute action has, dropped); a compute schedule itself."""
     workers = tuple(tuple(Action(Op.REDUCE_GRADS, -1, a.pipeline, a.stage) if a.op is Op.ALLREDUCE else a
-                          for a in w if a.op not in (Op.SEND, Op.RECV)) for w in schedule.workers)
+                          for a in w if a.op not in (Op.SEND, Op.RECV)
+                          and (a.op is not Op.ALLREDUCE or reduces(a.group) == "stage")) for w in schedule.workers)
     return replace(schedule, workers=workers)

@@ -16,7 +16,7 @@ the iteration's state: the messages (messages.py) and one stage per held chunk (
   interleaved halves (stage.PlanStage.forward_halves); a B or I in halves as the whole action, which a
   PlanStage runs as its forward ran: in halves after a forward in halves (stage.py's docstring);
 - SEND: post the send of a kept output or input gradient; completed sends are dropped after every action;
-- ALLREDUCE: hand the chunk's gradients to ``GradSync.start`` (asynchronous); the flush
+- ALLREDUCE: hand the reduction it names to ``GradSync.start`` (asynchronous); the flush
   (``GradSync.finish``) waits for every reduction before the function returns.
 Evaluation runs the forward-only part of the same list (``ir/dataflow.forward_only``).
 
@@ -46,8 +46,10 @@ __all__ = ["GradSync", "Observer", "make_forward_backward"]
 
 
 class GradSync(Protocol):
-    def start(self, pipeline: int, stage: int, group) -> None:
-        """Begin reducing the gradients of this stage copy over ``group`` (its replica group)."""
+    def start(self, pipeline: int, stage: int, group, channel: str) -> None:
+        """Begin the reduction an ALLREDUCE action names: over process group ``group``, of what its
+        ``channel`` sums (``ir/channels.reduces``: this stage copy's gradients, the stage's experts, or
+        the tied word embedding)."""
 
     def finish(self) -> None:
         """Complete every reduction started this iteration (and any that span several copies)."""
@@ -211,7 +213,7 @@ class _Iteration:
         if a.op is Op.SEND:
             return self.messages.send(a)
         if a.op is Op.ALLREDUCE:
-            return self.grad_sync.start(a.pipeline, a.stage, self.transport.groups[a.group])
+            return self.grad_sync.start(a.pipeline, a.stage, self.transport.groups[a.group], a.group)
         return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward,
                 Op.BACKWARD_WEIGHT: self.backward_weight, Op.OVERLAPPED: self.overlapped,
                 Op.HALVED: self.halved}[a.op](a)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from ..ir.actions import COMPUTE_OPS, Action, Op, Overlapped
+from ..ir.channels import EMBEDDING_GROUP, reduces
 
 
 class PipelineFault(RuntimeError):
@@ -132,8 +133,11 @@ def _action_name(a: Action | Overlapped, ranks: Sequence[int]) -> str:
         return f"{_action_name(a.action, ranks)[:-len(f' ({a.action})')]}, in two halves ({a})"
     if a.op in COMPUTE_OPS:
         return f"the {_WHAT[a.op]} of micro-batch {a.mb}, pipeline {a.pipeline}, stage {a.stage} ({a})"
+    if a.op is Op.ALLREDUCE and a.group == EMBEDDING_GROUP:
+        return f"the word embedding's gradient all-reduce on group {a.group} ({a})"
     if a.op is Op.ALLREDUCE:
-        return f"the gradient all-reduce of pipeline {a.pipeline}, stage {a.stage} on group {a.group} ({a})"
+        experts = "expert " if reduces(a.group) == "experts" else ""
+        return f"the {experts}gradient all-reduce of pipeline {a.pipeline}, stage {a.stage} on group {a.group} ({a})"
     return f"posting the {'send' if a.op is Op.SEND else 'receive'} of the {describe_message(a, ranks)}"
 
 

@@ -24,7 +24,7 @@ from megatron.training.training import num_floating_point_operations, print_date
 from megatron.training.utils import print_rank_0, print_rank_last
 
 from chimera_schedules import ConfigError
-from chimera_schedules.ir.channels import stage_group
+from chimera_schedules.ir.channels import EMBEDDING_GROUP, expert_group, stage_group
 from chimera_schedules.runtime.faults import ComputeFault, PipelineFault, unattributed_fault
 from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
@@ -113,7 +113,8 @@ def _transport(dims: ParallelDims, rt, backend: str, layout, dtype: torch.dtype)
     see TorchP2P). ``dtype``: the activations' (--params-dtype)."""
     timeout = timedelta(minutes=dims.timeout_minutes)
     p2p = EmulatedNCCL(timeout) if dims.emulate_nccl else TorchP2P(None if backend == "nccl" else timeout)
-    groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()}}
+    groups = {**rt.p2p_groups, **{stage_group(s): g for s, g in rt.stage_groups.items()},
+              **{expert_group(s): g for s, g in rt.expert_groups.items()}, EMBEDDING_GROUP: rt.embedding_group}
     return Transport(rt.worker, rt.worker_ranks, groups, rt.device, dtype, p2p, rt.comm_device, layout.output_rows())
 
 

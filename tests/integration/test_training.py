@@ -21,6 +21,7 @@ from megatron.chimera.testing.equivalence import (
     EVERY_PAIR,
     HALVES_CASES,
     KAPPA_MAX,
+    OVERLAPPED_EXPERTS,
     PER_PIPELINE,
     PLANTED_COPY,
     TOLERANCE,
@@ -204,14 +205,16 @@ def test_the_hooks_see_every_iteration_and_every_action(results):
 
 def test_gradient_reductions_start_as_overlap_grad_reduce_says(results):
     """Megatron-LM's --overlap-grad-reduce under every schedule, ours and megatron-core's: with it every
-    stage copy's reduction has started before the flush (at its R action, or through megatron-core's
-    no_sync/grad_sync hooks); without it, Megatron-LM's default, none has."""
+    reduction has started before the flush: under our executor each stage copy's, each stage's experts'
+    and the tied embedding's at their ALLREDUCE actions (OVERLAPPED_EXPERTS: experts over EP=2, with and
+    without the distributed optimizer), under megatron-core's schedules each stage copy's through its
+    no_sync/grad_sync hooks; without it, Megatron-LM's default, none has."""
     wrong = {case: results[case]["reductions_before_flush"] for case in CASES
              if results[case]["reductions_before_flush"] != ("all" if results[case]["overlap_grad_reduce"] else "none")}
     assert wrong == {}, f"reductions started before the flush ('all' expected with --overlap-grad-reduce, " \
                         f"else 'none'), by case: {wrong}"
     overlapped = {case for case in CASES if results[case]["overlap_grad_reduce"]}
-    expected = {"megatron-1f1b D=2 DP=2 overlapped reduce", "chimera D=2 DP=2 overlapped reduce"}
+    expected = {"megatron-1f1b D=2 DP=2 overlapped reduce", "chimera D=2 DP=2 overlapped reduce", *OVERLAPPED_EXPERTS}
     assert expected <= overlapped, f"cases with --overlap-grad-reduce: {sorted(overlapped)}, expected {expected}"
 
 

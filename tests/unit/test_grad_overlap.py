@@ -19,10 +19,11 @@ class _Done:
 class _Runtime:
     """What the GradSyncs ask of the runtime; every collective is recorded, with what it was given."""
 
-    def __init__(self, stages=(0,), embedding_group=None):
+    def __init__(self, stages=(0,), embedding_group=None, experts=False):
         self.device, self.dp, self.tp = torch.device("cpu"), 1, 1
         self.stage_groups = {s: f"stage {s}" for s in stages}
-        self.expert_groups, self.embedding_group, self.calls = {}, embedding_group, []
+        self.expert_groups = {s: f"experts {s}" for s in stages} if experts else {}
+        self.embedding_group, self.calls = embedding_group, []
 
     def all_reduce(self, tensor, group=None, async_op=False):
         self.calls.append((group, tensor, tensor.clone()))
@@ -94,8 +95,8 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
     sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt) if kind == "replica" else ShardedMainParams(
         chunks, rt, tied=False)
     assert sync.chunk_syncs(list(chunks.values())) is None
-    sync.start(0, 1, "stage 1")
-    sync.start(1, 0, "stage 0")
+    sync.start(0, 1, "stage 1", "stage1")
+    sync.start(1, 0, "stage 0", "stage0")
     assert rt.calls == []
     sync.finish()
     assert [group for group, _, _ in rt.calls] == ["stage 0", "stage 1"]
@@ -104,10 +105,68 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
 def test_with_overlap_an_r_action_starts_its_reduction_at_once():
     rt = _Runtime()
     sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}).by_chunk, rt, overlap=True)
-    sync.start(0, 0, "stage 0")
+    sync.start(0, 0, "stage 0", "stage0")
     assert len(rt.calls) == 1
     sync.finish()
     assert len(rt.calls) == 1
+
+
+def _moe_chunk(stage: int) -> torch.nn.Module:
+    """A chunk whose first weight is a routed expert's and whose last is the tied word embedding."""
+    chunk = _chunk(stage)
+    chunk[0].weight.allreduce = False
+    chunk[1].weight.global_name = TIED_NAME
+    return chunk
+
+
+def _chimera_worker(kind: str, overlap: bool):
+    """Worker 0 of Chimera D=2 (stage 1 of pipeline 0, stage 0 of pipeline 1), experts and a tied
+    embedding on both stages, both copies' backwards done; its GradSync and runtime."""
+    rt = _Runtime(stages=(0, 1), embedding_group="embedding", experts=True)
+    chunks = {(0, 1): _moe_chunk(1), (1, 0): _moe_chunk(0)}
+    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=overlap) if kind == "replica" else \
+        ShardedMainParams(chunks, rt, tied=True, overlap_reduce=overlap)
+    for i, chunk in enumerate(chunks.values()):
+        _backward(chunk, i)
+    return sync, rt, chunks
+
+
+# worker 0's ALLREDUCE actions of Chimera D=2's lowered list under --overlap-grad-reduce (lowering's order)
+LOWERED = [(0, 1, "stage 1", "stage1"), (0, 1, "experts 1", "experts1"), (1, 0, "stage 0", "stage0"),
+           (1, 0, "experts 0", "experts0"), (0, 0, "embedding", "embedding")]
+
+
+@pytest.mark.parametrize("kind", ["replica", "sharded"])
+def test_with_overlap_the_expert_and_embedding_reductions_start_at_their_actions(kind):
+    """Each ALLREDUCE action starts its own reduction at once, the experts' over their expert replica
+    group and the embedding's over the embedding group, both copies of the embedding summed into the
+    one reduced; finish starts nothing more, and leaves every copy of the embedding with the sum."""
+    sync, rt, chunks = _chimera_worker(kind, overlap=True)
+    tied = [c[1].weight for c in chunks.values()]
+    # the distributed optimizer's copies accumulate into one buffer already
+    summed = (sum(p.grad for p in tied) if kind == "replica" else tied[0].main_grad).clone()
+    for i, action in enumerate(LOWERED):
+        sync.start(*action)
+        assert [group for group, _, _ in rt.calls] == [group for _, _, group, _ in LOWERED[:i + 1]], rt.calls
+    group, reduced, at_start = rt.calls[-1]
+    assert group == "embedding" and torch.equal(at_start.view(-1)[:summed.numel()], summed.view(-1)), \
+        "the embedding's reduction did not start from both copies' sum"
+    sync.finish()
+    assert len(rt.calls) == len(LOWERED), f"finish started reductions again: {rt.calls[len(LOWERED):]}"
+    if kind == "replica":
+        assert all(torch.equal(p.grad, summed) for p in tied), "the embedding's copies differ from their sum"
+
+
+@pytest.mark.parametrize("kind", ["replica", "sharded"])
+def test_without_overlap_the_expert_and_embedding_reductions_run_after_the_schedule_as_before(kind):
+    """Megatron-LM's default: the actions start nothing; finish runs every reduction in the one global
+    order: stage copies by stage, experts by stage, the embedding."""
+    sync, rt, _ = _chimera_worker(kind, overlap=False)
+    for action in LOWERED:
+        sync.start(*action)
+    assert rt.calls == []
+    sync.finish()
+    assert [group for group, _, _ in rt.calls] == ["stage 0", "stage 1", "experts 0", "experts 1", "embedding"]
 
 
 def test_the_tied_embedding_is_summed_in_place():

@@ -78,7 +78,7 @@ class StandInPeer:
 
 
 class NoSync:
-    def start(self, pipeline, stage, group) -> None:
+    def start(self, pipeline, stage, group, channel) -> None:
         pass
 
     def finish(self) -> None:

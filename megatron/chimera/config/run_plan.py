@@ -30,6 +30,8 @@ from chimera_schedules.passes.lowering import lower
 from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import make_forward_backward
 
+from .parallel_dims import ParallelDims
+
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 INTERLEAVED = ("interleaved", "megatron-interleaved")  # megatron's round-robin placement of v chunks per rank
 # The one sound acceptance mode (NCCL_MODEL.md): every operation blocks its device's queue until it
@@ -223,9 +225,20 @@ def make_run_plan(args) -> RunPlan:
         return RunPlan(None, (tuple(s % pp for s in range(stages)),), stages, args.num_microbatches, 1.0, False,
                        virtual, held, name, balanced_for=balanced_for)
     schedule = generated(request)
-    lowered, seconds = _proven(lower(schedule))
+    lowered, seconds = _proven(lower(schedule, **wider_reductions(args, held)))
     return RunPlan(schedule, schedule.placement, stages, schedule.microbatches, schedule.microbatch_scale,
                    schedule.split_backward, None, held, name, lowered, seconds, bool(request.overlap), balanced_for)
+
+
+def wider_reductions(args, layout: Layout) -> dict:
+    """What the lowered lists post beside the stage copies' reductions (``lower``'s options): with
+    --overlap-grad-reduce, each stage's routed experts' where they have groups of their own, and the tied
+    word embedding's, so that they start as early as the stage copies' and the checker proves them;
+    without it nothing runs before the flush."""
+    if not args.overlap_grad_reduce:
+        return {}
+    tied = layout.embedding_stages(not args.untie_embeddings_and_output_weights)
+    return {"experts": ParallelDims.from_args(args).expert_groups, "embedding_stages": tied}
 
 
 @lru_cache(maxsize=4)

@@ -220,8 +220,9 @@ def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_
 def _shared_groups(timeout: float):
     """``new_group(ranks)`` for our collective groups: one process group, so one NCCL communicator, per
     rank set. Under Chimera stage s, stage D-1-s and the embedding group have the same ranks: three
-    communicators over the same ranks otherwise; the lowered lists post the stages' reductions in one
-    order on every member (the NCCL checker replays them on one queue). A rank set megatron-core has a
+    communicators over the same ranks otherwise; the lowered lists post the stages' reductions (and,
+    under --overlap-grad-reduce, the embedding's and the experts') in one order on every member (the
+    NCCL checker replays them on one queue). A rank set megatron-core has a
     group for reuses it: its pipeline-parallel group (a stage every pipeline rank holds; the embedding
     group at PP=2), its data-parallel group (a stage one worker holds), its expert-data-parallel group.
     megatron-core posts on those only its MoE metrics after the flush and, the pipeline group under its

@@ -9,7 +9,8 @@ rank steps only the parameter pieces inside its shard (their fp32 main weights a
 only there), and an all-gather gives every copy the updated weights. The word embedding's copies (the
 first stage's, the tied output layer, a stage of MTP layers) are one more bucket over their group, and so
 are each stage's routed experts under expert parallelism, over the stage's expert replica group (their
-copies: the same experts in every pipeline and expert-data-parallel replica). Under
+copies: the same experts in every pipeline and expert-data-parallel replica); with --overlap-grad-reduce
+their reduce-scatters start at their ALLREDUCE actions too (gradients.py says where lowering puts them). Under
 --num-distributed-optimizer-instances K (Megatron's partial distributed optimizer) each group splits
 into K instances by data-parallel rank: the shards are over the rank's instance, and one all-reduce of
 the shard across the instances follows the reduce-scatter (process_groups.py builds the groups).
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from chimera_schedules.ir.channels import EMBEDDING_GROUP, expert_group, stage_group
 
 from ..model.chunk import TIED_NAME
 from .adam import adam_state
@@ -185,13 +188,13 @@ def _accumulate(param: torch.nn.Parameter) -> None:
 
 class ShardedMainParams:
     """What the trainer steps under --use-distributed-optimizer: the pieces of every bucket in this
-    rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a stage copy's buffer, at its R
-    action with --overlap-grad-reduce, after the schedule without it (gradients.py says when, for every
-    schedule)."""
+    rank's shards. Also the executor's GradSync: ``start`` reduce-scatters a bucket (a stage's, its
+    experts', the tied embedding's) at its ALLREDUCE action with --overlap-grad-reduce, after the
+    schedule without it (gradients.py says when, for every schedule)."""
 
     def __init__(self, chunks: dict, rt, tied: bool, overlap_reduce: bool = False, overlap_gather: bool = False):
         self.rt, self.overlap_reduce, self.overlap_gather = rt, overlap_reduce, overlap_gather
-        self.started: set[int] = set()
+        self.started: set[str] = set()
         self.watched: list[ChunkGradSync] = []
         shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
         shared_ids = {id(p) for p in shared}
@@ -209,6 +212,10 @@ class ShardedMainParams:
                 self.experts[stage] = _Bucket([experts], rt.expert_groups.get(stage), rt)
         self.tied = _Bucket([[p] for p in shared], rt.embedding_group, rt) if shared else None
         self.buckets = [*self.stages.values(), *self.experts.values(), *([self.tied] if self.tied else [])]
+        # the lowered lists' channel of each bucket: its ALLREDUCE action starts it (--overlap-grad-reduce)
+        self.reductions = {**{stage_group(s): b for s, b in self.stages.items()},
+                           **{expert_group(s): b for s, b in self.experts.items()},
+                           **({EMBEDDING_GROUP: self.tied} if self.tied else {})}
         self.half = any(p.dtype != torch.float32 for c in chunks.values() for p in c.parameters())
         if overlap_gather:
             for (_, stage), chunk in chunks.items():
@@ -227,41 +234,39 @@ class ShardedMainParams:
                 if param_is_not_tensor_parallel_duplicate(piece.source)]
 
     # --- GradSync ---------------------------------------------------------------------------------
-    def start(self, pipeline: int, stage: int, group) -> None:
+    def start(self, pipeline: int, stage: int, group, channel: str) -> None:
+        """An ALLREDUCE action on ``channel``: with --overlap-grad-reduce its bucket's reduce-scatter
+        starts now (a stage's, its experts', the tied embedding's; each over the bucket's own group)."""
         if self.overlap_reduce:
-            self._reduce(stage)
+            self._reduce(channel)
 
     def chunk_syncs(self, models) -> list[ChunkGradSync] | None:
         """megatron-core's schedules' hooks under --overlap-grad-reduce (None without it)."""
         if not self.overlap_reduce:
             return None
         bucketed = {(0, stage): bucket.copies[0] for stage, bucket in self.stages.items()}
-        self.watched = chunk_syncs(models, bucketed, lambda key: self._reduce(key[1]))
+        self.watched = chunk_syncs(models, bucketed, lambda key: self._reduce(stage_group(key[1])))
         return self.watched
 
-    def _reduce(self, stage: int) -> None:
-        if stage not in self.started:
-            self.started.add(stage)
-            self.stages[stage].reduce()
+    def _reduce(self, channel: str) -> None:
+        if channel in self.reductions and channel not in self.started:
+            self.started.add(channel)
+            self.reductions[channel].reduce()
 
     def finish(self) -> None:
-        """The stage copies' reduce-scatters not started yet (all of them without --overlap-grad-reduce),
-        in the global order; after them, the buckets outside the lowered lists (experts, then the tied
-        embedding), one at a time in the global order, so the checker's collectives stay the only ones
-        in flight while the lists run."""
+        """The reduce-scatters not started yet (all of them without --overlap-grad-reduce), in the global
+        order: the stages' together, then the experts' and the tied embedding's one at a time (as they
+        always ran), each bucket waited for in that order."""
         for stage in self.stages:
-            self._reduce(stage)
+            self._reduce(stage_group(stage))
         for bucket in self.stages.values():
             bucket.wait()
+        for channel in [*map(expert_group, self.experts), *([EMBEDDING_GROUP] if self.tied else [])]:
+            self._reduce(channel)
+            self.reductions[channel].wait()
         self.started.clear()
         for chunk in self.watched:
             chunk.reset()
-        for bucket in self.experts.values():
-            bucket.reduce()
-            bucket.wait()
-        if self.tied:
-            self.tied.reduce()
-            self.tied.wait()
         self._sum_over_tensor_parallel()
 
     def _sum_over_tensor_parallel(self) -> None:

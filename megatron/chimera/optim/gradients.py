@@ -8,9 +8,11 @@ all pipelines (each saw different micro-batches), averaged over data-parallel re
 already divided by the micro-batches per replica, so sum-then-divide-by-DP gives the global-batch mean.
 
 When the reductions start is Megatron-LM's --overlap-grad-reduce, for every schedule. Off (its default),
-every stage copy's reduction starts after the schedule's last backward. On, a copy's reduction starts
-as soon as its last backward is done: under our executor at the copy's R action (the lowered list places
-it there); under megatron-core's schedules through the hooks Megatron-LM gives them (``ChunkGradSync``).
+every reduction starts after the schedule's last backward. On, a copy's reduction starts as soon as its
+last backward is done: under our executor at the copy's R action (the lowered list places it there),
+and so do each stage's experts' (with the stage's) and the tied embedding's (after its last copy's);
+under megatron-core's schedules through the hooks Megatron-LM gives them (``ChunkGradSync``), the
+experts and the embedding after the schedule.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from chimera_schedules.ir.channels import EMBEDDING_GROUP, reduces
 
 from ..model.chunk import TIED_NAME
 
@@ -115,18 +119,19 @@ def chunk_syncs(models, bucketed: dict, start: Callable) -> list[ChunkGradSync]:
 
 
 class ReplicaGradSync:
-    """The executor's GradSync: ``start`` all-reduces one stage copy's gradients asynchronously over the
-    group the lowered schedule names, its stage's replica group, with --overlap-grad-reduce (eager sync,
-    while the worker computes on); without it ``finish`` starts them all, after the schedule, in one
-    global order (by stage, then pipeline). ``finish`` waits for them, then sums the tied word embedding
-    over all of its copies (input embeddings and output layers), and, with expert parallelism, each
-    stage's routed experts over its expert replica group (``Runtime.expert_groups``), stage by stage in one
-    global order. Those two run after the lowered lists, so the collectives the checker proved stay the
-    only ones in flight.
+    """The executor's GradSync: ``start`` begins the reduction an ALLREDUCE action of the lowered list
+    names, asynchronously, with --overlap-grad-reduce (eager sync, while the worker computes on): a
+    stage copy's gradients over its stage's replica group; the stage's routed experts, this rank's
+    copies summed, over its expert replica group (``Runtime.expert_groups``); the tied word embedding,
+    its copies here summed, over the embedding group (lowering posts the last two, where it is asked to,
+    after the backwards of every copy they sum; the NCCL checker proves every list's order). ``finish``
+    starts what has not started, in one global order (without --overlap-grad-reduce all of it, after
+    the schedule: stage copies by stage, then pipeline; experts stage by stage; the embedding last),
+    waits for all, and sums the sequence-parallel norms over the tensor-parallel group.
 
     Each stage copy's gradients live in one persistent fp32 buffer: the main parameters' ``.grad`` are
     views into it (autograd and the fp16/bf16 hook accumulate in place, and the optimizer zeroes in
-    place), so the reduction runs on the buffer itself, with no second copy."""
+    place), so the reduction runs on the buffer itself, with no second copy; so do its experts'."""
 
     def __init__(self, chunks: dict, runtime, overlap: bool = False):
         self.chunks, self.rt, self.overlap = chunks, runtime, overlap
@@ -136,14 +141,25 @@ class ReplicaGradSync:
         self.bucketed = {key: [p for p in c if id(p) not in apart] for key, c in chunks.items()}
         self.buffers = {key: _gradient_buffer(params) for key, params in self.bucketed.items()}
         self.experts = {key: _gradient_buffer([p for p in c if is_expert(p)]) for key, c in chunks.items()}
-        self.pending: list = []
+        # what an iteration reduces: stage copies (pipeline, stage), experts ("experts", stage), the embedding
+        self.reductions = {*self.buffers, *{("experts", s) for (_, s), b in self.experts.items() if b is not None},
+                           *([EMBEDDING_GROUP] if self.shared else [])}
+        self.pending: list[tuple] = []
         self.started: set = set()
         self.watched: list[ChunkGradSync] = []
 
-    def start(self, pipeline: int, stage: int, group) -> None:
-        """An R action: with --overlap-grad-reduce the copy's reduction starts now; without it, in finish."""
-        if self.overlap:
+    def start(self, pipeline: int, stage: int, group, channel: str) -> None:
+        """An ALLREDUCE action on ``channel`` (its process group ``group``): with --overlap-grad-reduce
+        its reduction starts now; without it, in finish."""
+        if not self.overlap:
+            return
+        what = reduces(channel)
+        if what == "stage":
             self._reduce((pipeline, stage), group)
+        elif what == "experts":
+            self._reduce_experts(stage, group)
+        else:
+            self._reduce_tied(group)
 
     def chunk_syncs(self, models) -> list[ChunkGradSync] | None:
         """megatron-core's schedules' hooks under --overlap-grad-reduce (None without it)."""
@@ -153,63 +169,69 @@ class ReplicaGradSync:
                                    lambda key: self._reduce(key, self.rt.stage_groups.get(key[1])))
         return self.watched
 
+    def _once(self, key) -> bool:
+        """Whether ``key``'s reduction is due and not started this iteration (it is, from now)."""
+        if key in self.started or key not in self.reductions:
+            return False
+        self.started.add(key)
+        return True
+
     def _reduce(self, key: tuple[int, int], group) -> None:
         """Start one stage copy's all-reduce, once per iteration."""
-        if key in self.started:
-            return
-        self.started.add(key)
-        buffer = self.buffers[key]
-        if buffer is not None:
-            work = self.rt.all_reduce(buffer, group=group, async_op=True) if group is not None else None
-            self.pending.append((work, buffer))
+        if self._once(key) and self.buffers[key] is not None:
+            self._launch(self.buffers[key], group, [])
 
-    def finish(self) -> None:
-        for pipeline, stage in sorted(self.buffers, key=lambda key: (key[1], key[0])):
-            self._reduce((pipeline, stage), self.rt.stage_groups.get(stage))
-        for work, buffer in self.pending:
+    def _reduce_experts(self, stage: int, group) -> None:
+        """Start a stage's expert all-reduce: this rank's copies of the stage summed into the first, over
+        the stage's expert replica group (each expert already summed the tokens of its whole
+        expert-parallel group, whose backward returns their gradients)."""
+        if self._once(("experts", stage)):
+            first, *others = [b for (_, s), b in sorted(self.experts.items()) if s == stage and b is not None]
+            for other in others:
+                first += other
+            self._launch(first, group, others)
+
+    def _reduce_tied(self, group) -> None:
+        """Start the word embedding's all-reduce: its copies here summed in place into the first copy's
+        gradient, reduced over the embedding group; ``_complete`` copies it back into the others: no
+        temporary the size of the embedding (a 128K vocabulary's is 512 MiB per copy at hidden 1024)."""
+        if self._once(EMBEDDING_GROUP):
+            first, *others = _grads(self.shared)
+            for g in others:
+                first += g
+            self._launch(first, group, others)
+
+    def _launch(self, summed: torch.Tensor, group, copies: list[torch.Tensor]) -> None:
+        work = self.rt.all_reduce(summed, group=group, async_op=True) if group is not None else None
+        self.pending.append((work, summed, copies))
+
+    def _complete(self) -> None:
+        """Wait for every started reduction; average over the data-parallel replicas; copy the result
+        into this rank's other copies."""
+        for work, summed, copies in self.pending:
             if work is not None:
                 work.wait()
             if self.rt.dp > 1:
-                buffer /= self.rt.dp
+                summed /= self.rt.dp
+            for other in copies:
+                other.copy_(summed)
         self.pending.clear()
+
+    def finish(self) -> None:
+        """What has not started, in the global order, each group's after the last's completed (as it
+        always ran: stage copies, experts stage by stage, sequence parallelism, the embedding)."""
+        for pipeline, stage in sorted(self.buffers, key=lambda key: (key[1], key[0])):
+            self._reduce((pipeline, stage), self.rt.stage_groups.get(stage))
+        self._complete()
+        for stage in sorted({stage for _, stage in self.chunks}):
+            self._reduce_experts(stage, self.rt.expert_groups.get(stage))
+            self._complete()
+        self._sum_sequence_parallel()
+        self._reduce_tied(self.rt.embedding_group)
+        self._complete()
         self.started.clear()
         for chunk in self.watched:
             chunk.reset()
-        self._sum_experts()
-        self._sum_sequence_parallel()
-        if self.shared:
-            self._sum_tied()
-
-    def _sum_tied(self) -> None:
-        """The word embedding's copies summed in place into the first copy's gradient, reduced over the
-        embedding group, copied back into the others: no temporary the size of the embedding (a 128K
-        vocabulary's is 512 MiB per copy at hidden 1024)."""
-        first, *others = _grads(self.shared)
-        for g in others:
-            first += g
-        self.rt.all_reduce(first, group=self.rt.embedding_group)
-        if self.rt.dp > 1:
-            first /= self.rt.dp
-        for g in others:
-            g.copy_(first)
-
-    def _sum_experts(self) -> None:
-        """Each stage's expert gradients: this rank's copies of the stage summed, then over the stage's
-        expert replica group, averaged over the data-parallel replicas (each expert already summed the
-        tokens of its whole expert-parallel group, whose backward returns their gradients)."""
-        for stage in sorted({stage for _, stage in self.chunks}):
-            mine = [b for (_, s), b in sorted(self.experts.items()) if s == stage and b is not None]
-            if not mine:
-                continue
-            for other in mine[1:]:
-                mine[0] += other
-            group = self.rt.expert_groups.get(stage)
-            if group is not None:
-                self.rt.all_reduce(mine[0], group=group)
-            if self.rt.dp > 1:
-                mine[0] /= self.rt.dp
-            for other in mine[1:]:
-                other.copy_(mine[0])
 
     def _sum_sequence_parallel(self) -> None:
         """Norms (and row-parallel biases) under sequence parallelism saw only this rank's part of the

@@ -37,7 +37,7 @@ from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.passes.overlap import REFERENCE, halve
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
-from megatron.chimera.config.run_plan import PROOF_MODE
+from megatron.chimera.config.run_plan import PROOF_MODE, wider_reductions
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
 from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
@@ -295,7 +295,10 @@ DETERMINISTIC = "chimera direct D=2 deterministic mode"
 # --check-weight-hash-across-dp-replicas-interval's check runs after every case; in this one the last rank then
 # perturbs one weight of its last chunk (stage 0 of the second pipeline: rank 3 holds pipeline 1's stage 0), and the
 # check must name that stage and rank (both pipelines, two data-parallel replicas, experts spread over EP=2)
-PLANTED_COPY = "mixtral chimera distributed optimizer D=2 EP=2"
+PLANTED_COPY = "mixtral chimera distributed optimizer D=2 EP=2 overlapped reduce"
+# --overlap-grad-reduce with experts over EP=2 and a tied embedding under Chimera D=2, without and with the
+# distributed optimizer: the expert and embedding reductions start in the lowered lists
+OVERLAPPED_EXPERTS = ("mixtral alltoall chimera D=2 EP=2 emulated NCCL overlapped reduce", PLANTED_COPY)
 
 # What the one-process launch writes into --out when it fails, so that no launch waits for its references
 REFERENCES_FAILED = "references failed"
@@ -366,8 +369,8 @@ CASES = {
         "megatron-1f1b D=2 DP=2 overlapped reduce": ("tied-learned", D2["megatron-1f1b D=2"] + OVERLAP),
         "mixtral chimera D=4": ("mixtral", CHIMERA4),
         "mixtral dualpipe D=4": ("mixtral", D4["dualpipe D=4"]),
-        "mixtral alltoall chimera D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + ALLTOALL),
-        "mixtral chimera distributed optimizer D=2 EP=2": ("mixtral", CHIMERA2 + EP2 + DISTOPT),
+        OVERLAPPED_EXPERTS[0]: ("mixtral", CHIMERA2 + EP2 + ALLTOALL + ["--emulate-nccl"] + OVERLAP),
+        PLANTED_COPY: ("mixtral", CHIMERA2 + EP2 + DISTOPT + OVERLAP),
         "deepseek-style chimera D=4": ("deepseek-style", CHIMERA4),
         "deepseek-style chimera split D=2 EP=2": ("deepseek-style", CHIMERA2 + EP2 + ["--split-backward"]),
         "mla chimera D=2 TP=2": ("mla", CHIMERA2 + TP2),
@@ -509,11 +512,14 @@ def condition_number(trainer, loss: float) -> float | None:
 
 
 def count_early_reductions(trainer) -> list[tuple[int, int]]:
-    """Per iteration on this rank, (stage copies whose gradient reduction had started when the GradSync's
-    ``finish`` began, stage copies): all of them with --overlap-grad-reduce (at R actions, or through
-    megatron-core's no_sync/grad_sync hooks), none without it (Megatron-LM's default: after the schedule)."""
+    """Per iteration on this rank, (gradient reductions that had started when the GradSync's ``finish``
+    began, reductions): stage copies', each stage's experts', the tied embedding's. With
+    --overlap-grad-reduce all of them under our executor (at their ALLREDUCE actions), the stage copies'
+    under megatron-core's schedules (through its no_sync/grad_sync hooks); none without it (Megatron-LM's
+    default: after the schedule)."""
     sync, seen = trainer.sync, []
-    copies = len(sync.stages) if hasattr(sync, "stages") else len(sync.buffers)  # distributed optimizer or not
+    copies = len(sync.reductions) if trainer.plan.schedule is not None else \
+        len(sync.stages) if hasattr(sync, "stages") else len(sync.buffers)  # distributed optimizer or not
     finish = sync.finish
 
     def counted():
@@ -570,7 +576,7 @@ class HookRecorder(Hooks):
                 "actions": actions, "posted": posted, "kinds": sorted(kinds)}
 
 
-def every_pair_fused(plan):
+def every_pair_fused(plan, args):
     """``plan`` with each worker's adjacent forward and B-or-I of two micro-batches fused wherever the
     schedule stays valid, whether or not the pair pays; where the plan ran actions in halves, every
     forward and backward left unpaired halved (``passes.overlap.halve`` at its reference costs), so that
@@ -596,7 +602,7 @@ def every_pair_fused(plan):
     if halves:
         fused = halve(fused, REFERENCE)
     validate(fused)
-    lowered = lower(fused)
+    lowered = lower(fused, **wider_reductions(args, plan.layout))
     check(lowered, PROOF_MODE)  # what make_run_plan proves of every schedule before it runs
     return replace(plan, schedule=fused, lowered=lowered)
 
@@ -672,7 +678,7 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     args = parse_args(MODEL + flags + ["--data-cache-path", cache], world_size=world)
     hooks = HookRecorder()
     plan = make_run_plan(args)
-    trainer = Trainer(job_config(args), every_pair_fused(plan) if pair_all else plan, forward_step, hooks)
+    trainer = Trainer(job_config(args), every_pair_fused(plan, args) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)
