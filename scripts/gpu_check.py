@@ -53,6 +53,7 @@ def checks(m: Machine) -> list[tuple[str, object]]:
     found += [(case.name, functools.partial(multi_gpu.check_case, case=case)) for case in multi_gpu.cases(m)]
     found += [("eval-save-resume", multi_gpu.check_eval_save_resume),
               ("no-late-communicators", multi_gpu.check_no_late_communicators),
+              ("nccl-across-nodes", multi_gpu.check_across_nodes),
               ("no-sync-in-forward-backward", lambda m: single_gpu.check_no_sync(m, multi_gpu.nccl_runs(m))),
               ("timed-against-megatron-1f1b", multi_gpu.check_timed_against_1f1b)]
     return found

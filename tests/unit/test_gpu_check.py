@@ -4,7 +4,8 @@ import os
 import subprocess
 import sys
 
-from megatron.chimera.testing.gpu_check.launching import MIB, Machine, runner
+from megatron.chimera.testing.gpu_check import multi_gpu
+from megatron.chimera.testing.gpu_check.launching import MIB, Machine, Run, runner
 from megatron.chimera.testing.gpu_check.multi_gpu import NCCL_ENV, cases, check_case
 from megatron.chimera.testing.gpu_check.single_gpu import (
     _beyond_in_flight,
@@ -137,3 +138,18 @@ def test_nccl_cases_spread_over_the_nodes():
     assert task.stdout.split() == ["3", "1", "4", "/r/nccl.%p.log.3"], task.stdout
     sbatch = open(os.path.join(ROOT, "recipes", "slurm", "gpu_check_two_nodes.sbatch")).read()
     assert "#SBATCH --nodes=2" in sbatch and 'scripts/gpu_check.py --nodes "$SLURM_JOB_NUM_NODES"' in sbatch
+
+
+def test_across_nodes_reads_where_each_rank_ran(monkeypatch):
+    """--nodes 2: a run whose ranks all ran on one host fails nccl-across-nodes; one node skips it with the
+    batch script to run."""
+    def run(*hosts):
+        return Run("cmd", 0, 1, [1.0], [], [{"rank": i, "host": h} for i, h in enumerate(hosts)], "")
+    m = Machine(False, 8, True, None, "/tmp", nodes=2)
+    monkeypatch.setattr(multi_gpu, "nccl_runs", lambda m: {"spread": run("a", "a", "b", "b"), "one": run("a", "a")})
+    found = multi_gpu.check_across_nodes(m)
+    assert found["status"] == "fail" and found["reason"].startswith("one: its ranks ran on 1 hosts"), found
+    monkeypatch.setattr(multi_gpu, "nccl_runs", lambda m: {"spread": run("a", "b")})
+    assert multi_gpu.check_across_nodes(m)["status"] == "pass"
+    skipped = multi_gpu.check_across_nodes(Machine(False, 8, True, None, "/tmp"))
+    assert skipped["status"] == "skipped" and "gpu_check_two_nodes.sbatch" in skipped["reason"], skipped

@@ -125,11 +125,11 @@ def _uncheckable(m: Machine, case: Case) -> str | None:
     """Why a case this machine could run checks nothing here (INCOMPLETE), or None."""
     if "transformer_engine" in case.needs and not m.te:
         return "Transformer Engine not installed: its layers on NCCL unchecked"
-    fusion = m.apex is None
+    # the release the run's own rule asks for (arguments.py: by the flags, gradient-accumulation fusion asked)
     if "te_split" in case.needs and not delays_weight_gradients(overlap_grad_reduce=False,
-                                                                gradient_accumulation_fusion=fusion):
+                                                                gradient_accumulation_fusion=True):
         return (f"Transformer Engine {transformer_engine_version()} has no weight-gradient split under these flags "
-                f"(needs {delayed_wgrad_te(False, fusion)}): its split backward on NCCL unchecked")
+                f"(needs {delayed_wgrad_te(False, True)}): its split backward on NCCL unchecked")
     return None
 
 
@@ -204,6 +204,22 @@ def check_no_late_communicators(m: Machine) -> dict:
     how = "NCCL's Init COMPLETE lines unchanged after iteration 1 began" if not m.smoke else \
         "emulated NCCL: the warm-up guard raised in none"
     return result("pass", f"{len(runs)} runs: {how}", **details)
+
+
+def check_across_nodes(m: Machine) -> dict:
+    """With --nodes N, every NCCL run that ran had its ranks on N hosts (each rank's report names its own)."""
+    if m.smoke or m.nodes == 1:
+        return result("skipped", ("cpu-smoke: " if m.smoke else "") + "one node; sbatch "
+                      "recipes/slurm/gpu_check_two_nodes.sbatch spreads the NCCL cases over two")
+    ran = {name: run for name, run in nccl_runs(m).items() if not run.failure()}
+    if not ran:
+        return result("skipped", m.need(2, spread=True) or "no NCCL run succeeded (their checks say why)")
+    hosts = {name: sorted({r["host"] for r in run.reports}) for name, run in ran.items()}
+    narrow = [f"{name}: its ranks ran on {len(h)} hosts, not {m.nodes}" for name, h in hosts.items()
+              if len(h) != m.nodes]
+    if narrow:
+        return result("fail", narrow[0], problems=narrow, hosts=hosts)
+    return result("pass", f"{len(ran)} NCCL runs, each with ranks on {m.nodes} hosts", hosts=hosts)
 
 
 def check_timed_against_1f1b(m: Machine) -> dict:
