@@ -1,10 +1,18 @@
 """gpu_check's judgements, on made-up reports: the parts of it that decide pass or fail without a GPU."""
 import importlib.util
 import os
+import subprocess
+import sys
 
-from megatron.chimera.testing.gpu_check.launching import MIB, Machine
-from megatron.chimera.testing.gpu_check.multi_gpu import cases
-from megatron.chimera.testing.gpu_check.single_gpu import _beyond_in_flight, _clock_problems, _memory_problems
+from megatron.chimera.testing.gpu_check import multi_gpu
+from megatron.chimera.testing.gpu_check.launching import MIB, Machine, Run, runner
+from megatron.chimera.testing.gpu_check.multi_gpu import NCCL_ENV, cases, check_case
+from megatron.chimera.testing.gpu_check.single_gpu import (
+    _beyond_in_flight,
+    _clock_problems,
+    _memory_problems,
+    check_apex_kernels,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,12 +64,92 @@ def test_verdict_incomplete_without_transformer_engine():
 
 def test_every_check_is_listed_under_cpu_smoke():
     """--cpu-smoke lists as many checks as a GPU machine (there, DP=2 renames some cases), each multi-GPU
-    case with its CPU half or a reason."""
+    case with its CPU half or a reason; it runs a data-parallel case (DP=2 at D=2, four gloo ranks)."""
     gpu_check = _script()
-    smoke, gpu = Machine(True, 0, False, "/tmp"), Machine(False, 8, True, "/tmp")
+    smoke, gpu = Machine(True, 0, False, None, "/tmp"), Machine(False, 8, True, None, "/tmp")
     assert len(gpu_check.checks(smoke)) == len(gpu_check.checks(gpu))
     # --emulate-nccl is added at launch, for the CPU half only
     assert all("--emulate-nccl" not in c.flags for c in cases(smoke)), [c.flags for c in cases(smoke)]
     assert all(c.not_on_cpu is None or c.not_on_cpu.startswith("cpu-smoke: ") for c in cases(smoke)), \
         [c.not_on_cpu for c in cases(smoke)]
     assert [c.name for c in cases(gpu) if c.name.startswith("nccl chimera D=2 DP=2")]  # DP > 1 with 8 GPUs
+    data_parallel = [c.name for c in cases(smoke) if "D=2 DP=2" in c.name and c.not_on_cpu is None and c.ranks == 4]
+    assert data_parallel, f"--cpu-smoke runs no DP=2 case: {[c.name for c in cases(smoke)]}"
+
+
+def test_apex_unusable_is_incomplete_not_pass():
+    """Without apex's kernels the apex check, and the TE case that needs its gradient-accumulation fusion,
+    say INCOMPLETE; neither launches anything to say so (no TE either here)."""
+    gpu_check = _script()
+    m = Machine(False, 2, False, "fused_weight_gradient_mlp_cuda does not import", "/tmp")
+    found = check_apex_kernels(m)
+    assert found["status"] == "incomplete" and "fused_weight_gradient_mlp_cuda" in found["reason"], found
+    fused = [c for c in cases(m) if "apex" in c.needs]
+    assert fused and all(check_case(m, c)["status"] == "incomplete" for c in fused), [c.name for c in fused]
+    assert m.runs == {}, f"launched {list(m.runs)}"
+    line = gpu_check.verdict([{"name": "a", "status": "pass", "reason": "ok"}, {"name": "apex-kernels", **found}])
+    assert line.startswith("gpu_check: INCOMPLETE") and "apex-kernels" in line, line
+    assert check_apex_kernels(Machine(True, 0, False, None, "/tmp"))["status"] == "skipped"
+
+
+def test_fake_apex_is_unusable(tmp_path, monkeypatch):
+    """PyPI's ``apex`` (an unrelated package) imports, but has none of NVIDIA's kernels."""
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert "apex.normalization does not import" in _script()._apex_missing()
+    finally:  # the fake must not stay imported for later tests
+        for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+            del sys.modules[name]
+
+
+def test_moe_messages_exceed_the_nccl_buffer():
+    """On NCCL, every MoE case's pipeline message (a micro-batch's activations) and all-to-all message (a
+    half micro-batch's routed tokens to the other expert-parallel rank, routing even) exceeds the
+    NCCL_BUFFSIZE it runs with, and NCCL's 16 KiB P2P_LL_THRESHOLD, above which p2p uses that buffer."""
+    moe = [c for c in cases(Machine(False, 8, True, None, "/tmp")) if "--num-experts" in c.flags]
+    assert len(moe) >= 2, [c.name for c in moe]
+    for case in moe:
+        value = {name: int(case.flags[case.flags.index(name) + 1]) for name in (
+            "--micro-batch-size", "--seq-length", "--hidden-size", "--moe-router-topk", "--expert-model-parallel-size")}
+        tokens = value["--micro-batch-size"] * value["--seq-length"]
+        pipeline = tokens * value["--hidden-size"] * 4
+        all_to_all = tokens // 2 * value["--moe-router-topk"] * value["--hidden-size"] * 4 // value[
+            "--expert-model-parallel-size"]
+        buffer = int({**NCCL_ENV, **case.env}["NCCL_BUFFSIZE"])
+        assert min(pipeline, all_to_all) >= 4 * buffer > 4 * 16384, (case.name, pipeline, all_to_all, buffer)
+
+
+def test_nccl_cases_spread_over_the_nodes():
+    """With --nodes 2 a case's ranks are an srun step, half on each node; references and host-staged runs
+    stay torchrun's or one process on the first node."""
+    m = Machine(False, 4, True, None, "/tmp", nodes=2)
+    assert m.need(8, spread=True) is None and m.need(8) == "needs 8 GPUs"
+    assert m.need(16, spread=True) == "needs 8 GPUs per node"
+    srun = runner(m, 4, 1234, spread=True)
+    assert srun[:5] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--kill-on-bad-exit=1"], srun
+    assert runner(m, 4, 1234, spread=False)[1:3] == ["-m", "torch.distributed.run"]
+    shown = "echo $RANK $LOCAL_RANK $WORLD_SIZE $NCCL_DEBUG_FILE"
+    task = subprocess.run(["bash", "-c", srun[7], "bash", "sh", "-c", shown],
+                          env={"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+                               "NCCL_DEBUG_FILE": "/r/nccl.%p.log", "PATH": os.environ["PATH"]},
+                          capture_output=True, text=True, check=True)
+    assert task.stdout.split() == ["3", "1", "4", "/r/nccl.%p.log.3"], task.stdout
+    sbatch = open(os.path.join(ROOT, "recipes", "slurm", "gpu_check_two_nodes.sbatch")).read()
+    assert "#SBATCH --nodes=2" in sbatch and 'scripts/gpu_check.py --nodes "$SLURM_JOB_NUM_NODES"' in sbatch
+
+
+def test_across_nodes_reads_where_each_rank_ran(monkeypatch):
+    """--nodes 2: a run whose ranks all ran on one host fails nccl-across-nodes; one node skips it with the
+    batch script to run."""
+    def run(*hosts):
+        return Run("cmd", 0, 1, [1.0], [], [{"rank": i, "host": h} for i, h in enumerate(hosts)], "")
+    m = Machine(False, 8, True, None, "/tmp", nodes=2)
+    monkeypatch.setattr(multi_gpu, "nccl_runs", lambda m: {"spread": run("a", "a", "b", "b"), "one": run("a", "a")})
+    found = multi_gpu.check_across_nodes(m)
+    assert found["status"] == "fail" and found["reason"].startswith("one: its ranks ran on 1 hosts"), found
+    monkeypatch.setattr(multi_gpu, "nccl_runs", lambda m: {"spread": run("a", "b")})
+    assert multi_gpu.check_across_nodes(m)["status"] == "pass"
+    skipped = multi_gpu.check_across_nodes(Machine(False, 8, True, None, "/tmp"))
+    assert skipped["status"] == "skipped" and "gpu_check_two_nodes.sbatch" in skipped["reason"], skipped

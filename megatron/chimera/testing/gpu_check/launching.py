@@ -1,12 +1,15 @@
 """Training launches for gpu_check: each through scripts/gpu_check_pretrain.py (pretrain_gpt.py with the
 check observer), run once per distinct (flags, ranks, environment) and shared by the checks that read
-it; a comparison of losses against a reference launch; the result records the checks return."""
+it; a comparison of losses against a reference launch; the result records the checks return; the
+models the checks train. A launch of several ranks is torchrun's on this node, or, for the NCCL cases
+of a multi-node check (--nodes), an srun step with one task per rank spread evenly over the nodes."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +29,8 @@ TINY = ["--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", 
         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-3",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear", "--eval-iters", "0", *COMMON]
-# The same with 4 MiB fp32 activations between stages (sequence 2048 x hidden 512): far above the 1 MiB
-# NCCL buffer the NCCL launches set (NCCL_BUFFSIZE), so a send completes only once its receive is posted
-# and a rendezvous-order deadlock shows (NCCL_MODEL.md rule 2).
+
+
 def resized(hidden: int, heads: int, seq: int) -> list[str]:
     """TINY with another width and sequence length."""
     size = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--seq-length", str(seq),
@@ -36,9 +38,38 @@ def resized(hidden: int, heads: int, seq: int) -> list[str]:
     return [*TINY[:TINY.index("--hidden-size")], *size, *TINY[TINY.index("--micro-batch-size"):]]
 
 
+# TINY with 4 MiB fp32 activations between stages (sequence 2048 x hidden 512): far above the 1 MiB
+# NCCL buffer the NCCL launches set (NCCL_BUFFSIZE), so a send completes only once its receive is posted
+# and a rendezvous-order deadlock shows (NCCL_MODEL.md rule 2).
 BIG = resized(512, 8, 2048)
 LOCAL = ["--transformer-impl", "local"]
 DISTOPT = ["--use-distributed-optimizer"]
+# Megatron-LM's overlapped reductions and weight gathers, under our executor
+OVERLAPPED = DISTOPT + ["--overlap-grad-reduce", "--overlap-param-gather"]
+# Mixtral-style experts dispatched by all-to-all, balanced per sequence so that, at micro-batch size 2,
+# --overlap-moe-expert-parallel-comm runs every action in two halves (config/run_plan.py's halves_fit)
+MOE = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "seq_aux_loss",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"]
+EP2 = ["--expert-model-parallel-size", "2"]
+# plan mode: megatron-core's schedule plans run by our executor, each all-to-all on the communication stream
+PLAN_MODE = EP2 + ["--overlap-moe-expert-parallel-comm"]
+# The MoE model on a GPU, and the NCCL_BUFFSIZE of its NCCL runs: its pipeline messages (a micro-batch, 1 MiB)
+# and all-to-alls (half a micro-batch's routed tokens to the other expert-parallel rank, 512 KiB if routing is
+# even) are 4x the buffer and more, and far above NCCL's 16 KiB P2P_LL_THRESHOLD, under which point-to-point
+# traffic takes the LL protocol, whose buffer NCCL_BUFFSIZE does not size (docs/notes/gpu-check.md)
+MOE_BUFFSIZE = 128 * 1024
+MOE_ON_GPU = resized(128, 4, 1024)
+
+
+def moe_model(m: Machine) -> list[str]:
+    """The MoE model every MoE check trains (one reference for all): TINY's experts on the CPU."""
+    return with_flag(TINY if m.smoke else MOE_ON_GPU, "--micro-batch-size", "2") + MOE
+
+
+def with_flag(flags: list[str], name: str, value: str) -> list[str]:
+    i = flags.index(name)
+    return [*flags[:i + 1], value, *flags[i + 2:]]
 
 
 def chimera(d: int) -> list[str]:
@@ -47,11 +78,16 @@ def chimera(d: int) -> list[str]:
 
 @dataclass
 class Machine:
-    """What the checks run on, and the launches made so far (checks share identical launches)."""
+    """What the checks run on, and the launches made so far (checks share identical launches). ``gpus``:
+    this node's; ``apex``: why NVIDIA's apex with its kernels is unusable here, None where it is;
+    ``nodes``: the nodes an NCCL case spreads over (an srun step per launch, inside a Slurm allocation);
+    ``workdir`` is then on a file system every node shares."""
     smoke: bool
     gpus: int
     te: bool
+    apex: str | None
     workdir: str
+    nodes: int = 1
     runs: dict = field(default_factory=dict)
 
     @property
@@ -59,11 +95,20 @@ class Machine:
         """Two ranks on one GPU talk over gloo through host memory (NCCL refuses two ranks on one device)."""
         return [] if self.smoke else ["--p2p-host-staging"]
 
-    def need(self, gpus: int) -> str | None:
-        """Why a check needing ``gpus`` GPUs cannot run here, or None."""
+    @property
+    def all_gpus(self) -> int:
+        return self.gpus * self.nodes
+
+    def need(self, gpus: int, spread: bool = False) -> str | None:
+        """Why a check needing ``gpus`` GPUs cannot run here, or None; ``spread``: a launch of one rank per
+        GPU spread evenly over every node."""
         if self.gpus == 0:
             return "no GPU"
-        return f"needs {gpus} GPUs" if self.gpus < gpus else None
+        if not spread or self.nodes == 1:
+            return f"needs {gpus} GPUs" if self.gpus < gpus else None
+        if gpus % self.nodes:
+            return f"{gpus} ranks do not spread evenly over {self.nodes} nodes"
+        return f"needs {gpus // self.nodes} GPUs per node" if self.gpus < gpus // self.nodes else None
 
 
 @dataclass
@@ -76,6 +121,7 @@ class Run:
     reports: list[dict]
     tail: str
     times_ms: list[float] = field(default_factory=list)
+    fusions_kept_off: list[str] = field(default_factory=list)  # the startup's "fusions kept off" lines
 
     def failure(self) -> str | None:
         """Why this run has no losses to compare, or None."""
@@ -130,27 +176,46 @@ def child_env(m: Machine, **extra) -> dict:
 
 
 def train(m: Machine, flags: list[str], ranks: int, sync: str = "off", actions: bool = False,
-          env: dict | None = None, iters: int | None = None) -> Run:
+          env: dict | None = None, iters: int | None = None, spread: bool = False) -> Run:
     """A training launch through gpu_check_pretrain.py, run once per distinct request. ``sync``: the
     observer's sync-debug mode inside forward_backward ("off", "error", or "warn": each sync noted with
     its stack); ``actions``: per-action memory and the executor's clock; ``iters``: the iterations it
-    runs, when not --train-iters (a launch that resumes or exits early)."""
+    runs, when not --train-iters (a launch that resumes or exits early); ``spread``: over every node
+    (``Machine.nodes``), one rank per GPU."""
     env = env or {}
-    key = (tuple(flags), ranks, sync, actions, tuple(sorted(env.items(), key=str)))
+    spread = spread and m.nodes > 1 and ranks > 1
+    key = (tuple(flags), ranks, sync, actions, tuple(sorted(env.items(), key=str)), spread)
     if key not in m.runs:
         m.runs[key] = _train(m, flags, ranks, sync, actions, env,
-                             iters or int(flags[flags.index("--train-iters") + 1]))
+                             iters or int(flags[flags.index("--train-iters") + 1]), spread)
     return m.runs[key]
 
 
-def _train(m: Machine, flags: list[str], ranks: int, sync: str, actions: bool, env: dict, iters: int) -> Run:
+# One srun task per rank, as recipes/slurm/pretrain_gpt.sh starts them; each rank's NCCL log a file of its own
+# (two nodes may give two processes one pid)
+SRUN_TASK = ('if [ -n "${NCCL_DEBUG_FILE:-}" ]; then export NCCL_DEBUG_FILE=$NCCL_DEBUG_FILE.$SLURM_PROCID; fi; '
+             'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS exec "$@"')
+
+
+def runner(m: Machine, ranks: int, port: int, spread: bool) -> list[str]:
+    """What starts the ranks: python itself for one, torchrun on this node, or an srun step spread evenly
+    over the nodes (rank 0 on this one, the allocation's first: MASTER_ADDR)."""
+    if ranks == 1:
+        return [sys.executable]
+    if spread:
+        return ["srun", f"--nodes={m.nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={ranks // m.nodes}",
+                "--kill-on-bad-exit=1", "bash", "-c", SRUN_TASK, "bash", sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+
+
+def _train(m: Machine, flags: list[str], ranks: int, sync: str, actions: bool, env: dict, iters: int,
+           spread: bool) -> Run:
     reports = tempfile.mkdtemp(dir=m.workdir)
     port = free_port()
-    runner = [sys.executable] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
-    cmd = [*runner, os.path.relpath(LAUNCHER, ROOT), *flags]
+    cmd = [*runner(m, ranks, port, spread), os.path.relpath(LAUNCHER, ROOT), *flags]
+    where = {"MASTER_ADDR": os.environ.get("MASTER_ADDR") or socket.gethostname()} if spread else {}
     full_env = child_env(m, MASTER_PORT=str(port), GPU_CHECK_REPORT=os.path.join(reports, "rank{rank}.json"),
-                         GPU_CHECK_SYNC=sync, GPU_CHECK_ACTIONS="1" if actions else "0", **env)
+                         GPU_CHECK_SYNC=sync, GPU_CHECK_ACTIONS="1" if actions else "0", **where, **env)
     if "NCCL_DEBUG" in env:  # one NCCL log per process, which the rank's observer reads
         full_env["NCCL_DEBUG_FILE"] = os.path.join(reports, "nccl.%p.log")
     rc, out, err = launch(cmd, full_env)
@@ -165,7 +230,8 @@ def _train(m: Machine, flags: list[str], ranks: int, sync: str, actions: bool, e
                [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", out)],
                [float(x) for x in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", out)],
                per_rank, out[-2000:] + err[-4000:],
-               [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): (\S+) \|", out)])
+               [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): (\S+) \|", out)],
+               re.findall(r"^ > fusions kept off: (.*)$", out, re.MULTILINE))
 
 
 def compare(run: Run, reference: Run, bound: float) -> dict:

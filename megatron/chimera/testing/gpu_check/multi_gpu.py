@@ -1,11 +1,13 @@
 """The checks that need two or more GPUs: our executor on NCCL, each case against one fp32 process.
 
 NCCL launches run with NCCL_DEBUG=INFO (each rank counts the communicators NCCL reports created, before
-iteration 1 and at the end), a 1 MiB NCCL_BUFFSIZE under 4 MiB activations (BIG), so a send completes
-only once its receive is posted and a rendezvous-order deadlock would show, CUDA_DEVICE_MAX_CONNECTIONS=1
-(one case without it), --distributed-timeout-minutes 2 and a launch timeout, so a hang fails its check
-rather than the script. --cpu-smoke runs each case's CPU half: the tiny model over gloo under
---emulate-nccl, where a collective or p2p on a group the warm-up did not reach fails at once.
+iteration 1 and at the end), a 1 MiB NCCL_BUFFSIZE under 4 MiB activations (BIG; the MoE cases a 128 KiB
+one under their 512 KiB to 1 MiB messages), so a send completes only once its receive is posted and a
+rendezvous-order deadlock would show, CUDA_DEVICE_MAX_CONNECTIONS=1 (one case without it),
+--distributed-timeout-minutes 2 and a launch timeout, so a hang fails its check rather than the script.
+With --nodes every case spreads its ranks evenly over the nodes. --cpu-smoke runs each case's CPU half:
+the tiny model over gloo under --emulate-nccl (Chimera D=2 with DP=2 among them), where a collective or
+p2p on a group the warm-up did not reach fails at once.
 """
 from __future__ import annotations
 
@@ -13,35 +15,40 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from megatron.chimera.model.chunk import delayed_wgrad_te, delays_weight_gradients, transformer_engine_version
 from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
 
 from .launching import (
     BIG,
     DISTOPT,
+    EP2,
     FP32_RTOL,
     ITERS,
     LOCAL,
     MIB,
+    MOE_BUFFSIZE,
+    OVERLAPPED,
+    PLAN_MODE,
     TINY,
     Machine,
     chimera,
     compare,
     compare_losses,
+    moe_model,
     result,
     train,
+    with_flag,
 )
 
 NCCL_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": str(MIB)}
-# Mixtral-style experts (equivalence.py's MIXTRAL), dispatched by all-to-all over 2 expert-parallel ranks
-MOE = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
-       "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
-       "--moe-token-dispatcher-type", "alltoall"]
 TE = ["--transformer-impl", "transformer_engine"]
 # The timed model: 1 MiB of bf16 activation per micro-batch and enough micro-batches to fill the pipeline
 TIMED = ["--mock-data", "--vocab-size", "32000", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
          "16", "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
          "--global-batch-size", "32", "--train-iters", "12", "--lr", "1e-4", "--bf16", "--eval-iters", "0",
          "--log-interval", "1", "--distributed-timeout-minutes", "2"]
+# equivalence.py's bf16 model (its bound: TOLERANCE["bf16"])
+BF16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"]
 
 
 @dataclass(frozen=True)
@@ -53,19 +60,18 @@ class Case:
     bound: float = FP32_RTOL
     env: dict = field(default_factory=dict)
     not_on_cpu: str | None = None  # why --cpu-smoke does not run its CPU half (None: it does)
-
-
-def with_flag(flags: list[str], name: str, value: str) -> list[str]:
-    i = flags.index(name)
-    return [*flags[:i + 1], value, *flags[i + 2:]]
+    # what the case checks that a machine may lack (INCOMPLETE there): "transformer_engine", "te_split"
+    # (its weight-gradient split at these flags), "apex" (gradient-accumulation fusion's kernel)
+    needs: tuple[str, ...] = ()
 
 
 def cases(m: Machine) -> list[Case]:
-    """Chimera D=2 and D=4, with a second data-parallel replica where the GPUs allow, each variant."""
+    """Chimera D=2 and D=4, with a second data-parallel replica where the GPUs allow, each variant; then
+    the cases of one configuration each."""
     model = TINY if m.smoke else BIG
     found = []
     for d in (2, 4):
-        dp = 2 if not m.smoke and m.gpus >= 2 * d else 1
+        dp = 2 if not m.smoke and m.all_gpus >= 2 * d else 1
         run, tag = model + chimera(d), f"nccl chimera D={d}" + (" DP=2" if dp > 1 else "")
         only_plain = "cpu-smoke: at D=4 only the plain case runs (2 cores)" if d == 4 else None
         found += [Case(tag, d * dp, run, model),
@@ -75,16 +81,31 @@ def cases(m: Machine) -> list[Case]:
                   Case(f"nccl chimera D={d} TP=2 sequence-parallel", 2 * d,
                        run + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], model,
                        not_on_cpu=only_plain)]
+    return found + _single_cases(m, model)
 
-    bf16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"] + DISTOPT
-    found += [Case("nccl chimera D=2 bf16 distributed-optimizer", 2, bf16 + chimera(2), bf16, TOLERANCE["bf16"][0]),
-              Case("nccl chimera D=2 transformer-engine", 2, model + chimera(2) + TE, model + TE,
-                   not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
-              Case("nccl chimera D=2 MoE EP=2 alltoall", 4,
-                   TINY + MOE + chimera(2) + ["--expert-model-parallel-size", "2"], TINY + MOE),
-              Case("nccl chimera D=2 CUDA_DEVICE_MAX_CONNECTIONS unset", 2, model + chimera(2), model,
-                   env={"CUDA_DEVICE_MAX_CONNECTIONS": None}, not_on_cpu="cpu-smoke: a CUDA setting")]
-    return found
+
+def _single_cases(m: Machine, model: list[str]) -> list[Case]:
+    # DP=2 on the CPU too: --cpu-smoke's data-parallel case
+    dp = 2 if m.smoke or m.all_gpus >= 4 else 1
+    moe, moe_env = moe_model(m), {"NCCL_BUFFSIZE": str(MOE_BUFFSIZE)}
+    te_bf16 = BF16 + TE
+    return [
+        Case("nccl chimera D=2" + (" DP=2" if dp > 1 else "") + " distributed-optimizer overlapped reduce and gather",
+             2 * dp, model + chimera(2) + OVERLAPPED, model),
+        Case("nccl chimera D=2 bf16 distributed-optimizer", 2, BF16 + DISTOPT + chimera(2), BF16 + DISTOPT,
+             TOLERANCE["bf16"][0]),
+        Case("nccl chimera D=2 transformer-engine", 2, model + chimera(2) + TE, model + TE,
+             not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU", needs=("transformer_engine",)),
+        Case("nccl chimera D=2 transformer-engine bf16 split-backward gradient-accumulation-fusion", 2,
+             te_bf16 + chimera(2) + ["--split-backward"], te_bf16, TOLERANCE["bf16"][0],
+             not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU",
+             needs=("transformer_engine", "te_split", "apex")),
+        Case("nccl chimera D=2 MoE EP=2 alltoall", 4, moe + chimera(2) + EP2, moe, env=moe_env),
+        Case("nccl chimera D=2 DP=2 MoE EP=2 plan mode overlapped reduce and gather", 4,
+             moe + chimera(2) + PLAN_MODE + OVERLAPPED, moe, env=moe_env,
+             not_on_cpu="cpu-smoke: its CPU half is plan-mode-overlapped-gather-matches-one-process's run"),
+        Case("nccl chimera D=2 CUDA_DEVICE_MAX_CONNECTIONS unset", 2, model + chimera(2), model,
+             env={"CUDA_DEVICE_MAX_CONNECTIONS": None}, not_on_cpu="cpu-smoke: a CUDA setting")]
 
 
 def _launch(m: Machine, case: Case, flags: list[str] | None = None, iters: int | None = None):
@@ -93,28 +114,43 @@ def _launch(m: Machine, case: Case, flags: list[str] | None = None, iters: int |
     flags = flags or case.flags
     if m.smoke:
         return train(m, flags + ["--emulate-nccl"], case.ranks, iters=iters)
-    return train(m, flags, case.ranks, sync="error", env={**NCCL_ENV, **case.env}, iters=iters)
+    return train(m, flags, case.ranks, sync="error", env={**NCCL_ENV, **case.env}, iters=iters, spread=True)
 
 
 def _unavailable(m: Machine, case: Case) -> str | None:
-    return case.not_on_cpu if m.smoke else m.need(case.ranks)
+    return case.not_on_cpu if m.smoke else m.need(case.ranks, spread=True)
+
+
+def _uncheckable(m: Machine, case: Case) -> str | None:
+    """Why a case this machine could run checks nothing here (INCOMPLETE), or None."""
+    if "transformer_engine" in case.needs and not m.te:
+        return "Transformer Engine not installed: its layers on NCCL unchecked"
+    # the release the run's own rule asks for (arguments.py: by the flags, gradient-accumulation fusion asked)
+    if "te_split" in case.needs and not delays_weight_gradients(overlap_grad_reduce=False,
+                                                                gradient_accumulation_fusion=True):
+        return (f"Transformer Engine {transformer_engine_version()} has no weight-gradient split under these flags "
+                f"(needs {delayed_wgrad_te(False, True)}): its split backward on NCCL unchecked")
+    return None
 
 
 def check_case(m: Machine, case: Case) -> dict:
     why = _unavailable(m, case)
-    if not why and case.flags[-1] == "transformer_engine" and not m.te:
-        return result("incomplete", "Transformer Engine not installed: TE layers on NCCL unchecked")
     if why:
         return result("skipped", why)
-    return compare(_launch(m, case), train(m, case.reference, 1), case.bound)
+    if _uncheckable(m, case):
+        return result("incomplete", _uncheckable(m, case))
+    found = compare(_launch(m, case), train(m, case.reference, 1), case.bound)
+    if found["status"] == "pass" and "apex" in case.needs and m.apex:
+        return {**found, "status": "incomplete",
+                "reason": f"{found['reason']}, but gradient-accumulation fusion was off: apex unusable ({m.apex})"}
+    return found
 
 
 def nccl_runs(m: Machine) -> dict:
     """The NCCL runs this machine allows (launched once; the no-sync check reads them)."""
     if m.smoke:
         return {}
-    return {c.name: _launch(m, c) for c in cases(m) if not m.need(c.ranks)
-            and not (c.flags[-1] == "transformer_engine" and not m.te)}
+    return {c.name: _launch(m, c) for c in cases(m) if not m.need(c.ranks, spread=True) and not _uncheckable(m, c)}
 
 
 def check_eval_save_resume(m: Machine) -> dict:
@@ -168,6 +204,22 @@ def check_no_late_communicators(m: Machine) -> dict:
     how = "NCCL's Init COMPLETE lines unchanged after iteration 1 began" if not m.smoke else \
         "emulated NCCL: the warm-up guard raised in none"
     return result("pass", f"{len(runs)} runs: {how}", **details)
+
+
+def check_across_nodes(m: Machine) -> dict:
+    """With --nodes N, every NCCL run that ran had its ranks on N hosts (each rank's report names its own)."""
+    if m.smoke or m.nodes == 1:
+        return result("skipped", ("cpu-smoke: " if m.smoke else "") + "one node; sbatch "
+                      "recipes/slurm/gpu_check_two_nodes.sbatch spreads the NCCL cases over two")
+    ran = {name: run for name, run in nccl_runs(m).items() if not run.failure()}
+    if not ran:
+        return result("skipped", m.need(2, spread=True) or "no NCCL run succeeded (their checks say why)")
+    hosts = {name: sorted({r["host"] for r in run.reports}) for name, run in ran.items()}
+    narrow = [f"{name}: its ranks ran on {len(h)} hosts, not {m.nodes}" for name, h in hosts.items()
+              if len(h) != m.nodes]
+    if narrow:
+        return result("fail", narrow[0], problems=narrow, hosts=hosts)
+    return result("pass", f"{len(ran)} NCCL runs, each with ranks on {m.nodes} hosts", hosts=hosts)
 
 
 def check_timed_against_1f1b(m: Machine) -> dict:

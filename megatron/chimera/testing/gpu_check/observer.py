@@ -16,13 +16,14 @@ The report: ``memory`` [point, max_memory_allocated, memory_allocated] at each h
 [iteration, action, memory (CUDA: allocated; CPU: the bytes the executor holds), held bytes];
 ``clock`` [iteration, action, start, end] (seconds) and ``iteration_seconds`` (host wall time of each
 forward_backward); ``syncs`` {call site: count} and ``forward_backward_error``; ``nccl_inits``
-{"before iteration 1": n, "end": n}.
+{"before iteration 1": n, "end": n}; ``host``, the node the rank ran on.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import socket
 import time
 import traceback
 import warnings
@@ -46,7 +47,8 @@ class CheckObserver(Hooks):
         self.sync = sync if torch.cuda.is_available() else "off"
         self.actions = actions
         self.report = {"memory": [], "actions": [], "clock": [], "iteration_seconds": [], "syncs": {},
-                       "explicit_waits": {}, "forward_backward_error": None, "nccl_inits": {}}
+                       "explicit_waits": {}, "forward_backward_error": None, "nccl_inits": {},
+                       "host": socket.gethostname()}
         self.wrapped, self.originals, self.iteration, self.started = False, {}, None, 0.0
         self._warnings = None
 

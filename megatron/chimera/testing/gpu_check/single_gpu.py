@@ -1,9 +1,11 @@
 """The checks one GPU allows. Two ranks share it through host-staged gloo (--p2p-host-staging), so our
-executor runs with every action it runs on a cluster; --cpu-smoke runs the CPU half of each check that
-has one (gloo, no staging).
+executor runs with every action it runs on a cluster (four ranks for plan mode, whose expert parallelism
+needs DP=2); --cpu-smoke runs the CPU half of each check that has one (gloo, no staging).
 
 The executor launch (``executor_run``) is shared: Chimera D=2, local layers, with 1 MiB activations on a
-GPU, its syncs noted, memory sampled after every action and the action clock on."""
+GPU, its syncs noted, memory sampled after every action and the action clock on; the apex check reads
+the fusions it kept off. The two plan-mode launches share their one-process reference with the NCCL MoE
+cases (launching.moe_model)."""
 from __future__ import annotations
 
 import os
@@ -21,12 +23,15 @@ from .launching import (
     ITERS,
     LOCAL,
     MIB,
+    OVERLAPPED,
+    PLAN_MODE,
     TINY,
     Machine,
     child_env,
     chimera,
     compare,
     launch,
+    moe_model,
     resized,
     result,
     train,
@@ -34,6 +39,8 @@ from .launching import (
 
 # 1 MiB fp32 activations (sequence 1024 x hidden 256): activations dominate what an action allocates
 MID = resized(256, 4, 1024)
+# what megatron-core's local layers take from apex's kernels (model/chunk.py's fusions_off)
+APEX_FUSIONS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "persist_layer_norm")
 
 
 def executor_run(m: Machine):
@@ -60,6 +67,44 @@ def check_bf16_distributed_optimizer(m: Machine) -> dict:
     flags = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1"] + COMMON + DISTOPT
     found = compare(train(m, flags + chimera(2) + m.staging, 2), train(m, flags, 1), TOLERANCE["bf16"][0])
     return {**found, "bound_source": "megatron/chimera/testing/equivalence.py TOLERANCE['bf16'][0] = ITERS x 2^-8"}
+
+
+def check_plan_mode_matches(m: Machine) -> dict:
+    """--overlap-moe-expert-parallel-comm: our executor runs megatron-core's schedule plans, each action in
+    two halves, each all-to-all on the communication stream, ordered by CUDA events on a GPU (on the CPU,
+    cpu_compat's one stream). Chimera D=2 with DP=2 and EP=2, four ranks sharing the GPU, against one
+    process."""
+    return compare(train(m, moe_model(m) + chimera(2) + PLAN_MODE + m.staging, 4), train(m, moe_model(m), 1),
+                   FP32_RTOL)
+
+
+def check_plan_mode_overlapped_gather(m: Machine) -> dict:
+    """The same with the distributed optimizer, --overlap-grad-reduce and --overlap-param-gather: each
+    step's weight all-gathers are overlapped with the next iteration, and the forwards must wait for them,
+    which megatron-core does in a forward pre-hook of the whole model that plan mode never calls (stale
+    weights show as losses drifting from iteration 2)."""
+    flags = moe_model(m) + chimera(2) + PLAN_MODE + OVERLAPPED + m.staging
+    return compare(train(m, flags, 4), train(m, moe_model(m), 1), FP32_RTOL)
+
+
+def check_apex_kernels(m: Machine) -> dict:
+    """NVIDIA's apex with its kernels: INCOMPLETE where it does not import (megatron-core's local layers
+    then run without its fusions, and every run here with them, unchecked); where it does, the executor
+    run kept none of its fusions off."""
+    if m.need(1):
+        return result("skipped", m.need(1))
+    if m.apex:
+        return result("incomplete", f"apex unusable ({m.apex}): gradient-accumulation fusion, the fused softmax "
+                      "and the persistent layer norm unchecked")
+    run = executor_run(m)
+    if run.failure():
+        return result("fail", f"run failed: {run.failure()}", command=run.command)
+    off = [f for f in APEX_FUSIONS if any(f in line for line in run.fusions_kept_off)]
+    if off:
+        return result("fail", f"apex imports, yet the run kept {', '.join(off)} off",
+                      fusions_kept_off=run.fusions_kept_off, command=run.command)
+    return result("pass", f"apex's kernels in use: the executor run kept none of {', '.join(APEX_FUSIONS)} off",
+                  fusions_kept_off=run.fusions_kept_off, command=run.command)
 
 
 def check_te_split_backward(m: Machine) -> dict:
