@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -31,12 +29,9 @@ from datetime import date
 
 import torch
 
-from megatron.chimera.model.chunk import SOFTMAX_KERNELS
+from megatron.chimera.model.kernels import apex_missing, transformer_engine_usable
 from megatron.chimera.testing.gpu_check import layer_profile, multi_gpu, single_gpu
 from megatron.chimera.testing.gpu_check.launching import ROOT, Machine, result
-
-# what megatron-core imports of NVIDIA's apex: its fused layer norm, and the kernels of its fusions
-APEX_MODULES = ("apex.normalization", "fused_layer_norm_cuda", "fused_weight_gradient_mlp_cuda", *SOFTMAX_KERNELS)
 
 
 def checks(m: Machine) -> list[tuple[str, object]]:
@@ -57,16 +52,6 @@ def checks(m: Machine) -> list[tuple[str, object]]:
               ("no-sync-in-forward-backward", lambda m: single_gpu.check_no_sync(m, multi_gpu.nccl_runs(m))),
               ("timed-against-megatron-1f1b", multi_gpu.check_timed_against_1f1b)]
     return found
-
-
-def _apex_missing() -> str | None:
-    """Why NVIDIA's apex with its kernels is unusable here (PyPI's unrelated ``apex`` has none), or None."""
-    for module in APEX_MODULES:
-        try:
-            importlib.import_module(module)
-        except (ImportError, OSError) as e:  # OSError: a kernel built against another torch or CUDA
-            return f"{module} does not import: {e}"
-    return None
 
 
 def run_check(name: str, check, m: Machine) -> dict:
@@ -134,8 +119,7 @@ def main() -> None:
     # across nodes every rank writes its report (and checkpoints) where the first node reads them
     with tempfile.TemporaryDirectory(prefix=".gpu_check.", dir=ROOT if given.nodes > 1 else None) as workdir:
         gpus = 0 if given.cpu_smoke else torch.cuda.device_count()
-        te = importlib.util.find_spec("transformer_engine") is not None
-        m = Machine(given.cpu_smoke, gpus, te, _apex_missing(), workdir, given.nodes)
+        m = Machine(given.cpu_smoke, gpus, transformer_engine_usable(), apex_missing(), workdir, given.nodes)
         results = [run_check(name, check, m) for name, check in checks(m)]
     line = verdict(results)
     os.makedirs(os.path.dirname(out), exist_ok=True)
