@@ -56,6 +56,7 @@ from packaging.version import Version
 
 from ..config.model_spec import ModelSpec
 from . import kernels, recompute
+from .context_parallel import GatheredKeyValueAttention
 
 # TransformerConfig's fusion fields, which Megatron-LM sets from its fusion flags (--no-gradient-accumulation-fusion,
 # --no-bias-swiglu-fusion / --no-bias-gelu-fusion, --no-bias-dropout-fusion, --no-rope-fusion,
@@ -208,14 +209,23 @@ def _layer_spec(config: TransformerConfig):
     if config.num_moe_experts is not None:
         specs = get_gpt_decoder_layer_specs(config, te, normalization=config.normalization,
                                             qk_l2_norm=config.qk_l2_norm)
-        return _block(specs) if te else _with_local_norms(specs, config)
+        return _block(specs) if te else _with_local_norms(_gathered_attention(specs, config), config)
     mla = config.multi_latent_attention
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
                                                           qk_l2_norm=config.qk_l2_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
                                     multi_latent_attention=mla, qk_l2_norm=config.qk_l2_norm)
-    return _with_local_norms([spec] * config.num_layers, config)
+    return _with_local_norms(_gathered_attention([spec] * config.num_layers, config), config)
+
+
+def _gathered_attention(specs: list, config) -> list:
+    """With context parallelism in megatron-core's local layers, whose attention refuses it: the local
+    attention over keys and values gathered from the CP ranks (context_parallel.py)."""
+    if config.context_parallel_size > 1:
+        for spec in {id(spec): spec for spec in specs}.values():
+            spec.submodules.self_attention.submodules.core_attention = GatheredKeyValueAttention
+    return specs
 
 
 def _block(specs: list, norm=None):

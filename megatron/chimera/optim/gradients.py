@@ -169,8 +169,8 @@ class ReplicaGradSync:
         for work, buffer in self.pending:
             if work is not None:
                 work.wait()
-            if self.rt.dp > 1:
-                buffer /= self.rt.dp
+            if self.rt.replicas > 1:
+                buffer /= self.rt.replicas
         self.pending.clear()
         self.started.clear()
         for chunk in self.watched:
@@ -188,8 +188,8 @@ class ReplicaGradSync:
         for g in others:
             first += g
         self.rt.all_reduce(first, group=self.rt.embedding_group)
-        if self.rt.dp > 1:
-            first /= self.rt.dp
+        if self.rt.replicas > 1:
+            first /= self.rt.replicas
         for g in others:
             g.copy_(first)
 
@@ -206,8 +206,8 @@ class ReplicaGradSync:
             group = self.rt.expert_groups.get(stage)
             if group is not None:
                 self.rt.all_reduce(mine[0], group=group)
-            if self.rt.dp > 1:
-                mine[0] /= self.rt.dp
+            if self.rt.replicas > 1:
+                mine[0] /= self.rt.replicas
             for other in mine[1:]:
                 other.copy_(mine[0])
 
@@ -254,7 +254,7 @@ def global_norm(chunks: dict, runtime, tied: bool, of: Callable = lambda p: p.gr
     tensors, weights = _counted_once(chunks, runtime, tied, of)
     total = weighted_square_sum(tensors, weights, runtime.device)
     runtime.all_reduce(total)
-    return math.sqrt(total.item() / runtime.dp)
+    return math.sqrt(total.item() / runtime.replicas)
 
 
 def global_zeros(chunks: dict, runtime, tied: bool) -> int:
@@ -265,7 +265,7 @@ def global_zeros(chunks: dict, runtime, tied: bool) -> int:
     for g, w in zip(grads, weights):
         total += (g.numel() - torch.count_nonzero(g)).double() * w
     runtime.all_reduce(total)
-    return round(total.item() / runtime.dp)
+    return round(total.item() / runtime.replicas)
 
 
 # torch's CPU norm kernel accumulates each vector lane sequentially in fp32: measured 1.9e-3 relative
