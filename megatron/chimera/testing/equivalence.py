@@ -376,8 +376,9 @@ CASES = {
         "mtp chimera D=2 TP=2 sequence parallel": ("mtp", CHIMERA2 + TP2 + ["--sequence-parallel"]),
         # context parallelism: each CP rank holds 2 of the sequence's 4 chunks, its attention over the keys and
         # values gathered from both (model/context_parallel.py); RoPE and query groups split with it (llama);
-        # EP over the two CP ranks of each stage, as megatron-core allows (its expert groups tile TP x CP x DP)
-        "chimera D=2 CP=2": ("tied-learned", CHIMERA2 + CP2),
+        # EP over the two CP ranks of each stage, as megatron-core allows (its expert groups tile TP x CP x DP);
+        # under the NCCL emulation the CP group's gathers inside F and B run on a communicator warmed up
+        "chimera D=2 CP=2 emulated NCCL": ("tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"]),
         "chimera split llama D=2 CP=2": ("llama", D2["chimera split D=2"] + CP2),
         "mixtral alltoall chimera D=2 CP=2 EP=2": ("mixtral", CHIMERA2 + CP2 + EP2 + ALLTOALL),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
