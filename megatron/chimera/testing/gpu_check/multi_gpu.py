@@ -37,6 +37,7 @@ MOE = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-ro
        "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
        "--moe-token-dispatcher-type", "alltoall"]
 TE = ["--transformer-impl", "transformer_engine"]
+CP2 = ["--context-parallel-size", "2"]
 # The timed model: 1 MiB of bf16 activation per micro-batch and enough micro-batches to fill the pipeline
 TIMED = ["--mock-data", "--vocab-size", "32000", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
          "16", "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
@@ -79,6 +80,10 @@ def cases(m: Machine) -> list[Case]:
     bf16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"] + DISTOPT
     found += [Case("nccl chimera D=2 bf16 distributed-optimizer", 2, bf16 + chimera(2), bf16, TOLERANCE["bf16"][0]),
               Case("nccl chimera D=2 transformer-engine", 2, model + chimera(2) + TE, model + TE,
+                   not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
+              # context parallelism in Transformer Engine's attention, its default ring (p2p) over the CP group
+              # (the CPU's gathered attention runs in the equivalence harness: testing/equivalence.py)
+              Case("nccl chimera D=2 CP=2 transformer-engine", 4, model + chimera(2) + CP2 + TE, model + TE,
                    not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
               Case("nccl chimera D=2 MoE EP=2 alltoall", 4,
                    TINY + MOE + chimera(2) + ["--expert-model-parallel-size", "2"], TINY + MOE),
