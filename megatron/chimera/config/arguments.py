@@ -223,6 +223,10 @@ def _validate_sizes(args) -> None:
     args.num_microbatches = args.global_batch_size // per_step
 
 
+# Transformer Engine's context-parallel communication types, which megatron-core hands it as given
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 def _context_parallel(args) -> None:
     """Megatron-LM's rules for --context-parallel-size (its assertions name no flag): the sequence in 2 x CP
     chunks (each CP rank holds chunk i and 2 x CP - 1 - i, which balances the causal attention's work),
@@ -233,6 +237,15 @@ def _context_parallel(args) -> None:
             "(Megatron-LM's rule)")
     require(sizes is None or math.prod(sizes) == cp, "--hierarchical-context-parallel-sizes", sizes,
             f"must multiply to --context-parallel-size ({cp}) (Megatron-LM's rule)")
+    require(sizes is None or importlib.util.find_spec("einops") is not None, "--hierarchical-context-parallel-sizes",
+            sizes, "needs the einops package, with which megatron-core 0.19 builds the hierarchical CP groups: "
+            "pip install einops")
+    for kind in args.cp_comm_type:
+        require(kind in CP_COMM_TYPES, "--cp-comm-type", kind,
+                f"is not one of Transformer Engine's types ({', '.join(CP_COMM_TYPES)})")
+    layers = len(args.cp_comm_type)
+    require(layers == 1 or layers == args.num_layers, "--cp-comm-type", " ".join(args.cp_comm_type),
+            f"gives one type for all layers or one per layer ({args.num_layers}) (megatron-core's rule)")
     require(sizes is not None or not any("a2a+p2p" in kind for kind in args.cp_comm_type), "--cp-comm-type",
             " ".join(args.cp_comm_type), "a2a+p2p needs --hierarchical-context-parallel-sizes (Megatron-LM's rule)")
 

@@ -338,7 +338,8 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
     gets its slice of the model's pattern, as a list. --moe-layer-freq (every layer MoE stays megatron-core's
     1, so a chunk's checkpoint keys stack its layers exactly when the whole model's do), with --window-size,
     --window-attn-skip-freq (1: sliding window; unset, every layer windowed), and --no-rope-freq (1: no RoPE;
-    the run's config holds it as a list, megatron-core's reading of a number N: every Nth layer)."""
+    the run's config holds it as a list, megatron-core's reading of a number N: every Nth layer), and
+    --cp-comm-type given per layer (a chunk without layers keeps the first, for megatron-core's checks)."""
     fields = {}
     pattern = moe_layer_pattern(config)
     if pattern is not None and config.moe_layer_freq != 1:
@@ -349,6 +350,8 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
             for i in range(num_layers)]
     if config.no_rope_freq:
         fields["no_rope_freq"] = config.no_rope_freq[first_layer:first_layer + num_layers]
+    if isinstance(config.cp_comm_type, list):
+        fields["cp_comm_type"] = config.cp_comm_type[first_layer:first_layer + num_layers] or config.cp_comm_type[0]
     return fields
 
 

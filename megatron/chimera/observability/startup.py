@@ -40,7 +40,7 @@ def _print_context_parallel_attention(spec: ModelSpec, transformer_engine: bool)
         return
     print(f" > context parallelism (CP={config.context_parallel_size}): megatron-core's local attention over keys "
           f"and values all-gathered from the CP ranks (Transformer Engine's all_gather type computes the same; "
-          f"--cp-comm-type {kinds} runs as it here)", flush=True)
+          f"here --cp-comm-type {kinds} computes it too)", flush=True)
 
 
 def _print_local_stand_ins(spec: ModelSpec, transformer_engine: bool, device_type: str) -> None:

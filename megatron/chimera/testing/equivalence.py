@@ -379,7 +379,9 @@ CASES = {
         # EP over the two CP ranks of each stage, as megatron-core allows (its expert groups tile TP x CP x DP);
         # under the NCCL emulation the CP group's gathers inside F and B run on a communicator warmed up
         "chimera D=2 CP=2 emulated NCCL": ("tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"]),
-        "chimera split llama D=2 CP=2": ("llama", D2["chimera split D=2"] + CP2),
+        # ... and Transformer Engine's types asked for per layer (each stage its slice): the same attention here
+        "chimera split llama D=2 CP=2 per-layer comm types": ("llama", D2["chimera split D=2"] + CP2 + [
+            "--cp-comm-type", *["p2p", "a2a", "all_gather", "p2p"] * 2]),
         "mixtral alltoall chimera D=2 CP=2 EP=2": ("mixtral", CHIMERA2 + CP2 + EP2 + ALLTOALL),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage. At micro-batch size 1
