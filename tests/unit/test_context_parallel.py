@@ -23,6 +23,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
      "--hierarchical-context-parallel-sizes=[2, 3]: must multiply to --context-parallel-size (4)"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2,
      "--cp-comm-type=a2a+p2p: a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    (["--context-parallel-size", "2", "--mtp-num-layers", "1"], 2,
+     "--mtp-num-layers=1: with --context-parallel-size is not supported yet"),
     (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2,
      "--cp-comm-type=allgather: is not one of Transformer Engine's types (p2p, all_gather, a2a, a2a+p2p)"),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2,

@@ -243,6 +243,9 @@ def _context_parallel(args) -> None:
     for kind in args.cp_comm_type:
         require(kind in CP_COMM_TYPES, "--cp-comm-type", kind,
                 f"is not one of Transformer Engine's types ({', '.join(CP_COMM_TYPES)})")
+    require(cp == 1 or not args.mtp_num_layers, "--mtp-num-layers", args.mtp_num_layers,
+            "with --context-parallel-size is not supported yet: megatron-core's MTP exchanges the sequence's chunk "
+            "boundaries between CP ranks point to point on the world group, and the result is not yet exact here")
     layers = len(args.cp_comm_type)
     require(layers == 1 or layers == args.num_layers, "--cp-comm-type", " ".join(args.cp_comm_type),
             f"gives one type for all layers or one per layer ({args.num_layers}) (megatron-core's rule)")
