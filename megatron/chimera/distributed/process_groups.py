@@ -161,15 +161,8 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     world = dist.get_world_size()
     dp = world // (tp * cp * pp)
     order = RankOrder(tp, dp, pp, dims.tp_pp_dp_mapping, cp)
-    parallel_state.destroy_model_parallel()
+    _initialize_megatron_core(dims, plan, order)
     timeout = dims.timeout_minutes
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
-                                             context_parallel_size=cp,
-                                             hierarchical_context_parallel_sizes=dims.hierarchical_cp,
-                                             distributed_timeout_minutes=timeout,
-                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
-                                             create_gloo_process_groups=dims.gloo_groups,
-                                             order=order.megatron_order)
     rank = dist.get_rank()
     rank_of = order.rank
     tp_rank, dp_rank, worker = order.coords(rank)
@@ -212,6 +205,19 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     if dims.expert_groups:
         _expert_groups(rt, dims, order, placement, new_group)
     return rt
+
+
+def _initialize_megatron_core(dims: ParallelDims, plan, order: RankOrder) -> None:
+    """megatron-core's parallel state for these sizes, its ranks in ``order``'s order."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(dims.tp, dims.pp,
+                                             virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
+                                             context_parallel_size=dims.cp,
+                                             hierarchical_context_parallel_sizes=dims.hierarchical_cp,
+                                             distributed_timeout_minutes=dims.timeout_minutes,
+                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+                                             create_gloo_process_groups=dims.gloo_groups,
+                                             order=order.megatron_order)
 
 
 def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_group) -> None:
