@@ -228,9 +228,11 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def _context_parallel(args) -> None:
-    """Megatron-LM's rules for --context-parallel-size (its assertions name no flag): the sequence in 2 x CP
-    chunks (each CP rank holds chunk i and 2 x CP - 1 - i, which balances the causal attention's work),
-    --hierarchical-context-parallel-sizes multiplying to CP, and a2a+p2p only with them."""
+    """Megatron-LM's and megatron-core's rules for context parallelism (their assertions name no flag): the
+    sequence in 2 x CP chunks (each CP rank holds chunk i and 2 x CP - 1 - i, which balances the causal
+    attention's work), --hierarchical-context-parallel-sizes multiplying to CP (its groups need einops), a2a+p2p
+    only with them, --cp-comm-type Transformer Engine's types, one or one per layer; and not MTP yet
+    (docs/context-parallel.md)."""
     cp, sizes = args.context_parallel_size, args.hierarchical_context_parallel_sizes
     require(cp == 1 or args.seq_length % (2 * cp) == 0, "--seq-length", args.seq_length,
             f"must be a multiple of 2 x --context-parallel-size ({2 * cp}): the load-balanced split "
