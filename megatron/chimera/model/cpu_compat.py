@@ -29,8 +29,7 @@ needed.
   processes, so the probe (one) does not undo it; ``tests/integration/test_cpu_compat.py`` runs it on two.
 - RoPE's part of the sequence on a context-parallel rank (``get_pos_emb_on_this_cp_rank``) builds its index
   of the rank's chunks in pinned memory and moves it to the GPU -> the same chunks cut by megatron-core's
-  batch split, which indexes on the tensor's device. It needs CP > 1, so two processes: the equivalence
-  harness's CP cases run it (megatron/chimera/testing/equivalence.py).
+  batch split, which indexes on the tensor's device (the equivalence harness's CP cases run it at CP=2).
 """
 from __future__ import annotations
 
