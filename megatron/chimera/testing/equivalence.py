@@ -377,8 +377,11 @@ CASES = {
         # context parallelism: each CP rank holds 2 of the sequence's 4 chunks, its attention over the keys and
         # values gathered from both (model/context_parallel.py); RoPE and query groups split with it (llama);
         # EP over the two CP ranks of each stage, as megatron-core allows (its expert groups tile TP x CP x DP);
-        # under the NCCL emulation the CP group's gathers inside F and B run on a communicator warmed up
-        "chimera D=2 CP=2 emulated NCCL": ("tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"]),
+        # under the NCCL emulation the CP group's gathers inside F and B run on a communicator warmed up; the
+        # distributed optimizer shards each stage over both pipelines' copies x CP; TP x CP with sequence parallelism
+        "chimera D=2 CP=2 emulated NCCL distributed optimizer overlapped reduce": (
+            "tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"] + DISTOPT + OVERLAP),
+        "llama TP=2 CP=2 sequence parallel": ("llama", ["--micro-batch-size", "1"] + CP2 + TP2 + ["--sequence-parallel"]),
         # ... and Transformer Engine's types asked for per layer (each stage its slice): the same attention here
         "chimera split llama D=2 CP=2 per-layer comm types": ("llama", D2["chimera split D=2"] + CP2 + [
             "--cp-comm-type", *["p2p", "a2a", "all_gather", "p2p"] * 2]),
