@@ -381,7 +381,8 @@ CASES = {
         # distributed optimizer shards each stage over both pipelines' copies x CP; TP x CP with sequence parallelism
         "chimera D=2 CP=2 emulated NCCL distributed optimizer overlapped reduce": (
             "tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"] + DISTOPT + OVERLAP),
-        "llama TP=2 CP=2 sequence parallel": ("llama", ["--micro-batch-size", "1"] + CP2 + TP2 + ["--sequence-parallel"]),
+        "llama TP=2 CP=2 sequence parallel": (
+            "llama", ["--micro-batch-size", "1"] + CP2 + TP2 + ["--sequence-parallel"]),
         # ... and Transformer Engine's types asked for per layer (each stage its slice): the same attention here
         "chimera split llama D=2 CP=2 per-layer comm types": ("llama", D2["chimera split D=2"] + CP2 + [
             "--cp-comm-type", *["p2p", "a2a", "all_gather", "p2p"] * 2]),
