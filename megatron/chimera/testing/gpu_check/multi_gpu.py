@@ -81,9 +81,11 @@ def cases(m: Machine) -> list[Case]:
     found += [Case("nccl chimera D=2 bf16 distributed-optimizer", 2, bf16 + chimera(2), bf16, TOLERANCE["bf16"][0]),
               Case("nccl chimera D=2 transformer-engine", 2, model + chimera(2) + TE, model + TE,
                    not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
-              # context parallelism in Transformer Engine's attention, its default ring (p2p) over the CP group
-              # (the CPU's gathered attention runs in the equivalence harness: testing/equivalence.py)
-              Case("nccl chimera D=2 CP=2 transformer-engine", 4, model + chimera(2) + CP2 + TE, model + TE,
+              # context parallelism in Transformer Engine's attention, its default ring (p2p) over the CP group, in
+              # bf16 (TE's fp32 attention is its unfused one, which has no CP); the CPU's gathered attention runs
+              # in the equivalence harness (testing/equivalence.py)
+              Case("nccl chimera D=2 CP=2 bf16 transformer-engine", 4, model + ["--bf16"] + chimera(2) + CP2 + TE,
+                   model + ["--bf16"] + TE, TOLERANCE["bf16"][0],
                    not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU"),
               Case("nccl chimera D=2 MoE EP=2 alltoall", 4,
                    TINY + MOE + chimera(2) + ["--expert-model-parallel-size", "2"], TINY + MOE),
