@@ -1,11 +1,14 @@
 """Context parallelism's rules (one line naming the flag) and the CPU attention's bookkeeping: which
 positions a CP rank holds, and the gathered keys put back in sequence order
 (megatron/chimera/model/context_parallel.py)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from megatron.core.utils import _get_batch_on_this_cp_rank_per_sequence_balancing
 
-from megatron.chimera.config.arguments import parse_args
+from chimera_schedules import ConfigError
+from megatron.chimera.config.arguments import _context_parallel_attention, parse_args
 from megatron.chimera.model.context_parallel import chunk_positions, in_sequence_order
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -60,3 +63,13 @@ def test_gathered_chunks_return_to_sequence_order_at_their_positions(cp):
         parts.append(part[0])
     gathered = torch.cat(parts)  # the all-gather's order: rank by rank
     assert in_sequence_order(gathered, cp).tolist() == sequence[0].tolist(), "gathered keys out of order"
+
+
+def test_on_a_gpu_without_transformer_engine_context_parallelism_is_refused_in_one_line():
+    args = SimpleNamespace(context_parallel_size=2, transformer_impl="local", multi_latent_attention=False,
+                           window_size=None)
+    with pytest.raises(ConfigError) as refused:
+        _context_parallel_attention(args, "cuda")
+    assert refused.value.option == "--context-parallel-size" and "Transformer Engine" in refused.value.rule, \
+        refused.value
+    _context_parallel_attention(args, "cpu")  # the CPU's gathered attention runs it
