@@ -38,6 +38,10 @@ import yaml
 
 from megatron.chimera import parse_args
 from megatron.chimera.config.flag_classes import REFUSED
+from megatron.chimera.config.flag_table import megatron_parser
+
+# Megatron-LM's flags that take several values (nargs + or *), e.g. --hierarchical-context-parallel-sizes "2 2"
+SEVERAL = {o for a in megatron_parser()._actions if a.nargs in ("+", "*") for o in a.option_strings}
 
 FAMILIES = ("gpt", "moe", "mixtral")
 # paths and data: the stand-ins replace them
@@ -128,17 +132,19 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
             value = os.path.join(workdir, "checkpoints")  # one folder, as a user's launcher points both at it
         elif isinstance(value, str) and "$" in value:
             value = os.path.join(workdir, flag.strip("-"))
-        argv += [flag] if value is True else [flag] + _values(value)
+        argv += [flag] if value is True else [flag] + _values(value, flag in SEVERAL)
     return argv, sizes["world"]
 
 
-def _values(value) -> list[str]:
+def _values(value, several: bool = False) -> list[str]:
     """A flag's values as the functional tests' launcher passes them: a list, or a string of several
-    written ``"[a b]"``, becomes one word per value."""
+    written ``"[a b]"`` (or ``"a b"`` for a flag that takes several: ``SEVERAL``), becomes one word per value."""
     if isinstance(value, list):
         return [str(v) for v in value]
     text = str(value)
-    return text[1:-1].split() if text.startswith("[") and text.endswith("]") and "," not in text else [text]
+    if text.startswith("[") and text.endswith("]") and "," not in text:
+        return text[1:-1].split()
+    return text.split() if several else [text]
 
 
 def parsed(argv: list[str], world: int) -> str | None:

@@ -130,8 +130,10 @@ def _refuse_unimplemented(**options) -> None:
 
 
 def _activation_shape(config, seq_length: int, micro_batch_size: int) -> tuple:
-    """[sequence, batch, hidden] between stages; with sequence parallelism each tensor-parallel rank
-    holds its 1/TP of the sequence, as in megatron-core's schedules."""
+    """[sequence, batch, hidden] between stages; with context parallelism each context-parallel rank holds
+    its 1/CP of the sequence, with sequence parallelism each tensor-parallel rank 1/TP of that, as in
+    megatron-core's schedules."""
+    seq_length //= getattr(config, "context_parallel_size", 1)
     if config.sequence_parallel:
         seq_length //= config.tensor_model_parallel_size
     return (seq_length, micro_batch_size, config.hidden_size)

@@ -35,6 +35,7 @@ class Sizes:
     width: int = 1
     expert_parallel: int = 1
     precision: Precision = Precision()
+    context_parallel: int = 1
 
 
 # What a caller prices a layout at instead of the planner (the depth benchmark: its emulated stages' times)
@@ -56,7 +57,7 @@ def score(shape: ModelShape, profile: Profile, schedule: Schedule, held: Layout,
     model = (priced(held) if priced else
              costs(shape, profile, d, sizes.micro_batch, sizes.width, sizes.expert_parallel, v, held))
     memory = worker_memory(shape, schedule, held, sizes.micro_batch, sizes.width, sizes.expert_parallel,
-                           sizes.precision)
+                           sizes.precision, sizes.context_parallel)
     seconds = simulate(schedule, model).makespan if memory <= profile.memory else math.inf
     return Scored(held, seconds, memory)
 

@@ -281,11 +281,13 @@ def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int) 
 
 
 def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int, ep: int = 1,
-                  precision: Precision = Precision()) -> float:
+                  precision: Precision = Precision(), cp: int = 1) -> float:
     """The largest worker's bytes: the model state of the stage copies it holds (routed experts sharded
     over their expert-data-parallel ranks), plus the most activation bytes it keeps alive at once during
-    the flush or, after it, what the optimizer step allocates (``step_bytes``), whichever is more."""
-    replicas, scale = schedule.pipelines * width, schedule.microbatch_scale
+    the flush or, after it, what the optimizer step allocates (``step_bytes``), whichever is more. With
+    context parallelism (``cp``) each rank keeps 1/cp of every micro-batch's activations (its part of the
+    sequence: the attention scores too, its queries' rows) and a copy's replicas are DP x CP."""
+    replicas, scale = schedule.pipelines * width * cp, schedule.microbatch_scale / cp
     stage_bytes = [scale * stage_activation_bytes(shape, held, s, b) for s in range(len(held.stages))]
     live = peak_activations(schedule, stage_bytes)
     most = 0.0

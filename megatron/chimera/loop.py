@@ -270,7 +270,7 @@ class Trainer:
         self.hooks.after_backward(self, iteration + 1)
         loss, tokens = self._merged_loss(reports)
         if self.job.train.per_token_loss:
-            self._divide_gradients(tokens / self.rt.dp)  # summed token losses: the mean over the global batch
+            self._divide_gradients(tokens / self.rt.replicas)  # summed token losses: the global batch's mean
         timers("forward-backward").stop()
         timers("optimizer", log_level=1).start(barrier=barrier)
         timers("optimizer-clip-main-grad", log_level=1).start()

@@ -176,7 +176,7 @@ MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main pa
 @pytest.fixture(scope="module")
 def four_ranks(corpus, tmp_path_factory):
     """The 4-process runs, in one launch: each saving run before the run that resumes from it."""
-    d4, moe = tmp_path_factory.mktemp("d4"), tmp_path_factory.mktemp("moe")
+    d4, moe, cp = tmp_path_factory.mktemp("d4"), tmp_path_factory.mktemp("moe"), tmp_path_factory.mktemp("cp")
     return run_cases(4, {
         "chimera D=4": train_args(corpus, "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
                                   "--save", str(d4), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3",
@@ -188,6 +188,10 @@ def four_ranks(corpus, tmp_path_factory):
                                        "--save-interval", "2", "--check-weight-hash-across-dp-replicas-interval", "2"),
         "moe 1f1b EP=1": train_args(corpus, *MOE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
                                     "--load", str(moe / "iter_0000002")),
+        "chimera CP=2": train_args(corpus, *CHIMERA2, "--context-parallel-size", "2", "--save", str(cp),
+                                   "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
+        "chimera DP=2 from CP=2": train_args(corpus, *CHIMERA2, "--eval-iters", "0", "--train-iters", "3",
+                                             "--load", str(cp / "iter_0000002")),
     })
 
 
@@ -314,6 +318,16 @@ def test_moe_expert_parallel_chimera_checkpoint_resumes_at_ep1_under_1f1b(four_r
     for i in (3, 4):
         assert abs(float(losses(resumed)[i]) / float(losses(whole)[i]) - 1) < 1e-5
     assert "load_balancing_loss:" in resumed.stdout
+
+
+def test_context_parallel_checkpoint_resumes_without_context_parallelism(four_ranks):
+    """A checkpoint does not depend on CP: Chimera D=2 x CP=2 saved at iteration 2 (the CP ranks hold the same
+    weights, megatron-core's replica ids over DP x CP) resumes at CP=1 x DP=2, its iteration 3 the CP run's
+    (fp32: the sums' order differs)."""
+    saved, resumed = ok(four_ranks, "chimera CP=2"), ok(four_ranks, "chimera DP=2 from CP=2")
+    assert "context parallelism (CP=2): megatron-core's local attention" in saved.stdout, saved.stdout[-3000:]
+    assert list(losses(resumed)) == [3]
+    assert abs(float(losses(resumed)[3]) / float(losses(saved)[3]) - 1) < 1e-5, (losses(saved), losses(resumed))
 
 
 def test_weight_hashes_match_across_every_copy_as_megatron_lm_logs_it(four_ranks):

@@ -35,7 +35,7 @@ def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert exit_info.value.code == 0
     assert all(o in text for o in megatron_options()), f"missing: {[o for o in megatron_options() if o not in text]}"
-    assert "[refused here: context parallelism is not supported yet (1 only)]" in text
+    assert "[refused here: hybrid (dynamic) context parallelism's bound on the tokens per DP x CP rank" in text
     assert "[honoured here for allgather, alltoall only]" in text
     assert "--pipeline-schedule" in text and "--chimera-concat" in text
 
@@ -47,7 +47,7 @@ def test_flag_table_is_generated_from_the_classes():
 
 @pytest.mark.parametrize("extra, line", [
     (["--num-experts", "8", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
-     "--expert-model-parallel-size=2: x --expert-tensor-parallel-size (1) must divide TP x DP = 1 x 1"),
+     "--expert-model-parallel-size=2: x --expert-tensor-parallel-size (1) must divide TP x CP x DP = 1 x 1 x 1"),
     (["--num-experts", "6", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
      "--num-experts=6: must be a multiple of --expert-model-parallel-size (4)"),
     (["--num-experts", "8", "--disable-bias-linear", "--moe-router-topk", "9"],
@@ -70,7 +70,7 @@ def test_flag_table_is_generated_from_the_classes():
      "--moe-layer-freq=[0, 1]: must give one entry per layer (4)"),
     (["--num-experts", "8", "--disable-bias-linear", "--fp16"], "--fp16=True: with --num-experts is not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format=hybrid: GPU-only: FP8 and FP4 need Transformer Engine on a GPU"),
-    (["--context-parallel-size", "2"], "--context-parallel-size=2: context parallelism is not supported yet"),
+    (["--max-seqlen-per-dp-cp-rank", "8"], "--max-seqlen-per-dp-cp-rank=8: hybrid (dynamic) context parallelism"),
     (["--no-save-rng"], "--no-save-rng=True: a checkpoint option this trainer does not implement"),
     (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: GPU-only: Transformer Engine's"),
     (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam only"),

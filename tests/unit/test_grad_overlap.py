@@ -20,7 +20,7 @@ class _Runtime:
     """What the GradSyncs ask of the runtime; every collective is recorded, with what it was given."""
 
     def __init__(self, stages=(0,), embedding_group=None, experts=False):
-        self.device, self.dp, self.tp = torch.device("cpu"), 1, 1
+        self.device, self.dp, self.tp, self.replicas = torch.device("cpu"), 1, 1, 1
         self.stage_groups = {s: f"stage {s}" for s in stages}
         self.expert_groups = {s: f"experts {s}" for s in stages} if experts else {}
         self.embedding_group, self.calls = embedding_group, []

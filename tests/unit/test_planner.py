@@ -5,7 +5,18 @@ import pytest
 from chimera_schedules import Action, build
 from chimera_schedules.analysis.measure import measured_result
 from chimera_schedules.ir.costs import Event
-from chimera_schedules.tools.planner import Candidate, Experts, ModelShape, Profile, costs, evaluate, plan
+from chimera_schedules.tools.planner import (
+    Candidate,
+    Experts,
+    ModelShape,
+    Precision,
+    Profile,
+    costs,
+    evaluate,
+    even_layout,
+    plan,
+    worker_memory,
+)
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0)  # no logits: equal stages
 
@@ -77,3 +88,14 @@ def test_planner_counts_expert_memory_per_expert_parallel_rank():
     one, eight = (evaluate(shape, profile(1e12), 8, Candidate("1f1b", 2, 8, 1, 1, ep)) for ep in (1, 8))
     per_rank = 64 // 8 * 3 * 16 * 64  # the routed experts of one layer per rank at EP=8
     assert one.memory - eight.memory == 16 * (64 * 3 * 16 * 64 - per_rank)  # fp32: 16 bytes per parameter
+
+
+def test_context_parallelism_divides_activations_and_widens_the_optimizers_shards():
+    # the first test's 1F1B D=2: a stage's weights 1,599,488 bytes (fp32, 16 bytes per parameter), peak
+    # activations 360,448; at CP=2 each rank keeps half of every micro-batch's sequence, and with the
+    # distributed optimizer its main weights' moments (8 of the 16 bytes) split over DP x CP = 2 replicas
+    schedule = build("1f1b", 2, 2)
+    held = even_layout(SHAPE, 2)
+    assert worker_memory(SHAPE, schedule, held, 1, 1, cp=2) == 1_599_488 + 360_448 / 2
+    sharded = Precision(distributed_optimizer=True)
+    assert worker_memory(SHAPE, schedule, held, 1, 1, precision=sharded, cp=2) == 1_599_488 - 99_968 * 4 + 360_448 / 2

@@ -46,7 +46,7 @@ def _rng_state() -> dict:
 def save_legacy(model, rt, folder: str, common: dict) -> None:
     """This rank's file in ``folder``, if it writes one: the down-pipeline chunk of ``model``
     (states.py's ModelChunks) with ``common`` (iteration, args, checkpoint_version) and its RNG states."""
-    if rt.dp_rank != 0:
+    if rt.dp_rank != 0 or rt.cp_rank != 0:  # the copies at other DP and CP ranks are the same
         return
     model.main.flush()  # pending parameter gathers (--overlap-param-gather) land in the weights first
     down = [chunk for chunk, pipeline, _ in model.placed if pipeline == 0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from functools import partial
@@ -154,8 +155,9 @@ def _expert_layout(args) -> None:
         return
     require(args.num_experts % ep == 0, "--num-experts", args.num_experts,
             f"must be a multiple of --expert-model-parallel-size ({ep})")
-    require((tp * args.data_parallel_size) % (etp * ep) == 0, "--expert-model-parallel-size", ep,
-            f"x --expert-tensor-parallel-size ({etp}) must divide TP x DP = {tp} x {args.data_parallel_size} "
+    cp, dp = args.context_parallel_size, args.data_parallel_size
+    require((tp * cp * dp) % (etp * ep) == 0, "--expert-model-parallel-size", ep,
+            f"x --expert-tensor-parallel-size ({etp}) must divide TP x CP x DP = {tp} x {cp} x {dp} "
             "(megatron-core's rule: the expert groups tile each pipeline stage's ranks)")
     attention = tp * args.context_parallel_size
     require(not args.use_tp_pp_dp_mapping or args.pipeline_model_parallel_size == 1 or etp * ep == attention,
@@ -174,7 +176,7 @@ def _optimizer_instances(args) -> None:
             "needs --use-distributed-optimizer (megatron-core's rule)")
     if args.num_experts is not None:
         experts = args.expert_tensor_parallel_size * args.expert_model_parallel_size
-        edp = args.tensor_model_parallel_size * dp // experts
+        edp = args.tensor_model_parallel_size * args.context_parallel_size * dp // experts
         require(edp % k == 0, "--num-distributed-optimizer-instances", k,
                 f"must divide the expert data-parallel size ({edp})")
 
@@ -205,16 +207,52 @@ def _validate_sizes(args) -> None:
                  "pipeline_model_parallel_size"):
         value = getattr(args, dest)  # None: --global-batch-size's default, set below
         require(value is None or value > 0, "--" + dest.replace("_", "-"), value, "must be positive")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    require(cp > 0, "--context-parallel-size", cp, "must be positive")
     require(args.world_size % (tp * pp) == 0, "--pipeline-model-parallel-size", pp,
             f"TP x PP = {tp * pp} must divide the world size {args.world_size}")
-    args.data_parallel_size = args.world_size // (tp * pp)
+    require(args.world_size % (tp * cp * pp) == 0, "--context-parallel-size", cp,
+            f"TP x CP x PP = {tp * cp * pp} must divide the world size {args.world_size}")
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
+    _context_parallel(args)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
             f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+
+
+# Transformer Engine's context-parallel communication types, which megatron-core hands it as given
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _context_parallel(args) -> None:
+    """Megatron-LM's and megatron-core's rules for context parallelism (their assertions name no flag): the
+    sequence in 2 x CP chunks (each CP rank holds chunk i and 2 x CP - 1 - i, which balances the causal
+    attention's work), --hierarchical-context-parallel-sizes multiplying to CP (its groups need einops), a2a+p2p
+    only with them, --cp-comm-type Transformer Engine's types, one or one per layer; and not MTP yet
+    (docs/context-parallel.md)."""
+    cp, sizes = args.context_parallel_size, args.hierarchical_context_parallel_sizes
+    require(cp == 1 or args.seq_length % (2 * cp) == 0, "--seq-length", args.seq_length,
+            f"must be a multiple of 2 x --context-parallel-size ({2 * cp}): the load-balanced split "
+            "(Megatron-LM's rule)")
+    require(sizes is None or math.prod(sizes) == cp, "--hierarchical-context-parallel-sizes", sizes,
+            f"must multiply to --context-parallel-size ({cp}) (Megatron-LM's rule)")
+    require(sizes is None or importlib.util.find_spec("einops") is not None, "--hierarchical-context-parallel-sizes",
+            sizes, "needs the einops package, with which megatron-core 0.19 builds the hierarchical CP groups: "
+            "pip install einops")
+    for kind in args.cp_comm_type:
+        require(kind in CP_COMM_TYPES, "--cp-comm-type", kind,
+                f"is not one of Transformer Engine's types ({', '.join(CP_COMM_TYPES)})")
+    require(cp == 1 or not args.mtp_num_layers, "--mtp-num-layers", args.mtp_num_layers,
+            "with --context-parallel-size is not supported yet: megatron-core's MTP exchanges the sequence's chunk "
+            "boundaries between CP ranks point to point on the world group, and the result is not yet exact here")
+    layers = len(args.cp_comm_type)
+    require(layers == 1 or layers == args.num_layers, "--cp-comm-type", " ".join(args.cp_comm_type),
+            f"gives one type for all layers or one per layer ({args.num_layers}) (megatron-core's rule)")
+    require(sizes is not None or not any("a2a+p2p" in kind for kind in args.cp_comm_type), "--cp-comm-type",
+            " ".join(args.cp_comm_type), "a2a+p2p needs --hierarchical-context-parallel-sizes (Megatron-LM's rule)")
 
 
 def _validate_run(args) -> None:
@@ -487,9 +525,29 @@ def _validate_architecture(args) -> None:
             "norm and query projection, which megatron-core 0.19's local layers lack: give --q-lora-rank, or "
             "run Transformer Engine on a GPU")
     _validate_recipe_layers(args, device_type)
+    _context_parallel_attention(args, device_type)
     _validate_config_fields(args)
     if args.num_experts is not None:
         _validate_experts(args)
+
+
+def _context_parallel_attention(args, device_type: str) -> None:
+    """Which attention runs a sequence split over CP ranks (model/context_parallel.py): Transformer Engine's
+    on a GPU, as megatron-core's; on the CPU megatron-core's local attention over all-gathered keys and
+    values, for standard causal attention over whole sequences."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    te = uses_transformer_engine(args.transformer_impl, device_type)
+    require(te or device_type == "cpu", "--context-parallel-size", cp,
+            "needs Transformer Engine's attention on a GPU (megatron-core's local attention refuses CP > 1): "
+            "install transformer-engine and run --transformer-impl transformer_engine")
+    if te:
+        return
+    require(not args.multi_latent_attention, "--context-parallel-size", cp,
+            "on the CPU runs standard attention only, not --multi-latent-attention")
+    require(args.window_size is None, "--context-parallel-size", cp,
+            "on the CPU runs full causal attention only, not --window-size")
 
 
 def _validate_recipe_layers(args, device_type: str) -> None:

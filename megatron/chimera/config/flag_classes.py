@@ -78,6 +78,7 @@ HONOURED = _flags("""
     --embedding-init-method-std --no-rope-freq --apply-wd-to-qk-layernorm
     --no-weight-decay-cond-type --te-rng-tracker
     --verify-integrity --disable-gloo-process-groups --no-save-optim
+    --context-parallel-size --cp-comm-type --hierarchical-context-parallel-sizes
 """)
 
 NO_EFFECT = {
@@ -198,9 +199,9 @@ REFUSED = {
          --encoder-seq-length
         --decoder-seq-length
     """),
-    'context parallelism is not supported yet (1 only)': _flags("""
-        --context-parallel-size --hierarchical-context-parallel-sizes --max-seqlen-per-dp-cp-rank
-        --cp-comm-type
+    ("hybrid (dynamic) context parallelism's bound on the tokens per DP x CP rank: --hybrid-context-parallel "
+     "is not supported (context parallelism itself is: --context-parallel-size)"): _flags("""
+        --max-seqlen-per-dp-cp-rank
     """),
     ("GPU-only: Qwen3-Next's gated delta net (and DSA: see --dsa-kernel-backend) needs flash-linear-attention on a "
      "GPU: megatron-core 0.19's GatedDeltaNet fails without fla, allocates on torch.cuda.current_device() and "

@@ -17,7 +17,8 @@ class ParallelDims:
     word embedding (its copies form the embedding group). ``gloo_groups``: not --disable-gloo-process-groups,
     whether megatron-core creates its gloo process groups beside the others. ``optimizer_instances``:
     --num-distributed-optimizer-instances, the parts each replica group's optimizer shards split into;
-    ``tp_pp_dp_mapping``: --use-tp-pp-dp-mapping, megatron-core's other rank order (rank_order.py)."""
+    ``tp_pp_dp_mapping``: --use-tp-pp-dp-mapping, megatron-core's other rank order (rank_order.py);
+    ``hierarchical_cp``: --hierarchical-context-parallel-sizes, the CP sub-groups of TE's a2a+p2p."""
 
     world: int
     tp: int
@@ -38,6 +39,7 @@ class ParallelDims:
     gloo_groups: bool
     optimizer_instances: int = 1
     tp_pp_dp_mapping: bool = False
+    hierarchical_cp: tuple[int, ...] | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelDims:
@@ -53,7 +55,8 @@ class ParallelDims:
             moe_global_reduction=bool(args.moe_z_loss_coeff) or "global_aux_loss" in balancing,
             tied_embeddings=not args.untie_embeddings_and_output_weights, gloo_groups=args.use_gloo_process_groups,
             optimizer_instances=args.num_distributed_optimizer_instances,
-            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping)
+            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+            hierarchical_cp=tuple(args.hierarchical_context_parallel_sizes or ()) or None)
 
     @property
     def expert_groups(self) -> bool:

@@ -4,8 +4,9 @@ megatron-core owns tensor- and data-parallel groups and its own (down-direction)
 On top of it, derived from the schedule's placement for any schedule:
 - the p2p groups the lowered schedule names: one for messages to a higher worker, one for messages
   to a lower one (chimera_schedules/ir/channels.py says why), ranks in worker order;
-- one replica group per model stage: every rank holding a copy of it, in any pipeline and any
-  data-parallel replica (same tensor-parallel rank) -- its gradients are summed there;
+- one replica group per model stage: every rank holding a copy of it, in any pipeline, any
+  data-parallel replica and any context-parallel rank (same tensor-parallel rank) -- its gradients are
+  summed there, over DP x CP as megatron-core's (its data-parallel group with context parallelism);
 - the embedding group: every rank holding a copy of the word embedding (stage 0's input embedding,
   the tied output layer of the last stage, the embedding of a stage of MTP layers; in every pipeline);
 - with expert parallelism, one expert replica group per model stage: every rank holding a copy of the
@@ -59,6 +60,8 @@ class Runtime:
     dp_rank: int
     worker: int
     pipelines: int = 1
+    cp: int = 1
+    cp_rank: int = 0
     p2p_groups: dict = field(default_factory=dict)  # lowered group name -> process group
     worker_ranks: list[int] = field(default_factory=list)
     stage_groups: dict = field(default_factory=dict)
@@ -68,6 +71,12 @@ class Runtime:
     expert_share: float = 1.0  # a routed expert's replicas over a dense parameter's: TP / (ETP x EP)
     comm_device: torch.device | None = None  # host staging: collectives and p2p through a host copy
     instances: dict = field(default_factory=dict)  # a replica group's ranks -> optimizer_groups' answer
+
+    @property
+    def replicas(self) -> int:
+        """The ranks over which a dense parameter's gradient is averaged, per copy of its stage: DP x CP (each
+        CP rank's loss is its own share of the sequence's, as megatron-core's)."""
+        return self.dp * self.cp
 
     def optimizer_groups(self, group) -> tuple[object, object, bool]:
         """Where the distributed optimizer shards a replica group's state: (the group of this rank's
@@ -148,26 +157,22 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     """Initialise megatron-core's parallel state and the groups the run plan's placement needs
     (collective: every rank must call it with the same arguments). The world is the launcher's (the
     sizes were validated against it)."""
-    tp, pp = dims.tp, dims.pp
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
     world = dist.get_world_size()
-    dp = world // (tp * pp)
-    order = RankOrder(tp, dp, pp, dims.tp_pp_dp_mapping)
-    parallel_state.destroy_model_parallel()
+    dp = world // (tp * cp * pp)
+    order = RankOrder(tp, dp, pp, dims.tp_pp_dp_mapping, cp)
+    _initialize_megatron_core(dims, plan, order)
     timeout = dims.timeout_minutes
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
-                                             distributed_timeout_minutes=timeout,
-                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
-                                             create_gloo_process_groups=dims.gloo_groups,
-                                             order=order.megatron_order)
     rank = dist.get_rank()
     rank_of = order.rank
     tp_rank, dp_rank, worker = order.coords(rank)
+    cp_rank = order.cp_rank(rank)
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    assert mine == [rank_of(tp_rank, dp_rank, w) for w in range(pp)], "unexpected megatron-core rank order"
+    assert mine == [rank_of(tp_rank, dp_rank, w, cp_rank) for w in range(pp)], "unexpected megatron-core rank order"
 
     placement = plan.placement
-    rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, len(placement),
-                 worker_ranks=[rank_of(tp_rank, dp_rank, w) for w in range(pp)],
+    rt = Runtime(device, backend, rank, world, tp, pp, dp, tp_rank, dp_rank, worker, len(placement), cp, cp_rank,
+                 worker_ranks=[rank_of(tp_rank, dp_rank, w, cp_rank) for w in range(pp)],
                  comm_device=torch.device("cpu") if backend == "gloo" and device.type == "cuda" else None)
     stages = len(placement[0])
     rt.embedding_stages = plan.layout.embedding_stages(dims.tied_embeddings)
@@ -176,22 +181,23 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     # The p2p groups are each their own (one direction each, channels.py); the collective ones are one
     # process group per rank set (``_shared_groups``).
     p2p_group = lambda ranks: dist.new_group(ranks, timeout=timedelta(minutes=timeout))  # noqa: E731
-    new_group = _shared_groups(timeout)
+    new_group = _shared_groups(timeout, cp)
+    copies = [(d, c) for d in range(dp) for c in range(cp)]  # a dense parameter's copies per pipeline worker
     for t in range(tp):
-        for d in range(dp):
+        for d, c in copies:
             for name in P2P_GROUPS:
-                group = p2p_group([rank_of(t, d, w) for w in range(pp)])
-                if (t, d) == (tp_rank, dp_rank):
+                group = p2p_group([rank_of(t, d, w, c) for w in range(pp)])
+                if (t, d, c) == (tp_rank, dp_rank, cp_rank):
                     rt.p2p_groups[name] = group
         for s in range(stages):
-            ranks = sorted({rank_of(t, d, row[s]) for row in placement for d in range(dp)})
+            ranks = sorted({rank_of(t, d, row[s], c) for row in placement for d, c in copies})
             group = new_group(ranks) if len(ranks) > 1 else None
             _split_instances(rt, ranks, lambda r: order.coords(r)[1], dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
                 rt.stage_groups[s] = group
         if len(rt.embedding_stages) > 1:
-            ranks = sorted({rank_of(t, d, row[s]) for row in placement for s in rt.embedding_stages
-                            for d in range(dp)})
+            ranks = sorted({rank_of(t, d, row[s], c) for row in placement for s in rt.embedding_stages
+                            for d, c in copies})
             group = new_group(ranks)
             _split_instances(rt, ranks, lambda r: order.coords(r)[1], dp, dims.optimizer_instances, new_group)
             if t == tp_rank:
@@ -199,6 +205,19 @@ def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device)
     if dims.expert_groups:
         _expert_groups(rt, dims, order, placement, new_group)
     return rt
+
+
+def _initialize_megatron_core(dims: ParallelDims, plan, order: RankOrder) -> None:
+    """megatron-core's parallel state for these sizes, its ranks in ``order``'s order."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(dims.tp, dims.pp,
+                                             virtual_pipeline_model_parallel_size=plan.megatron_virtual_stages,
+                                             context_parallel_size=dims.cp,
+                                             hierarchical_context_parallel_sizes=dims.hierarchical_cp,
+                                             distributed_timeout_minutes=dims.timeout_minutes,
+                                             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+                                             create_gloo_process_groups=dims.gloo_groups,
+                                             order=order.megatron_order)
 
 
 def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_group) -> None:
@@ -217,22 +236,25 @@ def _split_instances(rt: Runtime, ranks: list[int], dp_of, dp: int, k: int, new_
             rt.instances[tuple(ranks)] = (within[i], across[part.index(rt.rank)], i == 0)
 
 
-def _shared_groups(timeout: float):
+def _shared_groups(timeout: float, cp: int):
     """``new_group(ranks)`` for our collective groups: one process group, so one NCCL communicator, per
     rank set. Under Chimera stage s, stage D-1-s and the embedding group have the same ranks: three
     communicators over the same ranks otherwise; the lowered lists post the stages' reductions (and,
     under --overlap-grad-reduce, the embedding's and the experts') in one order on every member (the
     NCCL checker replays them on one queue). A rank set megatron-core has a
     group for reuses it: its pipeline-parallel group (a stage every pipeline rank holds; the embedding
-    group at PP=2), its data-parallel group (a stage one worker holds), its expert-data-parallel group.
+    group at PP=2), its data-parallel group (a stage one worker holds; with context parallelism, its
+    data-parallel group with CP), its expert-data-parallel group.
     megatron-core posts on those only its MoE metrics after the flush and, the pipeline group under its
     own schedules, the flush's batched p2p, which precede ours there (the embedding's reduction, after
     the flush) on both members. Every rank makes the same calls in the same order (dist.new_group is
     collective over the world), so every rank must know every megatron-core rank set: one
     all_gather_object first. Our rank lists are sorted, as megatron-core's are."""
     mine = {}
-    for name in ("get_pipeline_model_parallel_group", "get_data_parallel_group", "get_expert_data_parallel_group"):
-        group = getattr(parallel_state, name)()
+    groups = [parallel_state.get_pipeline_model_parallel_group(),
+              parallel_state.get_data_parallel_group(with_context_parallel=cp > 1),
+              parallel_state.get_expert_data_parallel_group()]
+    for group in groups:
         mine[tuple(dist.get_process_group_ranks(group))] = group
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(mine))
@@ -251,15 +273,15 @@ def _shared_groups(timeout: float):
 
 
 def _expert_groups(rt: Runtime, dims: ParallelDims, order: RankOrder, placement, new_group) -> None:
-    """One expert replica group per stage. Within a pipeline worker megatron-core orders the TP x DP
-    ranks (``RankOrder.in_worker``) as expert-TP fastest, then EP, then expert-DP; the assert holds it to
-    that."""
+    """One expert replica group per stage. Within a pipeline worker megatron-core orders the TP x CP x DP
+    ranks (``RankOrder.in_worker``) as expert-TP fastest, then EP, then expert-DP (so EP may span CP ranks);
+    the assert holds it to that."""
     etp, ep = dims.etp, dims.ep
-    per_worker = rt.tp * rt.dp
+    per_worker = rt.tp * rt.cp * rt.dp
     edp = per_worker // (etp * ep)
     rt.expert_share = rt.tp / (etp * ep)
     local = lambda e, x, d: e + etp * (x + ep * d)  # noqa: E731  (expert-TP, EP, expert-DP rank)
-    mine = rt.tp_rank + rt.tp * rt.dp_rank
+    mine = order.index_in_worker(rt.rank)
     coords = (mine % etp, (mine // etp) % ep)
     expected = [order.in_worker(local(*coords, d), rt.worker) for d in range(edp)]
     assert dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()) == expected, \
@@ -275,16 +297,10 @@ def _expert_groups(rt: Runtime, dims: ParallelDims, order: RankOrder, placement,
             for s in range(len(placement[0])):
                 ranks = sorted({order.in_worker(local(e, x, d), row[s]) for row in placement for d in range(edp)})
                 group = new_group(ranks) if len(ranks) > 1 else None
-                _split_instances(rt, ranks, lambda r: _in_worker(order, r) // (etp * ep), edp,
+                _split_instances(rt, ranks, lambda r: order.index_in_worker(r) // (etp * ep), edp,
                                  dims.optimizer_instances, new_group)
                 if (e, x) == coords:
                     rt.expert_groups[s] = group
-
-
-def _in_worker(order: RankOrder, rank: int) -> int:
-    """The index of a rank among its pipeline worker's TP x DP ranks (``RankOrder.in_worker``'s j)."""
-    t, d, _ = order.coords(rank)
-    return t + order.tp * d
 
 
 def release_groups(rt: Runtime) -> None:

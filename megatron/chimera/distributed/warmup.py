@@ -60,11 +60,25 @@ def megatron_groups(rt, dims: ParallelDims, plan) -> list[tuple[str, object]]:
     megatron-core 0.19 reaches them in our runs: the vocab-parallel cross entropy all-reduces on the
     tensor-parallel group at any size; megatron-core's own schedules batch their pipeline p2p (our model
     configs keep its batch_p2p_comm default), which NCCL runs on the pipeline group's communicator, no
-    pair's; the MoE groups as ``_moe_groups`` says."""
+    pair's; the context-parallel groups as ``_context_parallel_groups`` says, the MoE groups as
+    ``_moe_groups`` says."""
     roles = [("world", dist.group.WORLD), ("tensor-parallel", parallel_state.get_tensor_model_parallel_group())]
     if plan.schedule is None and rt.pp > 1:
         roles.append(("pipeline-parallel", parallel_state.get_pipeline_model_parallel_group()))
-    return roles + _moe_groups(dims)
+    return roles + _context_parallel_groups(dims) + _moe_groups(dims)
+
+
+def _context_parallel_groups(dims: ParallelDims) -> list[tuple[str, object]]:
+    """The attention of a sequence split over CP ranks communicates on the context-parallel group (the
+    CPU's all-gather of keys and values; Transformer Engine's ring, all-to-all or all-gather), and with
+    --hierarchical-context-parallel-sizes Transformer Engine's a2a+p2p on megatron-core's sub-groups too."""
+    if dims.cp == 1:
+        return []
+    roles = [("context-parallel", parallel_state.get_context_parallel_group())]
+    if dims.hierarchical_cp:
+        roles += [("hierarchical context-parallel", group)
+                  for group in parallel_state.get_hierarchical_context_parallel_groups()]
+    return roles
 
 
 def our_groups(rt, held: list[tuple[int, int]]) -> list[tuple[str, object]]:

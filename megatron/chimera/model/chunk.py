@@ -56,6 +56,7 @@ from packaging.version import Version
 
 from ..config.model_spec import ModelSpec
 from . import kernels, recompute
+from .context_parallel import GatheredKeyValueAttention
 
 # TransformerConfig's fusion fields, which Megatron-LM sets from its fusion flags (--no-gradient-accumulation-fusion,
 # --no-bias-swiglu-fusion / --no-bias-gelu-fusion, --no-bias-dropout-fusion, --no-rope-fusion,
@@ -208,14 +209,23 @@ def _layer_spec(config: TransformerConfig):
     if config.num_moe_experts is not None:
         specs = get_gpt_decoder_layer_specs(config, te, normalization=config.normalization,
                                             qk_l2_norm=config.qk_l2_norm)
-        return _block(specs) if te else _with_local_norms(specs, config)
+        return _block(specs) if te else _with_local_norms(_gathered_attention(specs, config), config)
     mla = config.multi_latent_attention
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
                                                           qk_l2_norm=config.qk_l2_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
                                     multi_latent_attention=mla, qk_l2_norm=config.qk_l2_norm)
-    return _with_local_norms([spec] * config.num_layers, config)
+    return _with_local_norms(_gathered_attention([spec] * config.num_layers, config), config)
+
+
+def _gathered_attention(specs: list, config) -> list:
+    """With context parallelism in megatron-core's local layers, whose attention refuses it: the local
+    attention over keys and values gathered from the CP ranks (context_parallel.py)."""
+    if config.context_parallel_size > 1:
+        for spec in {id(spec): spec for spec in specs}.values():
+            spec.submodules.self_attention.submodules.core_attention = GatheredKeyValueAttention
+    return specs
 
 
 def _block(specs: list, norm=None):
@@ -328,7 +338,8 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
     gets its slice of the model's pattern, as a list. --moe-layer-freq (every layer MoE stays megatron-core's
     1, so a chunk's checkpoint keys stack its layers exactly when the whole model's do), with --window-size,
     --window-attn-skip-freq (1: sliding window; unset, every layer windowed), and --no-rope-freq (1: no RoPE;
-    the run's config holds it as a list, megatron-core's reading of a number N: every Nth layer)."""
+    the run's config holds it as a list, megatron-core's reading of a number N: every Nth layer), and
+    --cp-comm-type given per layer (a chunk without layers keeps the first, for megatron-core's checks)."""
     fields = {}
     pattern = moe_layer_pattern(config)
     if pattern is not None and config.moe_layer_freq != 1:
@@ -339,6 +350,8 @@ def _layer_pattern(config: TransformerConfig, first_layer: int, num_layers: int)
             for i in range(num_layers)]
     if config.no_rope_freq:
         fields["no_rope_freq"] = config.no_rope_freq[first_layer:first_layer + num_layers]
+    if isinstance(config.cp_comm_type, list):
+        fields["cp_comm_type"] = config.cp_comm_type[first_layer:first_layer + num_layers] or config.cp_comm_type[0]
     return fields
 
 

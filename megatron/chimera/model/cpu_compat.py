@@ -27,6 +27,9 @@ needed.
   expert-TP rank's tokens, whose counts differ (``tensor_parallel/mappings.py``, ``output_split_sizes``) ->
   the parts padded to the largest and gathered, or the whole summed and this rank's part kept. It needs two
   processes, so the probe (one) does not undo it; ``tests/integration/test_cpu_compat.py`` runs it on two.
+- RoPE's part of the sequence on a context-parallel rank (``get_pos_emb_on_this_cp_rank``) builds its index
+  of the rank's chunks in pinned memory and moves it to the GPU -> the same chunks cut by megatron-core's
+  batch split, which indexes on the tensor's device (the equivalence harness's CP cases run it at CP=2).
 """
 from __future__ import annotations
 
@@ -35,10 +38,12 @@ import importlib
 import types
 
 import torch
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import mappings, random
 from megatron.core.transformer import utils
 from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.utils import _get_batch_on_this_cp_rank_per_sequence_balancing
 
 _applied = False
 
@@ -191,6 +196,13 @@ def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buff
     return total[start:start + input_split_sizes[group.rank()]].contiguous()
 
 
+def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron-core's get_pos_emb_on_this_cp_rank: this CP rank's chunks of the position embedding, cut by
+    megatron-core's batch split (which splits dimension 1)."""
+    batch = {"pos_emb": pos_emb.movedim(seq_dim, 1).contiguous()}
+    return _get_batch_on_this_cp_rank_per_sequence_balancing(batch, cp_group)["pos_emb"].movedim(1, seq_dim)
+
+
 PLAN_MODULES = ("megatron.core.pipeline_parallel.utils", "megatron.core.models.common.model_chunk_schedule_plan",
                 "megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables")
 
@@ -214,4 +226,5 @@ def apply() -> None:
         importlib.import_module(name).torch = _CpuTorch()
     torch.Tensor.record_stream = _record_stream
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, reduce_scatter_uneven
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     _applied = True

@@ -38,11 +38,14 @@ from .chunk import moe_layer_pattern
 
 def scale_auxiliary_losses(config, num_microbatches: int, device: torch.device) -> None:
     """Before a flush: the scale megatron-core's forward step would give each micro-batch's auxiliary
-    losses, the MoE layers' and multi-token prediction's (``MTPLossAutoScaler``, set the same way)."""
+    losses, the MoE layers' and multi-token prediction's (``MTPLossAutoScaler``, set the same way). The MoE
+    layers' is CP times as large: their losses come from statistics over the whole sequence (the router's
+    tensor-and-context-parallel group), whose gradients are then averaged over DP x CP."""
     one = torch.ones(1, device=device)
     scale = one if config.calculate_per_token_loss else one / num_microbatches
     if config.num_moe_experts is not None:
-        MoEAuxLossAutoScaler.set_loss_scale(scale)
+        cp = 1 if config.calculate_per_token_loss else config.context_parallel_size
+        MoEAuxLossAutoScaler.set_loss_scale(scale * cp)
     if config.mtp_num_layers:
         MTPLossAutoScaler.set_loss_scale(scale)
 
@@ -128,6 +131,6 @@ def mtp_loss_fields(spec: ModelSpec, rt, num_microbatches: int) -> dict[str, flo
     if values is not None:
         total += values.to(rt.device, torch.float64)
     rt.all_reduce(total)
-    total /= rt.tp * rt.dp * num_microbatches
+    total /= rt.tp * rt.replicas * num_microbatches
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     return {f"mtp_{k + 1} loss": float(v) for k, v in enumerate(total)}

@@ -24,6 +24,23 @@ def print_building(spec: ModelSpec, transformer_engine: bool, device_type: str) 
               "Engine's, on a GPU); the same arithmetic per expert", flush=True)
     _print_fusions_off(spec, device_type)
     _print_local_stand_ins(spec, transformer_engine, device_type)
+    _print_context_parallel_attention(spec, transformer_engine)
+
+
+def _print_context_parallel_attention(spec: ModelSpec, transformer_engine: bool) -> None:
+    """With context parallelism, which attention runs the split sequence (model/context_parallel.py)."""
+    config = spec.config
+    if config.context_parallel_size == 1:
+        return
+    kinds = config.cp_comm_type if isinstance(config.cp_comm_type, list) else [config.cp_comm_type]
+    kinds = " ".join(dict.fromkeys(kinds))
+    if transformer_engine:
+        print(f" > context parallelism (CP={config.context_parallel_size}): Transformer Engine's attention, "
+              f"--cp-comm-type {kinds}", flush=True)
+        return
+    print(f" > context parallelism (CP={config.context_parallel_size}): megatron-core's local attention over keys "
+          f"and values all-gathered from the CP ranks (Transformer Engine's all_gather type computes the same; "
+          f"here --cp-comm-type {kinds} computes it too)", flush=True)
 
 
 def _print_local_stand_ins(spec: ModelSpec, transformer_engine: bool, device_type: str) -> None:
@@ -74,9 +91,9 @@ def print_global_aux_loss(spec: ModelSpec, rt) -> None:
 
 
 def print_parameter_counts(chunks: dict, rt) -> None:
-    """As Megatron-LM, from data-parallel rank 0: one line per chunk, the worker as the pipeline rank;
+    """As Megatron-LM, from data- and context-parallel rank 0: one line per chunk, the worker as the pipeline rank;
     where the model has several copies (pipelines) or the rank several chunks, which one."""
-    if rt.dp_rank != 0:
+    if rt.dp_rank != 0 or rt.cp_rank != 0:
         return
     for (pipeline, stage), chunk in chunks.items():
         count = sum(p.numel() for p in chunk.parameters())

@@ -95,8 +95,8 @@ class _Bucket:
             self.work = None
         if self.across is not None:
             self.rt.all_reduce(self.shard_grad, group=self.across)
-        if self.rt.dp > 1:
-            self.shard_grad /= self.rt.dp
+        if self.rt.replicas > 1:
+            self.shard_grad /= self.rt.replicas
 
     @torch.no_grad()
     def start_gather(self) -> None:

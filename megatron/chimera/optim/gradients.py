@@ -211,8 +211,8 @@ class ReplicaGradSync:
         for work, summed, copies in self.pending:
             if work is not None:
                 work.wait()
-            if self.rt.dp > 1:
-                summed /= self.rt.dp
+            if self.rt.replicas > 1:
+                summed /= self.rt.replicas
             for other in copies:
                 other.copy_(summed)
         self.pending.clear()
@@ -276,7 +276,7 @@ def global_norm(chunks: dict, runtime, tied: bool, of: Callable = lambda p: p.gr
     tensors, weights = _counted_once(chunks, runtime, tied, of)
     total = weighted_square_sum(tensors, weights, runtime.device)
     runtime.all_reduce(total)
-    return math.sqrt(total.item() / runtime.dp)
+    return math.sqrt(total.item() / runtime.replicas)
 
 
 def global_zeros(chunks: dict, runtime, tied: bool) -> int:
@@ -287,7 +287,7 @@ def global_zeros(chunks: dict, runtime, tied: bool) -> int:
     for g, w in zip(grads, weights):
         total += (g.numel() - torch.count_nonzero(g)).double() * w
     runtime.all_reduce(total)
-    return round(total.item() / runtime.dp)
+    return round(total.item() / runtime.replicas)
 
 
 # torch's CPU norm kernel accumulates each vector lane sequentially in fp32: measured 1.9e-3 relative

@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import async_utils  # noqa: E402
+from megatron.core.models.common.embeddings import rotary_pos_embedding  # noqa: E402
 from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
@@ -36,7 +37,8 @@ ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cu
             "schedules.torch": schedules.torch, "utils.torch": utils.torch,
             "token_dispatcher.torch": token_dispatcher.torch,
             "maybe_move_tensor_to_cpu": token_dispatcher.maybe_move_tensor_to_cpu,
-            "record_stream": torch.Tensor.record_stream}
+            "record_stream": torch.Tensor.record_stream,
+            "pos_emb_on_this_cp_rank": rotary_pos_embedding.get_pos_emb_on_this_cp_rank}
 PLAN_TORCH = {name: importlib.import_module(name).torch for name in cpu_compat.PLAN_MODULES}
 
 
@@ -104,6 +106,14 @@ def synchronize_callers():
     torch.cuda.synchronize()
 
 
+def rope_on_cp_rank():
+    """RoPE with context parallelism cuts each CP rank's chunks out of its embedding; megatron-core builds the
+    chunks' index on the GPU whatever the group's size, so a one-rank CP group shows it."""
+    assert "get_pos_emb_on_this_cp_rank(" in inspect.getsource(rotary_pos_embedding.RotaryEmbedding.forward)
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank(torch.zeros(8, 1, 1, 4), 0,
+                                                     parallel_state.get_context_parallel_group())
+
+
 def redirect_rng_state(undo: bool):
     random._get_cuda_rng_state = ORIGINAL["get_state"] if undo else (lambda *a, **k: torch.empty(0, dtype=torch.uint8))
     random._set_cuda_rng_state = ORIGINAL["set_state"] if undo else (lambda *a, **k: None)
@@ -138,6 +148,10 @@ SHIMS = {  # name -> (undo, redo, what needs it)
     "schedule_plan_streams": (lambda: plan_torch(False), lambda: plan_torch(True), schedule_plan),
     "record_stream": (lambda: setattr(torch.Tensor, "record_stream", ORIGINAL["record_stream"]),
                       lambda: setattr(torch.Tensor, "record_stream", cpu_compat._record_stream), schedule_plan),
+    "rope_cp_chunks": (
+        lambda: setattr(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", ORIGINAL["pos_emb_on_this_cp_rank"]),
+        lambda: setattr(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", cpu_compat.pos_emb_on_this_cp_rank),
+        rope_on_cp_rank),
 }
 
 

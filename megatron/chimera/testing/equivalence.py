@@ -228,6 +228,7 @@ MOE_OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 
 LAYOUT = "--pipeline-model-parallel-layout"
 TP2 = ["--tensor-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
 
 
 def schedule_cases(d: int) -> dict[str, list[str]]:
@@ -376,6 +377,19 @@ CASES = {
         "mla chimera D=2 TP=2": ("mla", CHIMERA2 + TP2),
         # MTP's own norms (embedding, hidden states, last) under sequence parallelism: Megatron-LM's MoE configs
         "mtp chimera D=2 TP=2 sequence parallel": ("mtp", CHIMERA2 + TP2 + ["--sequence-parallel"]),
+        # context parallelism: each CP rank holds 2 of the sequence's 4 chunks, its attention over the keys and
+        # values gathered from both (model/context_parallel.py); RoPE and query groups split with it (llama);
+        # EP over the two CP ranks of each stage, as megatron-core allows (its expert groups tile TP x CP x DP);
+        # under the NCCL emulation the CP group's gathers inside F and B run on a communicator warmed up; the
+        # distributed optimizer shards each stage over both pipelines' copies x CP; TP x CP with sequence parallelism
+        "chimera D=2 CP=2 emulated NCCL distributed optimizer overlapped reduce": (
+            "tied-learned", CHIMERA2 + CP2 + ["--emulate-nccl"] + DISTOPT + OVERLAP),
+        "llama TP=2 CP=2 sequence parallel": (
+            "llama", ["--micro-batch-size", "1"] + CP2 + TP2 + ["--sequence-parallel"]),
+        # ... and Transformer Engine's types asked for per layer (each stage its slice): the same attention here
+        "chimera split llama D=2 CP=2 per-layer comm types": ("llama", D2["chimera split D=2"] + CP2 + [
+            "--cp-comm-type", *["p2p", "a2a", "all_gather", "p2p"] * 2]),
+        "mixtral alltoall chimera D=2 CP=2 EP=2": ("mixtral", CHIMERA2 + CP2 + EP2 + ALLTOALL),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage. At micro-batch size 1
     # the pairs only (1F1B, DualPipe; EVERY_PAIR: 1F1B split with its I passes paired); at 2 or 4 actions in

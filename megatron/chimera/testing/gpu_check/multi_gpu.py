@@ -42,6 +42,7 @@ from .launching import (
 
 NCCL_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": str(MIB)}
 TE = ["--transformer-impl", "transformer_engine"]
+CP2 = ["--context-parallel-size", "2"]
 # The timed model: 1 MiB of bf16 activation per micro-batch and enough micro-batches to fill the pipeline
 TIMED = ["--mock-data", "--vocab-size", "32000", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
          "16", "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
@@ -100,6 +101,12 @@ def _single_cases(m: Machine, model: list[str]) -> list[Case]:
              te_bf16 + chimera(2) + ["--split-backward"], te_bf16, TOLERANCE["bf16"][0],
              not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU",
              needs=("transformer_engine", "te_split", "apex")),
+        # context parallelism in Transformer Engine's attention, its default ring (p2p) over the CP group, in bf16
+        # (TE's fp32 attention is its unfused one, which has no CP); the CPU's gathered attention runs in the
+        # equivalence harness (testing/equivalence.py)
+        Case("nccl chimera D=2 CP=2 bf16 transformer-engine", 4, model + BF16 + chimera(2) + CP2 + TE,
+             model + BF16 + TE, TOLERANCE["bf16"][0], not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU",
+             needs=("transformer_engine",)),
         Case("nccl chimera D=2 MoE EP=2 alltoall", 4, moe + chimera(2) + EP2, moe, env=moe_env),
         Case("nccl chimera D=2 DP=2 MoE EP=2 plan mode overlapped reduce and gather", 4,
              moe + chimera(2) + PLAN_MODE + OVERLAPPED, moe, env=moe_env,
