@@ -5,7 +5,17 @@ import pytest
 from chimera_schedules import Action, build
 from chimera_schedules.analysis.measure import measured_result
 from chimera_schedules.ir.costs import Event
-from chimera_schedules.tools.planner import Candidate, Experts, ModelShape, Profile, costs, evaluate, plan
+from chimera_schedules.tools.planner import (
+    Candidate,
+    Experts,
+    ModelShape,
+    Precision,
+    Profile,
+    costs,
+    evaluate,
+    model_state_bytes,
+    plan,
+)
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0)  # no logits: equal stages
 
@@ -77,3 +87,13 @@ def test_planner_counts_expert_memory_per_expert_parallel_rank():
     one, eight = (evaluate(shape, profile(1e12), 8, Candidate("1f1b", 2, 8, 1, 1, ep)) for ep in (1, 8))
     per_rank = 64 // 8 * 3 * 16 * 64  # the routed experts of one layer per rank at EP=8
     assert one.memory - eight.memory == 16 * (64 * 3 * 16 * 64 - per_rank)  # fp32: 16 bytes per parameter
+
+
+def test_muon_keeps_one_momentum_per_matrix_element_and_adamw_two_moments_for_the_rest():
+    # a stage of 2 layers: 2 x 12 h^2 = 98,304 matrix elements (Muon: 4 bytes each instead of AdamW's 8);
+    # the 2 x 13 h norms and biases keep AdamW's two moments
+    muon = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2), Precision(muon=True))
+    adam = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2))
+    assert adam.memory - muon.memory == 4 * 2 * 12 * 64 ** 2
+    state = model_state_bytes(100, 1, 1, Precision(muon=True), matrices=60)
+    assert state["optimizer"] == 8 * 40 + 4 * 60, state

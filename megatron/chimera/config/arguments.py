@@ -18,6 +18,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
 from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 from megatron.training.checkpointing import load_args_from_checkpoint
 
@@ -119,6 +120,7 @@ def _validate(args) -> None:
     _validate_sizes(args)
     _expert_layout(args)
     _optimizer_instances(args)
+    _muon(args)
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
@@ -177,6 +179,22 @@ def _optimizer_instances(args) -> None:
         edp = args.tensor_model_parallel_size * dp // experts
         require(edp % k == 0, "--num-distributed-optimizer-instances", k,
                 f"must divide the expert data-parallel size ({edp})")
+
+
+def _muon(args) -> None:
+    """--optimizer muon as megatron-core builds it (optim/muon.py), before validate_args turns
+    --use-distributed-optimizer into its layer-wise distributed optimizer, which is not implemented here."""
+    if args.optimizer != "muon":
+        return
+    require(not args.fp16, "--fp16", True, "cannot be combined with --optimizer muon (megatron-core's rule: "
+            "emerging optimizer with fp16 is not supported)")
+    require(not args.use_distributed_optimizer, "--use-distributed-optimizer", True,
+            "with --optimizer muon needs megatron-core's layer-wise distributed optimizer, which keeps each "
+            "matrix whole on one rank: not implemented (the distributed optimizer's flat shards split matrices)")
+    require(args.muon_num_ns_steps >= 1, "--muon-num-ns-steps", args.muon_num_ns_steps, "must be at least 1")
+    supported = get_supported_coefficient_types()
+    require(args.muon_coefficient_type in supported, "--muon-coefficient-type", args.muon_coefficient_type,
+            f"not one of the installed emerging-optimizers' types ({', '.join(supported)})")
 
 
 def _routing(args) -> None:

@@ -46,6 +46,8 @@ HONOURED = _flags("""
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
     --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
     --num-distributed-optimizer-instances --use-tp-pp-dp-mapping
+    --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec
+    --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
     --eval-iters
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
@@ -344,10 +346,8 @@ REFUSED = {
         --no-inference-use-synchronous-zmq-collectives --inference-disable-ep-consensus
         --no-inference-disable-ep-consensus --inference-shards
     """),
-    'only Adam with fp32 states is implemented': _flags("""
-        --sgd-momentum --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode
-        --muon-fp32-matmul-prec --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode
-        --muon-extra-scale-factor --muon-scalar-optimizer --lion-beta1 --lion-beta2
+    'only Adam and Muon with fp32 states are implemented': _flags("""
+        --sgd-momentum --lion-beta1 --lion-beta2
         --use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype
         --exp-avg-sq-dtype
     """),
@@ -475,7 +475,8 @@ REFUSED = {
 # Honoured flags whose other values are refused, with what runs (the rule names the first value
 # Megatron-LM would accept and we do not).
 VALUES = {
-    "--optimizer": ("adam",),
+    "--optimizer": ("adam", "muon"),
+    "--muon-scalar-optimizer": ("adam",),  # megatron-core's other choice, Lion, is not implemented
     # Megatron-LM 0.19's GPT builder (gpt_config_from_args) gives GPTModel its default, 8.0, whatever this says
     "--rope-scaling-factor": (8.0,),
     "--moe-token-dispatcher-type": ("allgather", "alltoall"),
