@@ -338,10 +338,10 @@ def test_fp16_resume_repeats_losses_and_loss_scale(two_ranks):
     assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]
 
 
-def test_muon_momentum_is_checkpointed_and_resumes_exactly(two_ranks):
+def test_muon_momentum_is_checkpointed_and_resumes_exactly(two_ranks, corpus, capsys):
     """--optimizer muon: each matrix Muon steps saves its momentum under megatron-core's key, the rest AdamW's
     moments, and a resumed run logs the uninterrupted run's losses and gradient norms (iteration 4's
-    differ without the momentum)."""
+    differ without the momentum). Resuming its optimizer state with AdamW fails in one line."""
     whole, again = ok(two_ranks[1], "muon"), ok(two_ranks[1], "muon resumed")
     norms = re.compile(r"iteration\s+(\d+)/.* grad norm: (\S+) \|")
     assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
@@ -355,6 +355,11 @@ def test_muon_momentum_is_checkpointed_and_resumes_exactly(two_ranks):
     assert held("momentum_buffer") == layers | {"embedding.position_embeddings.weight"}, sorted(saved)
     assert held("exp_avg") == held("exp_avg_sq") and "embedding.word_embeddings.weight" in held("exp_avg")
     assert not held("exp_avg") & held("momentum_buffer"), "a parameter saved with both optimizers' state"
+    with pytest.raises(SystemExit):
+        parse_args(train_args(corpus, *CHIMERA2, "--bf16", "--load", str(two_ranks[4] / "iter_0000002"))[1:],
+                   world_size=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--optimizer=adam: the checkpoint in" in err and "holds muon's" in err, err
 
 
 def test_distributed_optimizer_checkpoints_load_without_it_and_back(two_ranks):

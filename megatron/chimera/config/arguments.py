@@ -706,6 +706,10 @@ def _validate_checkpoint(args) -> None:
             "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")
     require(fmt != "torch_dist" or not loads_optimizer or "optimizer" in common, "--load", args.load,
             "holds no optimizer state (a model saved alone?): pass --no-load-optim or --finetune")
+    saved_optimizer = getattr(common.get("args"), "optimizer", args.optimizer)
+    require(not loads_optimizer or saved_optimizer == args.optimizer, "--optimizer", args.optimizer,
+            f"the checkpoint in {args.load} holds {saved_optimizer}'s optimizer state: pass --no-load-optim or "
+            "--finetune to start this optimizer afresh")
     if loads_optimizer and "opt_param_scheduler" in common:
         _check_schedule(args, common["opt_param_scheduler"])
 
