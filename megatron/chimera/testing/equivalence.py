@@ -3,7 +3,7 @@
     python -m megatron.chimera.testing.equivalence --out DIR                 # the one-process references
     torchrun --nproc_per_node 2|4 -m megatron.chimera.testing.equivalence --out DIR [--only TEXT]
 
-Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
+Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW or Muon, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
 the reference in losses and in final weights, which copies of a stage (or of the tied embedding) were
 not bitwise identical after a step, what --check-weight-hash-across-dp-replicas-interval's check found,
