@@ -169,10 +169,12 @@ def model_state_bytes(params: float, copies: int, replicas: int, precision: Prec
     main weights only when the weights are bf16; an fp32 gradient per parameter; AdamW's two fp32
     moments, or with --optimizer muon Muon's one fp32 momentum for the ``matrices`` of the ``params`` it
     steps. The distributed optimizer divides main weights and moments over the stage's replica group
-    (``replicas``: pipelines x data-parallel width). fp32 without it: 16 bytes per parameter."""
+    (``replicas``: pipelines x data-parallel width); Muon's layer-wise one the moments only (every rank keeps
+    every main weight, the owners' broadcast after the step). fp32 without it: 16 bytes per parameter."""
     shard = replicas if precision.distributed_optimizer else 1
     muon = matrices / params if precision.muon and params else 0.0
-    per_copy = {"parameters": 2 if precision.half else 4, "main parameters": (4 if precision.half else 0) / shard,
+    main = (4 if precision.half else 0) / (1 if precision.muon else shard)
+    per_copy = {"parameters": 2 if precision.half else 4, "main parameters": main,
                 "gradients": 4, "optimizer": (8 - 4 * muon) / shard}
     out = {k: copies * params * v for k, v in per_copy.items()}
     return {**out, "total": sum(out.values())}

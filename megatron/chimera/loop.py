@@ -62,6 +62,7 @@ from .observability.timing import ITERATION, SETUP, make_timers, print_times
 from .optim.adam import adam_state, build_adamw
 from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
+from .optim.layer_wise import LayerWiseMainParams
 from .optim.muon import build_muon, mark_parameters, steps_with_muon
 from .optim.precision import LossScaler, MainParams, scaled_loss
 
@@ -179,7 +180,10 @@ class Trainer:
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
         if spec.name == "muon":
             mark_parameters(self.models)
-        if spec.distributed:
+        if spec.layer_wise:
+            self.main = LayerWiseMainParams(self.chunks, rt)
+            self.sync = ReplicaGradSync(self.main.by_chunk, rt, spec.overlap_grad_reduce)
+        elif spec.distributed:
             self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, spec.overlap_grad_reduce,
                                                       spec.overlap_param_gather)
         else:
@@ -188,7 +192,7 @@ class Trainer:
         precision = self.job.train.precision
         self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
-        self.optimizer = _build_optimizer(self.main.all(), spec, device, self.models)
+        self.optimizer = _build_optimizer(self.main.stepped(), spec, device, self.models)
         self.scheduler = _scheduler(spec, self.optimizer)
 
     def close(self) -> None:

@@ -207,7 +207,8 @@ def two_ranks(corpus, tmp_path_factory):
                                          "--no-load-optim"),
         "fp16": train_args(corpus, *FP16, "--save", str(fp16), "--save-interval", "2", "--eval-iters", "0"),
         "fp16 resumed": train_args(corpus, *FP16, "--load", str(fp16 / "iter_0000002"), "--eval-iters", "0"),
-        "muon": train_args(corpus, *MUON, "--save", str(muon), "--save-interval", "2", "--eval-iters", "0"),
+        "muon": train_args(corpus, *MUON, "--use-distributed-optimizer", "--save", str(muon), "--save-interval", "2",
+                           "--eval-iters", "0"),
         "muon resumed": train_args(corpus, *MUON, "--load", str(muon / "iter_0000002"), "--eval-iters", "0"),
         "sharded": bf16 + ["--use-distributed-optimizer", "--save", str(distopt / "sharded"), "--log-memory-per-rank"],
         "plain": bf16 + ["--load", str(distopt / "sharded" / "iter_0000002"), "--save", str(distopt / "plain")],
@@ -340,8 +341,9 @@ def test_fp16_resume_repeats_losses_and_loss_scale(two_ranks):
 
 def test_muon_momentum_is_checkpointed_and_resumes_exactly(two_ranks, corpus, capsys):
     """--optimizer muon: each matrix Muon steps saves its momentum under megatron-core's key, the rest AdamW's
-    moments, and a resumed run logs the uninterrupted run's losses and gradient norms (iteration 4's
-    differ without the momentum). Resuming its optimizer state with AdamW fails in one line."""
+    moments, gathered from their owners under the layer-wise distributed optimizer, and a resumed run (without
+    it) logs the uninterrupted run's losses and gradient norms (iteration 4's differ without the momentum).
+    Resuming its optimizer state with AdamW fails in one line."""
     whole, again = ok(two_ranks[1], "muon"), ok(two_ranks[1], "muon resumed")
     norms = re.compile(r"iteration\s+(\d+)/.* grad norm: (\S+) \|")
     assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}

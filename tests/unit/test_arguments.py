@@ -67,8 +67,8 @@ MUON = ["--optimizer", "muon"]
 # --optimizer muon: what megatron-core refuses, and what is not implemented here, each naming its flag
 MUON_CASES = [
     (MUON + ["--fp16"], 1, "--fp16=True: cannot be combined with --optimizer muon (megatron-core's rule"),
-    (MUON + ["--use-distributed-optimizer"], 2, "--use-distributed-optimizer=True: with --optimizer muon needs "
-     "megatron-core's layer-wise distributed optimizer"),
+    (MUON + ["--use-distributed-optimizer", "--overlap-param-gather"], 2, "--overlap-param-gather=True: with "
+     "--optimizer muon is not implemented"),
     (MUON + ["--muon-num-ns-steps", "0"], 1, "--muon-num-ns-steps=0: must be at least 1"),
     (MUON + ["--muon-coefficient-type", "septic"], 1, "--muon-coefficient-type=septic: not one of the installed "
      "emerging-optimizers' types (simple, quintic"),

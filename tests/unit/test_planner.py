@@ -97,3 +97,6 @@ def test_muon_keeps_one_momentum_per_matrix_element_and_adamw_two_moments_for_th
     assert adam.memory - muon.memory == 4 * 2 * 12 * 64 ** 2
     state = model_state_bytes(100, 1, 1, Precision(muon=True), matrices=60)
     assert state["optimizer"] == 8 * 40 + 4 * 60, state
+    # its layer-wise distributed optimizer divides the moments over the 4 replicas, not the fp32 main weights
+    state = model_state_bytes(100, 1, 4, Precision(half=True, distributed_optimizer=True, muon=True), matrices=60)
+    assert (state["main parameters"], state["optimizer"]) == (400, (8 * 40 + 4 * 60) / 4), state

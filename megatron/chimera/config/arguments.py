@@ -183,14 +183,16 @@ def _optimizer_instances(args) -> None:
 
 def _muon(args) -> None:
     """--optimizer muon as megatron-core builds it (optim/muon.py), before validate_args turns
-    --use-distributed-optimizer into its layer-wise distributed optimizer, which is not implemented here."""
+    --use-distributed-optimizer into its layer-wise distributed optimizer (optim/layer_wise.py)."""
     if args.optimizer != "muon":
         return
     require(not args.fp16, "--fp16", True, "cannot be combined with --optimizer muon (megatron-core's rule: "
             "emerging optimizer with fp16 is not supported)")
-    require(not args.use_distributed_optimizer, "--use-distributed-optimizer", True,
-            "with --optimizer muon needs megatron-core's layer-wise distributed optimizer, which keeps each "
-            "matrix whole on one rank: not implemented (the distributed optimizer's flat shards split matrices)")
+    unsupported = "with --optimizer muon is not implemented (Muon's layer-wise distributed optimizer gathers " \
+                  "the weights after the step)"
+    require(not args.overlap_param_gather, "--overlap-param-gather", True, unsupported)
+    require(args.num_distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances",
+            args.num_distributed_optimizer_instances, unsupported)
     require(args.muon_num_ns_steps >= 1, "--muon-num-ns-steps", args.muon_num_ns_steps, "must be at least 1")
     supported = get_supported_coefficient_types()
     require(args.muon_coefficient_type in supported, "--muon-coefficient-type", args.muon_coefficient_type,

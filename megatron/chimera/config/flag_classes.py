@@ -83,6 +83,10 @@ HONOURED = _flags("""
 """)
 
 NO_EFFECT = {
+    ("Muon's layer-wise distributed optimizer keeps every parameter whole, AdamW's too (the path this flag asks "
+     "for; AdamW steps each element alike either way)"): _flags("""
+        --no-use-layer-wise-param-layout
+    """),
     'weights are always drawn on the CPU (so every copy of a stage starts equal)': _flags("""
         --use-cpu-initialization
     """),
@@ -189,7 +193,7 @@ REFUSED = {
         --model-parallel-size
         --ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation
          --overlap-param-gather-with-optimizer-step --no-align-param-gather
-        --no-use-layer-wise-param-layout --use-nccl-ub --disable-symmetric-registration
+        --use-nccl-ub --disable-symmetric-registration
         --create-all-gather-group --no-gradient-reduce-div-fusion 
         --fake-process-group
     """),

@@ -37,6 +37,7 @@ class OptimizerSpec:
     apply_wd_to_qk_layernorm: bool  # validate_args sets it for --no-weight-decay-cond-type too
     name: str = "adam"
     muon: dict | None = None
+    layer_wise: bool = False  # --use-distributed-optimizer with Muon (validate_args renames it so)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerSpec:
@@ -45,7 +46,8 @@ class OptimizerSpec:
                    args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler, args.weight_decay,
                    (args.adam_beta1, args.adam_beta2), args.adam_eps, args.decoupled_lr, decoupled_min,
                    args.clip_grad, args.use_distributed_optimizer, args.overlap_grad_reduce,
-                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm, args.optimizer, muon_settings(args))
+                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm, args.optimizer, muon_settings(args),
+                   getattr(args, "use_layer_wise_distributed_optimizer", False))
 
 
 def muon_settings(args: argparse.Namespace) -> dict:

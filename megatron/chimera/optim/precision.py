@@ -66,6 +66,10 @@ class MainParams:
     def all(self) -> list[torch.nn.Parameter]:
         return [p for params in self.by_chunk.values() for p in params]
 
+    def stepped(self) -> list[torch.nn.Parameter]:
+        """What this rank's optimizer steps: every main parameter (layer_wise.py: the owned ones)."""
+        return self.all()
+
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """After a step: the model runs on the updated main weights, rounded."""

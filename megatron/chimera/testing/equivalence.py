@@ -338,6 +338,8 @@ CASES = {
         "chimera D=2 DP=2 overlapped reduce": ("tied-learned", CHIMERA2 + OVERLAP),
         "chimera D=2 TP=2": ("tied-learned", CHIMERA2 + TP2),
         "muon chimera D=2 TP=2": ("muon", CHIMERA2 + TP2),
+        # megatron-core's layer-wise distributed optimizer: each weight stepped by one of its 4 copies' ranks
+        "muon distributed optimizer chimera D=2 DP=2": ("muon", CHIMERA2 + DISTOPT),
         # ranks in Megatron-LM's other order: rank = tp + TP x (worker + PP x dp)
         "chimera split D=2 DP=2 tp-pp-dp mapping": (
             "tied-learned", CHIMERA2 + ["--split-backward", "--use-tp-pp-dp-mapping"]),
