@@ -153,31 +153,39 @@ class Profile:
 @dataclass(frozen=True)
 class Precision:
     """The training flags that set the model state: --bf16 (or --fp16) and --use-distributed-optimizer;
-    and whether AdamW steps with one fused kernel (the trainer's on a GPU, megatron/chimera/optim/adam.py)
-    or with torch's foreach default, which allocates at the step (``step_bytes``)."""
+    whether AdamW steps with one fused kernel (the trainer's on a GPU, megatron/chimera/optim/adam.py)
+    or with torch's foreach default, which allocates at the step (``step_bytes``); and --optimizer muon,
+    whose Muon keeps one fp32 momentum per hidden weight matrix element (megatron/chimera/optim/muon.py)."""
     half: bool = False
     distributed_optimizer: bool = False
     fused_adam: bool = True
+    muon: bool = False
 
 
-def model_state_bytes(params: float, copies: int, replicas: int, precision: Precision = Precision()) -> dict:
+def model_state_bytes(params: float, copies: int, replicas: int, precision: Precision = Precision(),
+                      matrices: float = 0.0) -> dict:
     """One worker's model state in bytes, as megatron/chimera/observability/startup.py counts it from the tensors:
     ``copies`` stage copies of ``params`` parameters each; weights in bf16 (2 bytes) or fp32 (4); fp32
     main weights only when the weights are bf16; an fp32 gradient per parameter; AdamW's two fp32
-    moments. The distributed optimizer divides main weights and moments over the stage's replica group
-    (``replicas``: pipelines x data-parallel width). fp32 without it: 16 bytes per parameter."""
+    moments, or with --optimizer muon Muon's one fp32 momentum for the ``matrices`` of the ``params`` it
+    steps. The distributed optimizer divides main weights and moments over the stage's replica group
+    (``replicas``: pipelines x data-parallel width); Muon's layer-wise one the moments only (every rank keeps
+    every main weight, the owners' broadcast after the step). fp32 without it: 16 bytes per parameter."""
     shard = replicas if precision.distributed_optimizer else 1
-    per_copy = {"parameters": 2 if precision.half else 4, "main parameters": (4 if precision.half else 0) / shard,
-                "gradients": 4, "optimizer": 8 / shard}
+    muon = matrices / params if precision.muon and params else 0.0
+    main = (4 if precision.half else 0) / (1 if precision.muon else shard)
+    per_copy = {"parameters": 2 if precision.half else 4, "main parameters": main,
+                "gradients": 4, "optimizer": (8 - 4 * muon) / shard}
     out = {k: copies * params * v for k, v in per_copy.items()}
     return {**out, "total": sum(out.values())}
 
 
 def step_bytes(params: float, replicas: int, precision: Precision = Precision()) -> float:
-    """What the optimizer step of ``params`` parameters allocates beyond the model state, in bytes. torch's
-    foreach AdamW holds sqrt(exp_avg_sq) of a whole parameter group at once: 4 bytes per main parameter (the
-    largest group's, nearly all of them: counted as all), sharded like the moments. A fused kernel (torch's
-    fused=True, Transformer Engine's or apex's FusedAdam) allocates nothing."""
+    """What the optimizer step of ``params`` parameters that AdamW steps allocates beyond the model state, in
+    bytes. torch's foreach AdamW holds sqrt(exp_avg_sq) of a whole parameter group at once: 4 bytes per main
+    parameter (the largest group's, nearly all of them: counted as all), sharded like the moments. A fused
+    kernel (torch's fused=True, Transformer Engine's or apex's FusedAdam) allocates nothing. (Muon's
+    Newton-Schulz holds a few copies of one matrix at a time: not counted.)"""
     shard = replicas if precision.distributed_optimizer else 1
     return 0.0 if precision.fused_adam else 4 * params / shard
 
@@ -256,6 +264,18 @@ def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int, e
                      grad_bytes=grad_bytes, data_parallel=width)
 
 
+def _stage_matrices(shape: ModelShape, held: Layout, stage: int, ep: int) -> float:
+    """The parameters of the model stage, routed experts aside, that Muon steps (megatron-core's rule: 2-D,
+    not the word embedding or output layer): all but the vocabulary matrices and the layers' norms and
+    biases (13 h in a dense GPT layer, the two norms' 2 h in an MoE layer)."""
+    params, experts = _stage_params(shape, held, stage, ep)
+    dense, moe = _stage_layers(shape, held, stage)
+    st = held.stages[stage]
+    mtp_moe = shape.is_moe(shape.layers)
+    vectors = shape.hidden * (13 * (dense + st.mtp * (not mtp_moe)) + 2 * (moe + st.mtp * mtp_moe))
+    return params - experts - vectors - shape.hidden * shape.vocab * (st.embedding + st.loss + bool(st.mtp))
+
+
 def _stage_params(shape: ModelShape, held: Layout, stage: int, ep: int) -> tuple[float, float]:
     """(all parameters a rank holds of the model stage, the routed experts' among them): its layers,
     its MTP layers (a layer shaped like the last, plus the 2h -> h projection) and a copy of the
@@ -295,9 +315,11 @@ def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int,
         state = step = 0.0
         for s in (s for row in schedule.placement for s, w in enumerate(row) if w == worker):
             params, experts = _stage_params(shape, held, s, ep)
-            for count, group in ((params - experts, replicas), (experts, replicas // ep)):
-                state += model_state_bytes(count, 1, group, precision)["total"]
-                step += step_bytes(count, group, precision)
+            matrices = _stage_matrices(shape, held, s, ep) if precision.muon else 0.0
+            for count, muon, group in ((params - experts, matrices, replicas),
+                                       (experts, experts if precision.muon else 0.0, replicas // ep)):
+                state += model_state_bytes(count, 1, group, precision, muon)["total"]
+                step += step_bytes(count - muon, group, precision)
         most = max(most, state + max(act, step))
     return most
 

@@ -62,6 +62,8 @@ from .observability.timing import ITERATION, SETUP, make_timers, print_times
 from .optim.adam import adam_state, build_adamw
 from .optim.distributed_optimizer import ShardedMainParams
 from .optim.gradients import ReplicaGradSync
+from .optim.layer_wise import LayerWiseMainParams
+from .optim.muon import build_muon, mark_parameters, steps_with_muon
 from .optim.precision import LossScaler, MainParams, scaled_loss
 
 
@@ -93,10 +95,19 @@ def _decays(param, optimizer: OptimizerSpec) -> bool:
 
 def _allocate_state(optimizer) -> None:
     """AdamW's state as its first step would create it (zero moments, step 0), allocated now so the
-    model-state line counts real tensors."""
+    model-state line counts real tensors; for the parameters Muon steps, Muon has allocated its own."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = adam_state(optimizer, p, 0, torch.zeros_like(p), torch.zeros_like(p))
+            if p not in optimizer.state:
+                optimizer.state[p] = adam_state(optimizer, p, 0, torch.zeros_like(p), torch.zeros_like(p))
+
+
+def _build_optimizer(params, spec: OptimizerSpec, device, chunks):
+    """AdamW (optim/adam.py), or with --optimizer muon Muon and AdamW (optim/muon.py), its state allocated."""
+    groups = _param_groups(params, spec)
+    optimizer = build_muon(groups, spec, device, chunks) if spec.name == "muon" else build_adamw(groups, spec, device)
+    _allocate_state(optimizer)
+    return optimizer
 
 
 def _scheduler(spec: OptimizerSpec, optimizer):
@@ -159,8 +170,7 @@ class Trainer:
         self.guard = guard_communicators(warmed) if backend == "nccl" or dims.emulate_nccl else None
 
     def _build_model_and_optimizer(self, forward_step_func, device) -> None:
-        """The chunks this rank holds, their main weights and gradient sync, AdamW (optim/adam.py) and the LR
-        schedule."""
+        """The chunks this rank holds, their main weights and gradient sync, the optimizer and the LR schedule."""
         rt, spec, model = self.rt, self.job.train.optimizer, self.job.model
         print_building(model, uses_transformer_engine(model.config.transformer_impl, device.type), device.type)
         print_layout(self.plan)
@@ -169,7 +179,12 @@ class Trainer:
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in self.held]
         self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
-        if spec.distributed:
+        if spec.name == "muon":
+            mark_parameters(self.models)
+        if spec.layer_wise:
+            self.main = LayerWiseMainParams(self.chunks, rt)
+            self.sync = ReplicaGradSync(self.main.by_chunk, rt, spec.overlap_grad_reduce)
+        elif spec.distributed:
             self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, spec.overlap_grad_reduce,
                                                       spec.overlap_param_gather)
         else:
@@ -178,8 +193,7 @@ class Trainer:
         precision = self.job.train.precision
         self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
-        self.optimizer = build_adamw(_param_groups(self.main.all(), spec), spec, device)
-        _allocate_state(self.optimizer)
+        self.optimizer = _build_optimizer(self.main.stepped(), spec, device, self.models)
         self.scheduler = _scheduler(spec, self.optimizer)
 
     def close(self) -> None:
@@ -322,7 +336,8 @@ class Trainer:
     def states(self) -> dict[str, State]:
         """What a checkpoint holds of this trainer, by name (checkpoint/states.py); the loop adds the data position."""
         states = {"model": ModelChunks.of(self.chunks, self.held, self.plan.layout, self.main),
-                  "optimizer": OptimizerState(self.optimizer, self.main, self.models),
+                  "optimizer": OptimizerState(self.optimizer, self.main, self.models,
+                                              steps_with_muon if self.job.train.optimizer.name == "muon" else None),
                   "lr_scheduler": self.scheduler, "rng": RNGState(self.rt.rank, self.rt.world)}
         if self.scaler:
             states["grad_scaler"] = self.scaler

@@ -161,6 +161,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-layer-freq", "[0]+[1]*3", "--moe-shared-expert-intermediate-size", "32", "--disable-bias-linear",
        "--eval-iters", "0", "--global-batch-size", "8"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1", *CHIMERA2]
+MUON = ["--optimizer", "muon", "--bf16", *CHIMERA2]
 # profiled: mock data, two iterations, the executor's ranges traced in the second
 PROFILED = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
@@ -199,8 +200,8 @@ def four_ranks(corpus, tmp_path_factory):
 def two_ranks(corpus, tmp_path_factory):
     """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
     profiled run last, so that no profiler is left on for another case."""
-    mcore, fp16, distopt, traces, mtp, legacy = (tmp_path_factory.mktemp(n)
-                                                 for n in ("mcore", "fp16", "distopt", "traces", "mtp", "legacy"))
+    mcore, fp16, distopt, traces, mtp, legacy, muon = (
+        tmp_path_factory.mktemp(n) for n in ("mcore", "fp16", "distopt", "traces", "mtp", "legacy", "muon"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -210,6 +211,9 @@ def two_ranks(corpus, tmp_path_factory):
                                          "--no-load-optim"),
         "fp16": train_args(corpus, *FP16, "--save", str(fp16), "--save-interval", "2", "--eval-iters", "0"),
         "fp16 resumed": train_args(corpus, *FP16, "--load", str(fp16 / "iter_0000002"), "--eval-iters", "0"),
+        "muon": train_args(corpus, *MUON, "--use-distributed-optimizer", "--save", str(muon), "--save-interval", "2",
+                           "--eval-iters", "0"),
+        "muon resumed": train_args(corpus, *MUON, "--load", str(muon / "iter_0000002"), "--eval-iters", "0"),
         "sharded": bf16 + ["--use-distributed-optimizer", "--save", str(distopt / "sharded"), "--log-memory-per-rank"],
         "plain": bf16 + ["--load", str(distopt / "sharded" / "iter_0000002"), "--save", str(distopt / "plain")],
         "sharded again": bf16 + ["--use-distributed-optimizer", "--load", str(distopt / "plain" / "iter_0000004")],
@@ -228,7 +232,7 @@ def two_ranks(corpus, tmp_path_factory):
         "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                                 "--profile-step-end", "2", "--profile-ranks", "0", "1",
                                 "--tensorboard-dir", str(traces)],
-    }), traces, mtp
+    }), traces, mtp, muon
 
 
 def ok(runs: dict, name: str):
@@ -347,6 +351,31 @@ def test_fp16_resume_repeats_losses_and_loss_scale(two_ranks):
     assert [s for _, s in scales] == ["2048.0", "4096.0", "8192.0", "16384.0"]  # doubles after each clean step
     assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
     assert re.findall(r"iteration\s+(\d+)/.* loss scale: (\S+) \|", again.stdout) == scales[2:]
+
+
+def test_muon_momentum_is_checkpointed_and_resumes_exactly(two_ranks, corpus, capsys):
+    """--optimizer muon: each matrix Muon steps saves its momentum under megatron-core's key, the rest AdamW's
+    moments, gathered from their owners under the layer-wise distributed optimizer, and a resumed run (without
+    it) logs the uninterrupted run's losses and gradient norms (iteration 4's differ without the momentum).
+    Resuming its optimizer state with AdamW fails in one line."""
+    whole, again = ok(two_ranks[1], "muon"), ok(two_ranks[1], "muon resumed")
+    norms = re.compile(r"iteration\s+(\d+)/.* grad norm: (\S+) \|")
+    assert losses(again) == {3: losses(whole)[3], 4: losses(whole)[4]}
+    assert norms.findall(again.stdout) == norms.findall(whole.stdout)[2:]
+    saved = FileSystemReader(str(two_ranks[4] / "iter_0000002")).read_metadata().state_dict_metadata
+    held = lambda state: {k.removeprefix(f"optimizer.state.{state}.") for k in saved  # noqa: E731
+                          if k.startswith(f"optimizer.state.{state}.")}
+    layers = {f"decoder.layers.{m}.weight" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                                      "mlp.linear_fc1", "mlp.linear_fc2")}
+    # megatron-core marks the word embedding and output layer, not the learned position embedding, for Adam
+    assert held("momentum_buffer") == layers | {"embedding.position_embeddings.weight"}, sorted(saved)
+    assert held("exp_avg") == held("exp_avg_sq") and "embedding.word_embeddings.weight" in held("exp_avg")
+    assert not held("exp_avg") & held("momentum_buffer"), "a parameter saved with both optimizers' state"
+    with pytest.raises(SystemExit):
+        parse_args(train_args(corpus, *CHIMERA2, "--bf16", "--load", str(two_ranks[4] / "iter_0000002"))[1:],
+                   world_size=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--optimizer=adam: the checkpoint in" in err and "holds muon's" in err, err
 
 
 def test_distributed_optimizer_checkpoints_load_without_it_and_back(two_ranks):

@@ -63,6 +63,19 @@ OVERLAP_CASES = [
     (CHIMERA2 + MOE + [OVERLAP, "--moe-layer-recompute"], 4, f"{OVERLAP}=True: runs a layer's parts one by one"),
 ]
 
+MUON = ["--optimizer", "muon"]
+# --optimizer muon: what megatron-core refuses, and what is not implemented here, each naming its flag
+MUON_CASES = [
+    (MUON + ["--fp16"], 1, "--fp16=True: cannot be combined with --optimizer muon (megatron-core's rule"),
+    (MUON + ["--use-distributed-optimizer", "--overlap-param-gather"], 2, "--overlap-param-gather=True: with "
+     "--optimizer muon is not implemented"),
+    (MUON + ["--muon-num-ns-steps", "0"], 1, "--muon-num-ns-steps=0: must be at least 1"),
+    (MUON + ["--muon-coefficient-type", "septic"], 1, "--muon-coefficient-type=septic: not one of the installed "
+     "emerging-optimizers' types (simple, quintic"),
+    (MUON + ["--muon-scalar-optimizer", "lion"], 1, "--muon-scalar-optimizer=lion: pretrain_gpt.py runs adam only"),
+    (["--optimizer", "dist_muon"], 1, "--optimizer=dist_muon: pretrain_gpt.py runs adam, muon only"),
+]
+
 
 @pytest.mark.parametrize("flags,world,needle", [
     (["--pipeline-model-parallel-size", "3", "--pipeline-schedule", "chimera", "--num-layers", "6"], 3,
@@ -106,6 +119,7 @@ OVERLAP_CASES = [
      "--num-layers=4: must be divisible by the 8 pipeline stages"),
     *LAYOUT_CASES,
     *OVERLAP_CASES,
+    *MUON_CASES,
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
     with pytest.raises(SystemExit) as exit_info:

@@ -73,7 +73,7 @@ def test_flag_table_is_generated_from_the_classes():
     (["--max-seqlen-per-dp-cp-rank", "8"], "--max-seqlen-per-dp-cp-rank=8: hybrid (dynamic) context parallelism"),
     (["--no-save-rng"], "--no-save-rng=True: a checkpoint option this trainer does not implement"),
     (["--disable-tp-comm-split-ag"], "--disable-tp-comm-split-ag=False: GPU-only: Transformer Engine's"),
-    (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam only"),
+    (["--optimizer", "sgd"], "--optimizer=sgd: pretrain_gpt.py runs adam, muon only"),
     (["--lr-decay-style", "WSD"], "--lr-decay-style=WSD: pretrain_gpt.py runs constant, linear, cosine"),
     (["--batch-size", "4"], "--batch-size=4: removed from Megatron-LM"),
 ])

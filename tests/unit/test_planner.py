@@ -14,6 +14,7 @@ from chimera_schedules.tools.planner import (
     costs,
     evaluate,
     even_layout,
+    model_state_bytes,
     plan,
     worker_memory,
 )
@@ -99,3 +100,16 @@ def test_context_parallelism_divides_activations_and_widens_the_optimizers_shard
     assert worker_memory(SHAPE, schedule, held, 1, 1, cp=2) == 1_599_488 + 360_448 / 2
     sharded = Precision(distributed_optimizer=True)
     assert worker_memory(SHAPE, schedule, held, 1, 1, precision=sharded, cp=2) == 1_599_488 - 99_968 * 4 + 360_448 / 2
+
+
+def test_muon_keeps_one_momentum_per_matrix_element_and_adamw_two_moments_for_the_rest():
+    # a stage of 2 layers: 2 x 12 h^2 = 98,304 matrix elements (Muon: 4 bytes each instead of AdamW's 8);
+    # the 2 x 13 h norms and biases keep AdamW's two moments
+    muon = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2), Precision(muon=True))
+    adam = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2))
+    assert adam.memory - muon.memory == 4 * 2 * 12 * 64 ** 2
+    state = model_state_bytes(100, 1, 1, Precision(muon=True), matrices=60)
+    assert state["optimizer"] == 8 * 40 + 4 * 60, state
+    # its layer-wise distributed optimizer divides the moments over the 4 replicas, not the fp32 main weights
+    state = model_state_bytes(100, 1, 4, Precision(half=True, distributed_optimizer=True, muon=True), matrices=60)
+    assert (state["main parameters"], state["optimizer"]) == (400, (8 * 40 + 4 * 60) / 4), state

@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 LAYERS = "decoder.layers."
 NUMBERED = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, saved as Megatron-LM names it
+MOMENTUM = ("momentum_buffer",)  # Muon's (emerging-optimizers' name, which megatron-core saves)
 
 
 def _placed(item, offset: int, total: int, pipeline: int | None):
@@ -72,23 +73,23 @@ def _by_parameter(models: dict) -> dict:
     return found
 
 
-def optimizer_tensors(chunks: list, models: dict, full: dict, names: tuple[str, ...]) -> dict:
-    """The optimizer's per-parameter states ``names`` under Megatron-LM's keys (``optimizer.state.exp_avg.
-    <parameter key>``), sharded like their parameters in ``models`` (the chunks' placed sharded states):
-    ``full[id(parameter)][name]``, whole tensors, or zeros to be filled by a load. Whole either way: the
-    distributed optimizer gathers its shards first (Megatron's fully reshardable format), so a checkpoint
-    loads with or without it. Keyed ``"<chunk index>.<parameter name>"`` per name."""
+def optimizer_tensors(chunks: list, models: dict, full: dict, names_of) -> dict:
+    """The optimizer's per-parameter states ``names_of(parameter)`` under Megatron-LM's keys
+    (``optimizer.state.exp_avg.<parameter key>``), sharded like their parameters in ``models`` (the chunks'
+    placed sharded states): ``full[id(parameter)][name]``, whole tensors, or zeros to be filled by a load.
+    Whole either way: the distributed optimizer gathers its shards first (Megatron's fully reshardable
+    format), so a checkpoint loads with or without it. Keyed ``"<chunk index>.<parameter name>"`` per name."""
     sharded = _by_parameter(models)
-    state = {name: {} for name in names}
+    state = {}
     for i, chunk in enumerate(chunks):
         for pname, param in chunk.named_parameters():
             kept = full.get(id(param), {})
-            for name in names:
+            for name in names_of(param):
                 value = kept.get(name)
                 if value is None:
                     value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                state[name][f"{i}.{pname}"] = make_sharded_optimizer_tensor(sharded[id(param)], value,
-                                                                            f"optimizer.state.{name}")
+                state.setdefault(name, {})[f"{i}.{pname}"] = make_sharded_optimizer_tensor(
+                    sharded[id(param)], value, f"optimizer.state.{name}")
     return state
 
 
@@ -97,7 +98,8 @@ def loaded_by_parameter(chunks: list, loaded: dict) -> dict[int, dict[str, torch
     states = {}
     for i, chunk in enumerate(chunks):
         for pname, param in chunk.named_parameters():
-            states[id(param)] = {name: loaded[name][f"{i}.{pname}"].to(param.device) for name in loaded}
+            key = f"{i}.{pname}"
+            states[id(param)] = {name: by_key[key].to(param.device) for name, by_key in loaded.items() if key in by_key}
     return states
 
 

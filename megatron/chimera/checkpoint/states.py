@@ -5,7 +5,7 @@ sharded over ranks, megatron-core's ``sharded_state_dict`` with ``load_state_dic
 reads them in Megatron-LM's layout of a checkpoint, never seeing the trainer:
 
     "model"         ModelChunks                -> model0, model1, ...  (the whole model's sharded keys)
-    "optimizer"     OptimizerState             -> optimizer            (moments, fp32 main weights, step)
+    "optimizer"     OptimizerState             -> optimizer            (moments or momentum, fp32 main weights, step)
     "grad_scaler"   LossScaler (--fp16 only)   -> optimizer.grad_scaler
     "lr_scheduler"  OptimizerParamScheduler    -> opt_param_scheduler
     "rng"           RNGState                   -> rng_state            (sharded by rank)
@@ -22,7 +22,15 @@ from typing import Protocol
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .sharded_state import MOMENTS, chunk_state, loaded_by_parameter, optimizer_tensors, restore_rng, rng_state
+from .sharded_state import (
+    MOMENTS,
+    MOMENTUM,
+    chunk_state,
+    loaded_by_parameter,
+    optimizer_tensors,
+    restore_rng,
+    rng_state,
+)
 
 
 class ShardedStateful(Protocol):
@@ -81,12 +89,13 @@ class ModelChunks:
 
 
 class OptimizerState:
-    """AdamW and the main weights it steps (``main``), as Megatron-LM's optimizer state: the moments and,
-    in half precision, the fp32 main weights, sharded like the parameters of ``chunks`` (ModelChunks'
-    order); the step count (one for all parameters) and whether main weights are there."""
+    """AdamW (or Muon and AdamW) and the main weights it steps (``main``), as Megatron-LM's optimizer state:
+    the moments (Muon's momentum for the parameters ``muon_steps`` names; None: AdamW steps all) and, in
+    half precision, the fp32 main weights, sharded like the parameters of ``chunks`` (ModelChunks' order);
+    the step count (one for all parameters) and whether main weights are there."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, main, chunks: list[torch.nn.Module]):
-        self.optimizer, self.main, self.chunks = optimizer, main, chunks
+    def __init__(self, optimizer: torch.optim.Optimizer, main, chunks: list[torch.nn.Module], muon_steps=None):
+        self.optimizer, self.main, self.chunks, self.muon_steps = optimizer, main, chunks, muon_steps
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            main_weights: bool | None = None) -> dict:
@@ -94,10 +103,15 @@ class OptimizerState:
         fp32 main weights are in it; by default whether this run has them, at a load whether the checkpoint
         does. Zeros to be filled at a load. Collective when saving (the distributed optimizer gathers)."""
         main_weights = self.main.half if main_weights is None else main_weights
-        names = MOMENTS + (("fp32_param",) if main_weights else ())
-        full = {} if is_loading else self.main.full_state(self.optimizer, names)
-        return {"state": optimizer_tensors(self.chunks, model_sharded_state_dict, full, names),
+        weights = ("fp32_param",) if main_weights else ()
+        kept = (MOMENTS + MOMENTUM if self.muon_steps else MOMENTS) + weights  # Muon: no distributed optimizer
+        full = {} if is_loading else self.main.full_state(self.optimizer, kept)
+        return {"state": optimizer_tensors(self.chunks, model_sharded_state_dict, full,
+                                           lambda p: self._moments(p) + weights),
                 "step": self.steps(), "fp32_param": main_weights}
+
+    def _moments(self, param: torch.nn.Parameter) -> tuple[str, ...]:
+        return MOMENTUM if self.muon_steps and self.muon_steps(param) else MOMENTS
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The moments and the step; the fp32 main weights when the checkpoint has them (else they stay the

@@ -19,6 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
 from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 from megatron.training.checkpointing import load_args_from_checkpoint
 
@@ -120,6 +121,7 @@ def _validate(args) -> None:
     _validate_sizes(args)
     _expert_layout(args)
     _optimizer_instances(args)
+    _muon(args)
     _training_length(args)
     _megatron_spellings(args)
     _validate_run(args)
@@ -179,6 +181,24 @@ def _optimizer_instances(args) -> None:
         edp = args.tensor_model_parallel_size * args.context_parallel_size * dp // experts
         require(edp % k == 0, "--num-distributed-optimizer-instances", k,
                 f"must divide the expert data-parallel size ({edp})")
+
+
+def _muon(args) -> None:
+    """--optimizer muon as megatron-core builds it (optim/muon.py), before validate_args turns
+    --use-distributed-optimizer into its layer-wise distributed optimizer (optim/layer_wise.py)."""
+    if args.optimizer != "muon":
+        return
+    require(not args.fp16, "--fp16", True, "cannot be combined with --optimizer muon (megatron-core's rule: "
+            "emerging optimizer with fp16 is not supported)")
+    unsupported = "with --optimizer muon is not implemented (Muon's layer-wise distributed optimizer gathers " \
+                  "the weights after the step)"
+    require(not args.overlap_param_gather, "--overlap-param-gather", True, unsupported)
+    require(args.num_distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances",
+            args.num_distributed_optimizer_instances, unsupported)
+    require(args.muon_num_ns_steps >= 1, "--muon-num-ns-steps", args.muon_num_ns_steps, "must be at least 1")
+    supported = get_supported_coefficient_types()
+    require(args.muon_coefficient_type in supported, "--muon-coefficient-type", args.muon_coefficient_type,
+            f"not one of the installed emerging-optimizers' types ({', '.join(supported)})")
 
 
 def _routing(args) -> None:
@@ -746,6 +766,10 @@ def _validate_checkpoint(args) -> None:
             "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")
     require(fmt != "torch_dist" or not loads_optimizer or "optimizer" in common, "--load", args.load,
             "holds no optimizer state (a model saved alone?): pass --no-load-optim or --finetune")
+    saved_optimizer = getattr(common.get("args"), "optimizer", args.optimizer)
+    require(not loads_optimizer or saved_optimizer == args.optimizer, "--optimizer", args.optimizer,
+            f"the checkpoint in {args.load} holds {saved_optimizer}'s optimizer state: pass --no-load-optim or "
+            "--finetune to start this optimizer afresh")
     if loads_optimizer and "opt_param_scheduler" in common:
         _check_schedule(args, common["opt_param_scheduler"])
 

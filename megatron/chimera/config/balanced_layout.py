@@ -61,7 +61,8 @@ def balanced_layout(args, stages: int, request) -> Layout:
     else:
         schedule = build("1f1b", pp, args.num_microbatches)
     sizes = Sizes(args.micro_batch_size, args.data_parallel_size, args.expert_model_parallel_size,
-                  Precision(args.bf16 or args.fp16, args.use_distributed_optimizer), args.context_parallel_size)
+                  Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon"),
+                  args.context_parallel_size)
     picked = balance(model_shape(args), profile, schedule, sizes, per_rank(schedule))
     require(picked.seconds != float("inf"), FLAG, args.balance_pipeline_layout,
             f"no split of the layers fits {profile.name}'s {profile.memory / 2**30:.0f} GiB per device (the "

@@ -46,6 +46,8 @@ HONOURED = _flags("""
     --hysteresis --distributed-backend --distributed-timeout-minutes --num-layers-per-virtual-pipeline-stage
     --num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer
     --num-distributed-optimizer-instances --use-tp-pp-dp-mapping
+    --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec
+    --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
     --eval-iters
     --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
@@ -82,6 +84,10 @@ HONOURED = _flags("""
 """)
 
 NO_EFFECT = {
+    ("Muon's layer-wise distributed optimizer keeps every parameter whole, AdamW's too (the path this flag asks "
+     "for; AdamW steps each element alike either way)"): _flags("""
+        --no-use-layer-wise-param-layout
+    """),
     'weights are always drawn on the CPU (so every copy of a stage starts equal)': _flags("""
         --use-cpu-initialization
     """),
@@ -188,7 +194,7 @@ REFUSED = {
         --model-parallel-size
         --ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation
          --overlap-param-gather-with-optimizer-step --no-align-param-gather
-        --no-use-layer-wise-param-layout --use-nccl-ub --disable-symmetric-registration
+        --use-nccl-ub --disable-symmetric-registration
         --create-all-gather-group --no-gradient-reduce-div-fusion 
         --fake-process-group
     """),
@@ -345,10 +351,8 @@ REFUSED = {
         --no-inference-use-synchronous-zmq-collectives --inference-disable-ep-consensus
         --no-inference-disable-ep-consensus --inference-shards
     """),
-    'only Adam with fp32 states is implemented': _flags("""
-        --sgd-momentum --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode
-        --muon-fp32-matmul-prec --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode
-        --muon-extra-scale-factor --muon-scalar-optimizer --lion-beta1 --lion-beta2
+    'only Adam and Muon with fp32 states are implemented': _flags("""
+        --sgd-momentum --lion-beta1 --lion-beta2
         --use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype
         --exp-avg-sq-dtype
     """),
@@ -476,7 +480,8 @@ REFUSED = {
 # Honoured flags whose other values are refused, with what runs (the rule names the first value
 # Megatron-LM would accept and we do not).
 VALUES = {
-    "--optimizer": ("adam",),
+    "--optimizer": ("adam", "muon"),
+    "--muon-scalar-optimizer": ("adam",),  # megatron-core's other choice, Lion, is not implemented
     # Megatron-LM 0.19's GPT builder (gpt_config_from_args) gives GPTModel its default, 8.0, whatever this says
     "--rope-scaling-factor": (8.0,),
     "--moe-token-dispatcher-type": ("allgather", "alltoall"),

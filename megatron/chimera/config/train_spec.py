@@ -5,16 +5,18 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from .arguments import lr_increment, lr_schedule
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW and its LR schedule. ``schedule``: megatron-core's OptimizerParamScheduler settings
-    (arguments.lr_schedule), stepped by ``lr_increment`` per iteration (the global batch with
-    --train-samples, else 1). ``decoupled_lr``/``decoupled_min_lr``: the input embedding's and output
-    layer's own schedule (--decoupled-lr; the min defaults to --min-lr)."""
+    """AdamW, or with --optimizer muon (``name``) Muon for the hidden weight matrices (``muon``: the --muon-*
+    settings by megatron-core's OptimizerConfig field names), and the LR schedule. ``schedule``:
+    megatron-core's OptimizerParamScheduler settings (arguments.lr_schedule), stepped by ``lr_increment``
+    per iteration (the global batch with --train-samples, else 1). ``decoupled_lr``/``decoupled_min_lr``:
+    the input embedding's and output layer's own schedule (--decoupled-lr; the min defaults to --min-lr)."""
 
     lr: float
     min_lr: float
@@ -33,6 +35,9 @@ class OptimizerSpec:
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     apply_wd_to_qk_layernorm: bool  # validate_args sets it for --no-weight-decay-cond-type too
+    name: str = "adam"
+    muon: dict | None = None
+    layer_wise: bool = False  # --use-distributed-optimizer with Muon (validate_args renames it so)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerSpec:
@@ -41,7 +46,15 @@ class OptimizerSpec:
                    args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler, args.weight_decay,
                    (args.adam_beta1, args.adam_beta2), args.adam_eps, args.decoupled_lr, decoupled_min,
                    args.clip_grad, args.use_distributed_optimizer, args.overlap_grad_reduce,
-                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm)
+                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm, args.optimizer, muon_settings(args),
+                   getattr(args, "use_layer_wise_distributed_optimizer", False))
+
+
+def muon_settings(args: argparse.Namespace) -> dict:
+    """The --muon-* flags as megatron-core's OptimizerConfig names them (Megatron-LM's
+    get_megatron_optimizer_config copies every field the arguments share with it the same way)."""
+    return {name: getattr(args, name) for name in OptimizerConfig.__dataclass_fields__
+            if name.startswith("muon_") and hasattr(args, name)}
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ FIELDS = ("parameters", "main parameters", "gradients", "optimizer")
 
 def model_state_bytes(trainer) -> dict[str, int]:
     """This rank's model state, counted from its tensors: the model's weights, fp32 main weights that
-    are copies (half precision), the fp32 gradients of an iteration, and AdamW's state."""
+    are copies (half precision), the fp32 gradients of an iteration, and the optimizer's state (AdamW's two
+    moments per parameter; with --optimizer muon, Muon's one momentum per matrix element)."""
     params = sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters())
     main, grads = trainer.main.state_bytes()
     optimizer = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()

@@ -227,6 +227,10 @@ class ShardedMainParams:
     def all(self) -> list[torch.nn.Parameter]:
         return [piece for b in self.buckets for piece in b.pieces]
 
+    def stepped(self) -> list[torch.nn.Parameter]:
+        """What this rank's optimizer steps: the pieces of its shards."""
+        return self.all()
+
     def _counted(self) -> list[torch.nn.Parameter]:
         """The pieces the norms sum over all ranks: every element of every logical parameter once
         (tensor-parallel duplicates on TP rank 0 only, the first optimizer instance's shards only)."""

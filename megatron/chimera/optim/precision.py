@@ -23,8 +23,8 @@ import math
 import torch
 
 from ..config.train_spec import PrecisionSpec
-from .adam import adam_state
 from .gradients import clip_, global_norm, global_zeros
+from .muon import loaded_state
 
 
 class MainParams:
@@ -65,6 +65,10 @@ class MainParams:
 
     def all(self) -> list[torch.nn.Parameter]:
         return [p for params in self.by_chunk.values() for p in params]
+
+    def stepped(self) -> list[torch.nn.Parameter]:
+        """What this rank's optimizer steps: every main parameter (layer_wise.py: the owned ones)."""
+        return self.all()
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -123,7 +127,7 @@ class MainParams:
         copies = {id(main) for _, main in self.pairs}
         for model, main in self._model_and_main():
             saved = states[id(model)]
-            optimizer.state[main] = adam_state(optimizer, main, step, saved["exp_avg"], saved["exp_avg_sq"])
+            optimizer.state[main] = loaded_state(optimizer, main, step, saved)
             if "fp32_param" in saved and id(main) in copies:
                 main.copy_(saved["fp32_param"])
 

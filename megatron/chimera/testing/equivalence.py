@@ -3,7 +3,7 @@
     python -m megatron.chimera.testing.equivalence --out DIR                 # the one-process references
     torchrun --nproc_per_node 2|4 -m megatron.chimera.testing.equivalence --out DIR [--only TEXT]
 
-Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW, gradient clipping) and, on
+Every case trains a tiny GPT for 3 iterations (fp32, dropout 0, AdamW or Muon, gradient clipping) and, on
 rank 0, writes DIR/cases_w<world>.json: per-iteration losses, the largest relative difference to
 the reference in losses and in final weights, which copies of a stage (or of the tied embedding) were
 not bitwise identical after a step, what --check-weight-hash-across-dp-replicas-interval's check found,
@@ -160,6 +160,10 @@ FAMILIES = {
                 "1e-3", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "32", "--moe-z-loss-coeff", "1e-3"] + ROUTED,
 }
 VARIANTS |= FAMILIES
+# Muon (megatron-core's, Megatron-LM's defaults otherwise): Newton-Schulz in fp32 (the default, medium, runs it
+# in bf16), and a TP-split matrix orthogonalised whole, gathered over the TP group (the default, blockwise,
+# orthogonalises each shard, which one process cannot equal)
+VARIANTS["muon"] = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-tp-mode", "duplicated"]
 # Megatron-LM flags whose meaning is a field of megatron-core's config, at once: query-key layer scaling (each
 # chunk numbers its layers from its first, which only rounds differently), an attention output gate, squared
 # ReLU, L2-normalised queries and keys, the embeddings' own init std, RoPE skipped on layers 4, 5 (one on each
@@ -326,6 +330,7 @@ CASES = {
         "shared-expert-gate chimera D=2": ("shared-expert-gate", CHIMERA2),
         "deepseek-style chimera split D=2": ("deepseek-style", D2["chimera split D=2"]),
         "qwen3 chimera D=2": ("qwen3", CHIMERA2),
+        "muon chimera D=2": ("muon", CHIMERA2),
         "config-fields chimera D=2": ("config-fields", CHIMERA2),
         # the same run as "chimera direct D=2": test_training checks its losses and weights bitwise equal
         DETERMINISTIC: ("tied-learned", CHIMERA2 + ["--deterministic-mode"]),
@@ -336,6 +341,9 @@ CASES = {
         "chimera 4 pipelines D=4": ("tied-learned", CHIMERA4 + ["--chimera-pipelines", "4"]),
         "chimera D=2 DP=2 overlapped reduce": ("tied-learned", CHIMERA2 + OVERLAP),
         "chimera D=2 TP=2": ("tied-learned", CHIMERA2 + TP2),
+        "muon chimera D=2 TP=2": ("muon", CHIMERA2 + TP2),
+        # megatron-core's layer-wise distributed optimizer: each weight stepped by one of its 4 copies' ranks
+        "muon distributed optimizer chimera D=2 DP=2": ("muon", CHIMERA2 + DISTOPT),
         # ranks in Megatron-LM's other order: rank = tp + TP x (worker + PP x dp)
         "chimera split D=2 DP=2 tp-pp-dp mapping": (
             "tied-learned", CHIMERA2 + ["--split-backward", "--use-tp-pp-dp-mapping"]),
