@@ -258,7 +258,7 @@ def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process
     split under 1F1B, and in one process, each repeating the uninterrupted losses (fp32 sums in
     another order: 1e-6). The startup's per-stage parameter counts follow the layout, and the
     checkpoint keys MTP as megatron-core does, next to the stacked layers."""
-    _, runs, _, mtp = two_ranks
+    _, runs, _, mtp, _ = two_ranks
     saved = ok(runs, "mtp Et|tttmL")
     assert " mtp_1 loss: " in saved.stdout  # Megatron-LM's iteration-line field
     single = run(1, *train_args(corpus, *MTP, "--load", str(mtp / "iter_0000002")))
@@ -278,7 +278,7 @@ def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process
 def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     """A GPTModel saved by Megatron-LM's own save_checkpoint (torch_dist), and the same weights in
     Megatron-LM's legacy per-rank files (PP=2), start Chimera with the loss that model has in one process."""
-    expected, runs, _, _ = two_ranks
+    expected, runs, *_ = two_ranks
     dist, legacy = ok(runs, "megatron-lm torch_dist"), ok(runs, "megatron-lm legacy")
     assert losses(dist)[1] == losses(legacy)[1] == expected
 
