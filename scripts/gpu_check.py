@@ -79,6 +79,8 @@ def verdict(results: list[dict]) -> str:
     passed = sum(r["status"] == "pass" for r in results)
     skipped = [r["reason"] for r in results if r["status"] == "skipped"]
     why = f", {len(skipped)} skipped: {'; '.join(dict.fromkeys(skipped))}" if skipped else ""
+    measured = [f"{r['name']}: {r['reason']}" for r in results if r["status"] == "measured"]
+    why += f"; measured, not judged: {'; '.join(measured)}" if measured else ""
     unchecked = [f"{r['name']}: {r['reason']}" for r in results if r["status"] == "incomplete"]
     if unchecked:
         return f"gpu_check: INCOMPLETE ({passed} checks passed{why}; unchecked: {'; '.join(unchecked)})"

@@ -3,7 +3,7 @@ import importlib.util
 import os
 import subprocess
 
-from megatron.chimera.testing.gpu_check import multi_gpu
+from megatron.chimera.testing.gpu_check import multi_gpu, single_gpu
 from megatron.chimera.testing.gpu_check.launching import MIB, Machine, Run, runner
 from megatron.chimera.testing.gpu_check.multi_gpu import NCCL_ENV, cases, check_case
 from megatron.chimera.testing.gpu_check.single_gpu import (
@@ -140,3 +140,29 @@ def test_across_nodes_reads_where_each_rank_ran(monkeypatch):
     assert multi_gpu.check_across_nodes(m)["status"] == "pass"
     skipped = multi_gpu.check_across_nodes(Machine(False, 8, True, None, "/tmp"))
     assert skipped["status"] == "skipped" and "gpu_check_two_nodes.sbatch" in skipped["reason"], skipped
+
+
+def test_a_timing_is_a_measurement_never_a_pass(monkeypatch):
+    """timed-against-megatron-1f1b reports its ratio as measured, at any speed, and the verdict counts it
+    apart from the checks that passed."""
+    gpu_check = _script()
+    times = {"chimera": [9.0, 9.0, 5.0, 5.0], "megatron-1f1b": [9.0, 9.0, 50.0, 50.0]}
+    monkeypatch.setattr(multi_gpu, "train", lambda m, flags, ranks: Run(
+        "cmd", 0, 4, [1.0] * 4, [], [], "", times_ms=times[flags[flags.index("--pipeline-schedule") + 1]]))
+    found = multi_gpu.check_timed_against_1f1b(Machine(False, 2, True, None, "/tmp"))
+    assert found["status"] == "measured" and found["ratio"] == 10.0, found
+    line = gpu_check.verdict([{"name": "timed-against-megatron-1f1b", **found}])
+    assert line.startswith("gpu_check: PASS (0 checks passed") and "measured, not judged: timed" in line, line
+
+
+def test_a_refused_te_split_backward_is_incomplete(monkeypatch, tmp_path):
+    """Where Transformer Engine has no split backward for these flags, the run's one-line refusal is what a
+    user gets, but it checks nothing of the split: INCOMPLETE. A refusal that trains anyway is FAIL."""
+    monkeypatch.setattr(single_gpu, "delays_weight_gradients", lambda **kw: False)
+    refusal = "pretrain_gpt.py: error: --transformer-impl transformer_engine: no split backward"
+    monkeypatch.setattr(single_gpu, "launch", lambda cmd, env: (2, "", refusal))
+    m = Machine(False, 1, True, None, str(tmp_path))
+    found = single_gpu.check_te_split_backward(m)
+    assert found["status"] == "incomplete" and refusal in found["reason"], found
+    monkeypatch.setattr(single_gpu, "launch", lambda cmd, env: (0, "lm loss: 1.0", ""))
+    assert single_gpu.check_te_split_backward(m)["status"] == "fail"

@@ -148,7 +148,8 @@ def error_line(output: str) -> str:
 
 
 def result(status: str, reason: str, **details) -> dict:
-    """A check's record: status pass, fail, skipped or incomplete (could not check what it must)."""
+    """A check's record: status pass, fail, skipped, incomplete (could not check what it must) or measured (a
+    figure reported, which nothing judges: it never counts as a pass)."""
     return {"status": status, "reason": reason, **details}
 
 

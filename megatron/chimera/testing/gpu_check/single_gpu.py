@@ -110,8 +110,9 @@ def check_apex_kernels(m: Machine) -> dict:
 def check_te_split_backward(m: Machine) -> dict:
     """DualPipeV (a split backward in its IR) with Transformer Engine layers: trains equal to one TE
     process where TE has its weight-gradient split for these flags (chunk.delayed_wgrad_te: 2.3 with
-    gradient-accumulation fusion); else refused before anything starts, in one line naming
-    --transformer-impl, with nothing written."""
+    gradient-accumulation fusion). Where this TE has no split for these flags the run must be refused before
+    anything starts, in one line naming --transformer-impl, with nothing written: a refusal checks that rule,
+    never the split backward, so it is INCOMPLETE (a refusal that misbehaves is FAIL)."""
     if m.need(1):
         return result("skipped", m.need(1))
     if not m.te:
@@ -138,7 +139,8 @@ def _refused(m: Machine, flags: list[str]) -> dict:
     details = dict(command=" ".join(cmd), exit_code=rc, error_lines=errors)
     if problems:
         return result("fail", "; ".join(problems), output_tail=(stdout + stderr)[-3000:], **details)
-    return result("pass", f"refused: {errors[0]}", **details)
+    return result("incomplete", f"this Transformer Engine has no split backward here, refused as it must be: "
+                  f"{errors[0]}", **details)
 
 
 def check_no_sync(m: Machine, nccl_runs: dict) -> dict:
