@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -20,6 +21,60 @@ def pytest_collection_modifyitems(items):
         kind = os.path.basename(os.path.dirname(str(item.path)))
         if kind in ("unit", "integration"):
             item.add_marker(getattr(pytest.mark, kind))
+
+
+def _global_state() -> dict:
+    """What megatron-core, Megatron-LM and torch hold per process that a test could leave changed: megatron-core's
+    parallel state (each group, rank and size it keeps at module level, by identity), its micro-batch
+    calculator, Megatron-LM's global args and torch's deterministic switch."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
+    held = {f"parallel_state.{name}": value for name, value in vars(parallel_state).items()
+            if name.startswith("_") and name.lstrip("_")[:1].isupper()}
+    held["num_microbatches_calculator"] = num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    held["megatron.training args"] = global_vars._GLOBAL_ARGS
+    held["torch deterministic"] = torch.are_deterministic_algorithms_enabled()
+    return held
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_global_state(request):
+    """Fails a test that leaves process-wide state changed (the next test would run in it, so results would
+    depend on the order), naming what changed; restores it so that one leak fails one test."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, _GONE) is not after.get(k, _GONE)
+                     and before.get(k, _GONE) != after.get(k, _GONE))
+    if changed:
+        _restore(before)
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed: {', '.join(changed[:4])}{more}")
+
+
+_GONE = object()
+
+
+def _restore(state: dict) -> None:
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
+    for key, value in state.items():
+        if key.startswith("parallel_state."):
+            setattr(parallel_state, key.split(".", 1)[1], value)
+    num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR = state["num_microbatches_calculator"]
+    global_vars._GLOBAL_ARGS = state["megatron.training args"]
+    torch.use_deterministic_algorithms(state["torch deterministic"])
+
+
+@pytest.fixture
+def parallel_state_restored(one_process_group):
+    """For a test that initialises megatron-core's parallel state again (``setup_parallel``, a Trainer): the
+    state it found is put back afterwards, so that the tests after it run in the session's."""
+    before = _global_state()
+    yield
+    _restore(before)
 
 
 @pytest.fixture(scope="session")

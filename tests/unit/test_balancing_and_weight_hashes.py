@@ -42,7 +42,7 @@ class _Counts(Hooks):
         self.steps.append([int(r.ga_steps) for r in routers(trainer)])
 
 
-def test_global_aux_loss_counts_run_over_the_iteration_and_restart(one_process_group):
+def test_global_aux_loss_counts_run_over_the_iteration_and_restart(parallel_state_restored):
     counts = _Counts()
     with trainer(GLOBAL_AUX, counts) as t:
         stats = t.train_step(0)
@@ -53,14 +53,14 @@ def test_global_aux_loss_counts_run_over_the_iteration_and_restart(one_process_g
 
 
 @pytest.mark.parametrize("pipelines", [1, 2])
-def test_global_aux_loss_says_once_where_pipelines_split_the_counts(one_process_group, capsys, pipelines):
+def test_global_aux_loss_says_once_where_pipelines_split_the_counts(parallel_state_restored, capsys, pipelines):
     spec = ModelSpec.from_args(parse_args(TINY + GLOBAL_AUX, world_size=1))
     print_global_aux_loss(spec, SimpleNamespace(pipelines=pipelines))
     out = capsys.readouterr().out
     assert out.count("global_aux_loss over 2 pipelines") == (pipelines == 2), out
 
 
-def test_weight_hashes_name_a_ranks_differing_copies_of_a_stage(one_process_group, capsys):
+def test_weight_hashes_name_a_ranks_differing_copies_of_a_stage(parallel_state_restored, capsys):
     """A rank holding two copies of one stage (more than two pipelines): equal they pass, with Megatron-LM's
     line; one weight apart, one line names the stage, the rank and the first parameter that differs."""
     with trainer([]) as t:
@@ -87,7 +87,8 @@ class _Router(torch.nn.Module):
         self.expert_bias = torch.zeros(len(counts))
 
 
-def test_expert_bias_steps_stages_with_different_numbers_of_moe_layers_under_tensor_parallelism(one_process_group):
+def test_expert_bias_steps_stages_with_different_numbers_of_moe_layers_under_tensor_parallelism(
+        parallel_state_restored):
     """The counts of every stage are all-reduced over TP in one tensor: stage 0 (a dense first layer) holds
     fewer MoE layers than stage 1, as the DeepSeek-style layout at D=2 has."""
     chunks = {(0, 0): torch.nn.Sequential(*[_Router([3.0, 1.0]) for _ in range(3)]),

@@ -34,8 +34,10 @@ def _recorded(order: list[parts.Part]) -> list[tuple[str, float, float]]:
 
 
 def test_an_overlapped_action_follows_the_timeline():
-    """Forward and whole backward of two micro-batches together: every part starts where
-    ``parts.timeline`` says (within SLACK), and the run takes the span the simulator prices."""
+    """Forward and whole backward of two micro-batches together: the parts start in the order
+    ``parts.timeline`` gives, none shorter than priced, and the all-to-alls run inside the other micro-batch's
+    compute, so the run takes at least the priced span and hides most of the all-to-all. Lower bounds and
+    orders only: a loaded machine makes every wait longer, never shorter (a test checks no time)."""
     st = _stage()
     f_plan, b_plan = st.schedule_plan(_x()), st.schedule_plan(_x())
     type(b_plan).run(b_plan, None)
@@ -44,16 +46,23 @@ def test_an_overlapped_action_follows_the_timeline():
     out = type(f_plan).run(f_plan, b_plan, b_grad=torch.ones(4, 1, 8, dtype=torch.bfloat16))
     took = time.perf_counter() - start
     order = parts.interleave(f_plan.forward_parts(), b_plan.backward_parts())
-    want = sorted((f"{p.role} {p.stream}", s, e) for p, s, e in parts.timeline(order))
-    got = sorted(_recorded(order))
-    assert len(got) == len(want) == 16
-    assert all(g[0] == w[0] and abs(g[1] - w[1]) < SLACK * (1 + i / 4) for i, (g, w) in enumerate(zip(got, want))), \
-        f"recorded parts {got}, expected {want}"
-    assert parts.span(order) <= took < parts.span(order) + 4 * SLACK
+    _follows(sorted(_recorded(order), key=lambda r: r[1]), parts.timeline(order))
+    assert took >= parts.span(order) - SLACK, f"took {took}, priced {parts.span(order)}"
     assert parts.span(order) < TIMES.forward + TIMES.input + TIMES.weight + 2 * TIMES.a2a - 0.010
     total, inside = moe.a2a_overlap()
-    assert total == pytest.approx(2 * TIMES.a2a, abs=4 * SLACK) and inside > 0.5 * total
+    assert total >= 2 * TIMES.a2a - SLACK and inside > 0.5 * total, (total, inside)
     assert out.shape == (4, 1, 8) and b_plan.x.grad is not None and st.weight.grad is not None
+
+
+def _follows(got: list[tuple[str, float, float]], timeline: list) -> None:
+    """Each stream's recorded parts are the timeline's, in its order, each lasting at least its priced time."""
+    want = sorted(((f"{p.role} {p.stream}", s, e) for p, s, e in timeline), key=lambda w: w[1])
+    for stream in (parts.COMPUTE, parts.COMM):
+        mine = [g for g in got if g[0].endswith(stream)]
+        priced = [w for w in want if w[0].endswith(stream)]
+        assert [g[0] for g in mine] == [w[0] for w in priced], f"{stream} parts ran {mine}, priced {priced}"
+        short = [(g, w) for g, w in zip(mine, priced) if g[2] - g[1] < (w[2] - w[1]) - 1e-3]
+        assert not short, f"parts shorter than priced (recorded, priced): {short}"
 
 
 def test_one_pass_alone_and_a_deferred_weight_pass():
@@ -125,24 +134,25 @@ def test_overlap_targets_read_off_the_rows():
                       ("chimera direct overlap / megatron-core interleaved v=2", 8): pytest.approx(600 / 410)}, ratios
 
 
-def test_two_halves_and_contention_follow_the_timeline():
+def test_two_halves_and_contention_follow_the_timeline(monkeypatch):
     """A halved forward (two plans of one micro-batch's halves) runs ``parts.halves`` of its pass, each
     half's all-to-all inside the other half's compute; under contention compute beside an all-to-all
-    runs slower, and the run takes the span the simulator prices at that contention."""
+    runs slower, so the run takes at least the span the simulator prices at that contention (lower bounds
+    only, as above)."""
     st = _stage()
     first, second = st.schedule_plan(_x()), st.schedule_plan(_x())
     for contention in (0.0, 0.5):
-        moe.CONTENTION = contention
+        monkeypatch.setattr(moe, "CONTENTION", contention)
         moe.PARTS.clear()
         start = time.perf_counter()
         outputs = first.run_halves(second)
         took = time.perf_counter() - start
         order = parts.halves(first.forward_parts())
         span = parts.span(order, contention)
-        assert span - SLACK <= took < span + 4 * SLACK, f"contention {contention}: took {took}, priced {span}"
+        assert took >= span - SLACK, f"contention {contention}: took {took}, priced {span}"
         total, inside = moe.a2a_overlap()
-        assert total == pytest.approx(TIMES.a2a, abs=4 * SLACK) and inside > 0.5 * total, (total, inside)
-    moe.CONTENTION = 0.0
+        assert total >= TIMES.a2a - SLACK and inside > 0.5 * total, (total, inside)
+    monkeypatch.setattr(moe, "CONTENTION", 0.0)
     assert parts.span(order, 0.5) > parts.span(order) and len(outputs) == 2
     first.run_halves(second, grads=(torch.ones(4, 1, 8, dtype=torch.bfloat16),) * 2)
     assert first.x.grad is not None and second.x.grad is not None and st.weight.grad is not None

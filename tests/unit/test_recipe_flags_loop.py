@@ -49,7 +49,7 @@ def gradients(flags: list[str]) -> tuple[dict, int]:
 
 
 @pytest.mark.parametrize("modules", [["core_attn", "mlp", "layernorm", "shared_experts"], ["moe"]])
-def test_selective_recompute_modules_keep_the_gradients_and_save_memory(one_process_group, modules):
+def test_selective_recompute_modules_keep_the_gradients_and_save_memory(parallel_state_restored, modules):
     """Each module megatron-core's local layers recompute reaches the config, keeps the gradients bit for bit
     and keeps fewer bytes for the backward."""
     spec = ModelSpec.from_args(parse_args(TINY + MOE + SELECTIVE + modules, world_size=1))
@@ -70,7 +70,7 @@ def test_megatron_cores_layernorm_checkpoint_still_asks_for_fp8_without_it():
     assert checkpoint.fp8
 
 
-def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_group, capsys):
+def test_moe_act_is_transformer_engines_and_startup_says_so_once(parallel_state_restored, capsys):
     args = parse_args(TINY + MOE + ["--moe-grouped-gemm"] + SELECTIVE + ["moe_act", "mlp"], world_size=1)
     spec = ModelSpec.from_args(args)
     assert transformer_config(spec, 2).recompute_modules == ["mlp"]  # megatron-core refuses moe_act without TE's GEMMs
@@ -82,7 +82,7 @@ def test_moe_act_is_transformer_engines_and_startup_says_so_once(one_process_gro
             "local layers here); recomputed: mlp") in out
 
 
-def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(one_process_group, capsys):
+def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(parallel_state_restored, capsys):
     args = parse_args(TINY + MOE + ["--moe-shared-expert-overlap"], world_size=1)
     spec = ModelSpec.from_args(args)
     assert shared_expert_overlap(spec, "cuda")  # megatron-core's field, as Megatron-LM sets it, on a GPU
@@ -106,7 +106,7 @@ def routes(flags: list[str]) -> list[torch.Tensor]:
     return maps
 
 
-def test_forced_load_balancing_routes_at_random_whatever_the_input(one_process_group):
+def test_forced_load_balancing_routes_at_random_whatever_the_input(parallel_state_restored):
     """megatron-core's random logits (RandomSTE) replace the router's: drawn from the expert-parallel RNG state,
     so two inputs routed from the same state go to the same experts."""
     forcing = parse_args(TINY + MOE + ["--moe-router-force-load-balancing"], world_size=1)
@@ -148,7 +148,7 @@ def trainer(flags: list[str], hooks: Hooks = Hooks()):
 
 
 @pytest.mark.parametrize("checked", [True, False])
-def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, checked):
+def test_the_nan_check_skips_counts_and_stops_only_when_on(parallel_state_restored, checked):
     """On (Megatron-LM's default) a NaN step is skipped, counted, and --max-consecutive-nan-iterations of them
     stop the run; with --no-check-for-nan-in-loss-and-grad nothing checks: the step is taken, as in Megatron-LM."""
     flags = ["--max-consecutive-nan-iterations", "1"] + ([] if checked else ["--no-check-for-nan-in-loss-and-grad"])
@@ -162,7 +162,7 @@ def test_the_nan_check_skips_counts_and_stops_only_when_on(one_process_group, ch
             progress.record(stats, 1, 1e-3, None)
 
 
-def test_dist_ckpt_strictness_reaches_the_load(one_process_group, tmp_path, caplog):
+def test_dist_ckpt_strictness_reaches_the_load(parallel_state_restored, tmp_path, caplog):
     """Our own checkpoint loads under raise_all (the _extra_state objects this loader leaves out on purpose are
     not reported); without the optimizer (--no-load-optim) its keys are missing: raise_all fails, log_all logs
     them and loads."""
@@ -202,7 +202,7 @@ def test_trust_remote_code_reaches_huggingfaces_auto_tokenizer(gpt2_files, monke
     assert asked == [False, True]
 
 
-def test_an_async_save_writes_the_synchronous_files_and_publishes_them_only_at_finalisation(one_process_group,
+def test_an_async_save_writes_the_synchronous_files_and_publishes_them_only_at_finalisation(parallel_state_restored,
                                                                                            tmp_path):
     """--async-save: the save returns with its files handed to a writer; training goes on, changing the weights;
     the ``latest`` file still names the previous checkpoint until the save is finalised, and then the files are,
@@ -237,7 +237,7 @@ def written(folder) -> tuple:
             metadata.storage_data, read_common(str(folder), "torch_dist", str(folder)))
 
 
-def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(one_process_group, tmp_path):
+def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(parallel_state_restored, tmp_path):
     """A rank that fails once its files are written (as tests/integration's crash during an async save): the
     ``latest`` file still names the previous checkpoint, and the new one is left in its ``.tmp`` folder."""
 
@@ -253,7 +253,8 @@ def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(one_pr
     assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
 
 
-def test_use_checkpoint_args_takes_the_models_settings_from_the_checkpoint(one_process_group, tmp_path, monkeypatch):
+def test_use_checkpoint_args_takes_the_models_settings_from_the_checkpoint(parallel_state_restored, tmp_path,
+                                                                        monkeypatch):
     """Megatron-LM's --use-checkpoint-args: the model's shape and dropout come from the args the checkpoint
     saved (through Megatron-LM's load_args_from_checkpoint), so a resume need not repeat them. The flags are
     parsed as pretrain_gpt.py parses them, before any process group exists (Megatron-LM's reader of the latest
