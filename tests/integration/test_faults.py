@@ -15,7 +15,7 @@ import torch
 from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.distributed.ports import free_port
-from megatron.chimera.testing.launch import ROOT
+from megatron.chimera.testing.launch import ROOT, launch
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -87,6 +87,19 @@ def test_every_rule_fails_before_anything_starts(tmp_path, capsys, flags, world,
     assert exit_info.value.code == 2
     assert err.count("\n") == 1 and needle.replace("{tmp}", str(tmp_path)) in err, err
     assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_a_refusal_under_torchrun_is_printed_once_though_another_rank_refuses_first(tmp_path):
+    """Under torchrun the agent ends every rank once one exits with an error. Rank 0, which prints the
+    refusal, starts 3 s late here, so rank 1 always refuses first (the race, forced on every run): rank 1
+    waits for rank 0's line before it exits, and the line is printed once."""
+    bad = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--seq-length", "32"]
+    proc = launch(2, "-m", "megatron.chimera.testing.pretrain_with_faults", *MODEL, *bad, "--save",
+                  str(tmp_path / "ckpt"), "--save-interval", "1000", env={"CHIMERA_TEST_RANK0_LATE": "3"})
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert proc.returncode != 0 and len(said) == 1 and "--seq-length=32" in said[0], \
+        f"exit code {proc.returncode}, error lines {said}: {proc.stderr[-2000:]}"
+    assert not (tmp_path / "ckpt").exists(), "a refused run wrote its checkpoint folder"
 
 
 # ---------------------------------------------------------------------------------- runtime faults

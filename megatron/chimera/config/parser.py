@@ -9,7 +9,6 @@ crashes on a stray ``%`` in a help string; ours escapes it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 
@@ -19,6 +18,7 @@ from megatron.training import arguments as megatron_arguments
 from chimera_schedules.tools.options import add_trainer_group
 
 from .flag_classes import VALUES, flag_class
+from .refusal import say_once
 from .run_plan import MEGATRON_SCHEDULES
 
 PROG = "pretrain_gpt.py"
@@ -28,9 +28,9 @@ WIDER = {"--distributed-timeout-minutes": float}
 
 
 def fail(line: str):
-    """Exit 2 on every rank, printing the line once (rank 0), as Megatron-LM prints."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr, flush=True)
+    """Exit 2 on every rank, printing the line once (rank 0) before any rank exits (refusal.py), as
+    Megatron-LM prints."""
+    say_once(line)
     raise SystemExit(2)
 
 
