@@ -116,3 +116,30 @@ def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
     assert (args.global_batch_size, args.train_iters) == (1, 3)
     banner = capsys.readouterr().out
     assert "  schedule ...." not in banner and "  plan ...." not in banner and make_run_plan(args) is not None
+
+
+def test_flags_with_no_effect_are_named_at_startup_in_one_line(capsys):
+    """Given flags of the no-effect class are listed in one startup line, each with its value and the reason
+    flag_classes gives; none given, no line."""
+    parse_args(BASE + ["--ddp-bucket-size", "1000", "--log-progress"], world_size=1)
+    said = [line for line in capsys.readouterr().out.splitlines() if "flags with no effect here" in line]
+    assert len(said) == 1, f"lines naming flags with no effect: {said}"
+    for flag in ("--ddp-bucket-size", "--log-progress"):
+        reason = flag_classes.flag_class(flag)[1]
+        assert flag in said[0] and reason in said[0], f"{flag} or its reason missing from {said[0]}"
+    parse_args(BASE, world_size=1)
+    assert "flags with no effect here" not in capsys.readouterr().out, "a line though no such flag was given"
+
+
+def test_overlap_p2p_warmup_flush_alone_has_no_effect_and_builds_every_chunk():
+    """--overlap-p2p-communication-warmup-flush without --overlap-p2p-communication's interleaved overlap: megatron-core
+    refuses it beside batched p2p, which every chunk runs; here it has no effect, so every chunk builds."""
+    from megatron.chimera.config.model_spec import ModelSpec
+    from megatron.chimera.model import chunk
+
+    args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+                              "--overlap-p2p-communication-warmup-flush"], world_size=2)
+    spec, plan = ModelSpec.from_args(args), make_run_plan(args)
+    for stage, held in enumerate(plan.layout.stages):
+        config = chunk.transformer_config(spec, held.layers, plan.layout.first_layer(stage), "cpu", False)
+        assert config.batch_p2p_comm and not config.overlap_p2p_comm_warmup_flush, stage

@@ -8,6 +8,7 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
 
+from megatron.chimera.config import model_spec
 from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
@@ -58,15 +59,37 @@ def fused_rope(monkeypatch):
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *args, **kwargs: None)
 
 
+# Config fields named as a flag that Megatron-LM's core_transformer_config_from_args derives rather than copies
+DERIVED = {
+    "num_query_groups": "the attention heads' count without --group-query-attention",
+    "embedding_init_method_std": "--init-method-std without its own flag",
+    "microbatch_group_size_per_vp_stage": "PP without --microbatch-group-size-per-virtual-pipeline-stage",
+    "recompute_modules": "['core_attn'] under selective recompute without --recompute-modules",
+    "cp_comm_type": "a one-element list's element",
+    "rope_type": "MLA's default, yarn, without --rope-type",
+}
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_the_models_config_is_megatron_lms_own(fused_rope, name):
+    """Field by field against the flags: each config field named as a flag holds the flag's value (as Megatron-LM
+    copies them), but those ``DERIVED`` and those the model spec sets apart (NO_EFFECT and KERNEL_CHECKED, whose
+    values the spec's docstring gives); and against Megatron-LM's own config for the derived ones and for the
+    fields named otherwise. A field the spec dropped or set apart unsaid fails here, named."""
     args = parse_args(ONE + MODELS[name], world_size=1)
     before = {key: repr(value) for key, value in vars(args).items()}
     spec = ModelSpec.from_args(args)
     assert {key: repr(value) for key, value in vars(args).items()} == before, "ModelSpec wrote to the namespace"
     megatron = core_transformer_config_from_args(args)
     assert type(spec.config) is type(megatron), name
-    assert not _differing(spec.config, megatron), _differing(spec.config, megatron)
+    named = {f.name for f in dataclasses.fields(spec.config) if hasattr(args, f.name)}
+    assert len(named) > 200, f"only {len(named)} config fields are named as flags"
+    set_apart = {**model_spec.NO_EFFECT, **{f: getattr(args, f) for f in model_spec.KERNEL_CHECKED}}
+    want = {f: set_apart.get(f, getattr(megatron, f) if f in DERIVED else getattr(args, f)) for f in named}
+    wrong = {f: (getattr(spec.config, f), want[f]) for f in named if not _same(getattr(spec.config, f), want[f])}
+    assert not wrong, f"{name}: config fields (held, the flag's value): {wrong}"
+    others = _differing(spec.config, megatron) - named
+    assert not others, f"{name}: fields named otherwise than a flag differ from Megatron-LM's config: {others}"
     assert (spec.vocab_size, spec.share_embeddings_and_output_weights) == (128, True)
 
 

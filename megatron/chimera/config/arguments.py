@@ -41,7 +41,7 @@ from ..model.chunk import (
 )
 from .balanced_layout import balanced_layout
 from .data_spec import FimSpec, TokenizerSpec
-from .parser import PROG, enforce_classes, fail, megatron_validate, parse
+from .parser import PROG, enforce_classes, fail, megatron_validate, parse, say_no_effect
 from .run_plan import (
     INTERLEAVED,
     flag_dest,
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     try:
         if args.use_checkpoint_args:
             _checkpoint_args(args)
-        enforce_classes(args, parser, sys.argv[1:] if argv is None else argv)
+        ignored = enforce_classes(args, parser, sys.argv[1:] if argv is None else argv)
         _validate(args)
         _megatron_validate(args)
         _validate_architecture(args)
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
             _validate_checkpoint(args)
     except ConfigError as e:
         fail(f"{PROG}: error: {e.message(flags('trainer'))}")
+    say_no_effect(ignored)
     return args
 
 

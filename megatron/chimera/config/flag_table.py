@@ -51,7 +51,8 @@ def render(parser: argparse.ArgumentParser) -> str:
         f"{counts['refused']} refused.**",
         "",
         "- **honoured**: the same effect as in Megatron-LM (some for the values listed only);",
-        "- **no effect**: accepted and ignored, for the reason given;",
+        "- **no effect**: accepted and ignored, for the reason given; the given ones are named, each with its reason, "
+        "in one startup line (` > flags with no effect here: ...`);",
         "- **refused**: any value other than Megatron-LM's default fails before anything starts, in one line "
         "naming the flag and the reason.",
         "",

@@ -28,10 +28,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 # --config-logger-dir (megatron-core would write its configs there); --test-mode (a collective inside attention's
-# forward) and --defer-embedding-wgrad-compute (its output layer would keep the weight gradient for megatron-core's
-# schedules to compute), whose reasons flag_classes gives
+# forward), --defer-embedding-wgrad-compute (its output layer would keep the weight gradient for megatron-core's
+# schedules to compute) and --overlap-p2p-communication-warmup-flush, whose reasons flag_classes gives
 NO_EFFECT = {"config_logger_dir": "", "test_mode": False, "defer_embedding_wgrad_compute": False,
-             "wgrad_deferral_limit": 0}
+             "wgrad_deferral_limit": 0,
+             # megatron-core refuses it beside the batched p2p every chunk runs (model/chunk.py's BATCHED_P2P)
+             "overlap_p2p_comm_warmup_flush": False}
 # fusions megatron-core checks for their kernels at construction (see the module docstring)
 KERNEL_CHECKED = ("apply_rope_fusion", "moe_permute_fusion")
 

@@ -9,6 +9,7 @@ crashes on a stray ``%`` in a help string; ours escapes it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -95,10 +96,12 @@ def _long(action: argparse.Action) -> str:
     return next(o for o in action.option_strings if o.startswith("--"))
 
 
-def enforce_classes(args, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+def enforce_classes(args, parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """A refused Megatron-LM flag away from its default, or an honoured one outside ``VALUES``,
-    fails with one line naming the flag as the user typed it."""
+    fails with one line naming the flag as the user typed it. Returns the flags given away from their
+    defaults that have no effect here, each as ``--flag=value (reason)``, for ``say_no_effect``."""
     defaults = vars(parser.parse_known_args([])[0])  # what each dest holds when no flag sets it
+    ignored = {}
     for action in parser._actions:
         if not action.option_strings or not hasattr(args, action.dest):
             continue
@@ -109,11 +112,21 @@ def enforce_classes(args, parser: argparse.ArgumentParser, argv: list[str]) -> N
         value = getattr(args, action.dest)
         if kind == "refused" and value != defaults[action.dest]:
             fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {reason}")
+        if kind == "no effect" and value != defaults[action.dest]:
+            ignored.setdefault(action.dest, f"{_typed(action, argv)}={_show(value)} ({reason})")
         allowed = VALUES.get(_long(action))
         values = value if isinstance(value, list) else [value]  # a flag with nargs="+" holds a list
         if allowed and any(v not in allowed for v in values):
             fail(f"{PROG}: error: {_typed(action, argv)}={_show(value)}: {PROG} runs "
                  f"{', '.join(str(v) for v in allowed if v)} only")
+    return list(ignored.values())
+
+
+def say_no_effect(ignored: list[str]) -> None:
+    """One startup line (rank 0) naming every given flag that has no effect here, with its reason, so that a
+    Megatron-LM user who set one is told (docs/flags.md classes them)."""
+    if ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f" > flags with no effect here: {'; '.join(ignored)}", flush=True)
 
 
 def _typed(action: argparse.Action, argv: list[str]) -> str:
