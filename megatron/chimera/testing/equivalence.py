@@ -723,7 +723,8 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
         "lr_sum": sum(lrs), "params_norms": norms, "num_zeros": zeros,
         "copies_differing": differing, "weight_hashes": weight_hash_check(trainer, plant_copy),
         "hooks": {"saw": hooks.observed(), "expected": HookRecorder.expected(trainer.plan, trainer.rt.worker)},
-        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early)}
+        "layout_held": layout_held(trainer), "reductions_before_flush": reductions_before_flush(early),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}  # --deterministic-mode's switch
     run["evaluation"], run["eval"] = what_evaluation_changed(trainer)
     return trainer, run
 
@@ -750,6 +751,7 @@ def compared(run: dict, trainer, ref: dict) -> dict:
         "layout": str(trainer.plan.layout), "overlap_grad_reduce": trainer.job.train.optimizer.overlap_grad_reduce,
         "overlapped": _overlapped(trainer), "halved": _halved(trainer),
         "reductions_before_flush": run["reductions_before_flush"],
+        "deterministic_algorithms": run["deterministic_algorithms"],
         "moe_fields": sorted({name for f in moe for name in f}),
         "mtp_loss": moe[-1].get("mtp_1 loss"),
         "moe_rel": (max((abs(f[k] - r[k]) / abs(r[k]) for f, r in zip(moe, ref["moe"]) for k in r), default=0.0)
