@@ -130,3 +130,12 @@ def gpt2_files(tmp_path_factory):
     bpe = ByteLevelBPETokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
     PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(out / "hf")
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say in the suite's summary when the Slurm tests were skipped, and why (scripts/install_slurm.sh could not
+    install Slurm here), so a green run without them is never silent about it."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "test_slurm.py" in r.nodeid]
+    if skipped:
+        reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        terminalreporter.write_line(f"Slurm tests skipped ({len(skipped)}): {reason.removeprefix('Skipped: ')}")
