@@ -24,13 +24,14 @@ def pytest_collection_modifyitems(items):
 
 
 def _global_state() -> dict:
-    """What megatron-core, Megatron-LM and torch hold per process that a test could leave changed: megatron-core's
-    parallel state (each group, rank and size it keeps at module level, by identity), its micro-batch
-    calculator, Megatron-LM's global args and torch's deterministic switch."""
+    """What megatron-core, Megatron-LM and torch hold per process that a test could leave changed, described so
+    that equal states compare equal: megatron-core's parallel state (each group by its ranks, each rank and
+    size it keeps at module level), its micro-batch calculator, Megatron-LM's global args and torch's
+    deterministic switch."""
     from megatron.core import num_microbatches_calculator
     from megatron.training import global_vars
 
-    held = {f"parallel_state.{name}": value for name, value in vars(parallel_state).items()
+    held = {f"parallel_state.{name}": _described(value) for name, value in vars(parallel_state).items()
             if name.startswith("_") and name.lstrip("_")[:1].isupper()}
     held["num_microbatches_calculator"] = num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR
     held["megatron.training args"] = global_vars._GLOBAL_ARGS
@@ -38,17 +39,28 @@ def _global_state() -> dict:
     return held
 
 
+def _described(value):
+    if isinstance(value, dist.ProcessGroup):
+        try:
+            return "group", tuple(dist.get_process_group_ranks(value))
+        except (KeyError, RuntimeError):
+            return "destroyed group"
+    if isinstance(value, (list, tuple)):
+        return tuple(_described(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
 @pytest.fixture(autouse=True)
 def leaves_no_global_state(request):
     """Fails a test that leaves process-wide state changed (the next test would run in it, so results would
-    depend on the order), naming what changed; restores it so that one leak fails one test."""
+    depend on the order), naming what changed."""
     before = _global_state()
     yield
     after = _global_state()
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, _GONE) is not after.get(k, _GONE)
-                     and before.get(k, _GONE) != after.get(k, _GONE))
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, _GONE) != after.get(k, _GONE))
     if changed:
-        _restore(before)
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         pytest.fail(f"{request.node.nodeid} left process-wide state changed: {', '.join(changed[:4])}{more}")
 
@@ -56,25 +68,13 @@ def leaves_no_global_state(request):
 _GONE = object()
 
 
-def _restore(state: dict) -> None:
-    from megatron.core import num_microbatches_calculator
-    from megatron.training import global_vars
-
-    for key, value in state.items():
-        if key.startswith("parallel_state."):
-            setattr(parallel_state, key.split(".", 1)[1], value)
-    num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR = state["num_microbatches_calculator"]
-    global_vars._GLOBAL_ARGS = state["megatron.training args"]
-    torch.use_deterministic_algorithms(state["torch deterministic"])
-
-
 @pytest.fixture
 def parallel_state_restored(one_process_group):
     """For a test that initialises megatron-core's parallel state again (``setup_parallel``, a Trainer): the
-    state it found is put back afterwards, so that the tests after it run in the session's."""
-    before = _global_state()
+    session's one-process state is made again afterwards, so that the tests after it run in it."""
     yield
-    _restore(before)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
 
 
 @pytest.fixture(scope="session")
