@@ -39,7 +39,7 @@ from chimera_schedules.passes.overlap import REFERENCE, halve
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
 from megatron.chimera.config.run_plan import PROOF_MODE, wider_reductions
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
-from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
+from megatron.chimera.model.parameter_names import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
 from megatron.chimera.observability.series import validation_ppl
 from megatron.chimera.testing.cases import process_state_kept
