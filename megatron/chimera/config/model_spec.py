@@ -36,7 +36,7 @@ NO_EFFECT = {"config_logger_dir": "", "test_mode": False, "defer_embedding_wgrad
 KERNEL_CHECKED = ("apply_rope_fusion", "moe_permute_fusion")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """megatron-core's config of the whole model, and GPTModel's other arguments as Megatron-LM's GPT builder
     (gpt_config_from_args) passes them: the padded vocabulary, the positions and RoPE's settings (Llama 3.1's
@@ -61,7 +61,7 @@ class ModelSpec:
         config = core_transformer_config_from_args(_for_megatron_core(args))
         for field in KERNEL_CHECKED:  # as Megatron-LM's function copies them; see above
             setattr(config, field, getattr(args, field))
-        return cls(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        return cls(config=config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
                    rope_scaling_factor=args.rope_scaling_factor,
