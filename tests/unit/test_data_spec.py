@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.data_spec import DataSpec
 from megatron.chimera.data.datasets import dataset_sizes, evaluation_index
 

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config import flag_classes
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
-from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.testing.plans import plan_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -115,4 +115,4 @@ def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
     args = parse_args(samples + ["--train-samples", "3"], world_size=1)
     assert (args.global_batch_size, args.train_iters) == (1, 3)
     banner = capsys.readouterr().out
-    assert "  schedule ...." not in banner and "  plan ...." not in banner and make_run_plan(args) is not None
+    assert "  schedule ...." not in banner and "  plan ...." not in banner and plan_of(args) is not None

@@ -11,14 +11,14 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.states import ModelChunks
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
 from megatron.chimera.model.parameter_names import TIED_NAME, is_gated
 from megatron.chimera.optim.gradients import is_expert
 from megatron.chimera.optim.precision import MainParams
+from megatron.chimera.testing.plans import plan_of
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -33,7 +33,7 @@ SINK = "self_attention.core_attention.softmax_offset"
 def _chunk(flags: list[str], stage: int = 0, world_size: int = 1):
     args = parse_args(BASE + flags, world_size=world_size)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    plan = make_run_plan(args)
+    plan = plan_of(args)
     return args, plan, chunk.build_chunk(ModelSpec.from_args(args), plan, stage, torch.device("cpu"))
 
 

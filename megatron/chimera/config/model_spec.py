@@ -12,7 +12,7 @@ and the fields of the flags that have no effect here (config/flag_classes.py) st
   them off and given Megatron-LM's values after; each chunk's config keeps on only the fusions its device runs
   (model/chunk.py's ``fusion_fields``), and megatron-core checks those.
 - ``overlap_moe_expert_parallel_comm``: megatron-core's rules for it belong to its combined 1F1B (bf16, virtual
-  stages); ours runs schedule plans in our executor (config/arguments.py's ``_check_overlap``), so the field
+  stages); ours runs schedule plans in our executor (config/schedule_rules.py's ``_check_overlap``), so the field
   stays off in the config and the flag is kept here.
 
 Model chunks derive their configs from this one, replacing only what is their own (model/chunk.py's
