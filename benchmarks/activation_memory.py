@@ -35,7 +35,7 @@ from chimera_schedules import variant
 from chimera_schedules.analysis.simulator import peak_activations
 from chimera_schedules.ir.actions import Op
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
-from megatron.chimera.config.arguments import schedule_flags
+from megatron.chimera.config.schedule_request import schedule_flags
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.distributed.process_groups import init_distributed
 from megatron.chimera.model.gpt_step import forward_step
@@ -107,7 +107,8 @@ def measure(name: str) -> dict:
     flags = schedule_flags(variant(name, DEPTH, MICROBATCHES), int(MODEL[MODEL.index("--num-layers") + 1]))
     args = parse_args(MODEL + ["--global-batch-size", str(MICROBATCHES)] + flags, world_size=DEPTH)
     tracker = _tracker(forward_step)
-    trainer = Trainer(job_config(args), make_run_plan(args), tracker.forward_step, tracker)
+    job = job_config(args)
+    trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), tracker.forward_step, tracker)
     for i in range(2):
         trainer.train_step(i)
     schedule, worker = trainer.plan.schedule, trainer.rt.worker

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.chimera.distributed.process_groups import Runtime
-from megatron.chimera.model.chunk import TIED_NAME
+from megatron.chimera.model.parameter_names import TIED_NAME
 from megatron.chimera.optim import distributed_optimizer, gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -42,7 +42,7 @@ from chimera_schedules.passes.lowering import lower
 from chimera_schedules.tools.planner import ModelShape
 from chimera_schedules.tools.render import perfetto_trace, png_timeline
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
-from megatron.chimera.config.arguments import schedule_flags
+from megatron.chimera.config.schedule_request import schedule_flags
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.distributed.process_groups import init_distributed
 from megatron.chimera.model.gpt_step import forward_step
@@ -176,7 +176,8 @@ def _measure_case(flags, cfg):
     pipeline-span times, per-action timestamps and saved bytes of the measured iterations."""
     args = _case_args(flags, cfg)
     timing = _timing(forward_step)
-    trainer = Trainer(job_config(args), make_run_plan(args), timing.counting_forward_step, timing)
+    job = job_config(args)
+    trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), timing.counting_forward_step, timing)
     measured = {"steps": [], "spans": [], "optimizer": [], "events": []}
     for i in range(cfg["warmup"] + cfg["iters"]):
         timing.counting = i < cfg["warmup"]

@@ -19,10 +19,10 @@ import tempfile
 import time
 from dataclasses import replace
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.async_saves import async_saves
 from megatron.chimera.checkpoint.checkpointing import save_checkpoint
 from megatron.chimera.checkpoint.states import DataPosition
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.job import job_config
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import Trainer
@@ -38,7 +38,7 @@ FLAGS = ["--num-layers", "8", "--hidden-size", "384", "--num-attention-heads", "
 def timed_save(trainer, folder: str, saves=None) -> float:
     """Seconds one save of the trainer's state stopped training, as Megatron-LM's timer reports it."""
     spec = replace(trainer.job.checkpoint, save=folder)
-    states = {**trainer.states(), "data": DataPosition.after(1, trainer.job.train.global_batch_size)}
+    states = {**trainer.states(), "data": DataPosition.after(1, trainer.job.data.global_batch_size)}
     timer = trainer.timers("save-checkpoint", log_level=0)
     timer.start(barrier=False)
     save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args, saves=saves)
@@ -66,7 +66,8 @@ def spread(name: str, values: list[float]) -> None:
 def main(rounds: int) -> None:
     root = tempfile.mkdtemp(prefix="save-stall-")
     args = parse_args(FLAGS + ["--save", root], world_size=1)
-    trainer = Trainer(job_config(args), make_run_plan(args), forward_step)
+    job = job_config(args)
+    trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step)
     sync, scheduled, finalised = [], [], []
     for r in range(rounds):
         sync.append(timed_save(trainer, f"{root}/sync{r}"))

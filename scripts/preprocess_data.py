@@ -17,7 +17,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.training.arguments import _add_tokenizer_args
 
 from megatron.chimera.config.data_spec import TokenizerSpec
-from megatron.chimera.data.tokenizer import build_tokenizer, check_arguments, default_type
+from megatron.chimera.config.tokenizer_rules import check_tokenizer_flags, default_type
+from megatron.chimera.data.tokenizer import build_tokenizer
 
 
 class Encoder:
@@ -62,7 +63,7 @@ def main(argv=None):
             p.exit(2, f"preprocess_data.py: error: {flag}={value}: {rule}\n")
 
     args.tokenizer_type = args.tokenizer_type or default_type(args.vocab_file, args.merge_file)
-    check_arguments(TokenizerSpec.from_args(args), require)
+    check_tokenizer_flags(TokenizerSpec.from_args(args), require)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     Encoder.initializer(args)

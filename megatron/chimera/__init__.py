@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecat
 warnings.filterwarnings("ignore", message="Could not determine rank from torch.distributed")
 # torch's CUDA build on a machine without a driver logs this once per process at import, on every rank
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-from .config.arguments import parse_args  # noqa: E402
+from .arguments import parse_args  # noqa: E402
 from .config.job import JobConfig, job_config  # noqa: E402
 from .config.run_plan import RunPlan, make_run_plan  # noqa: E402
 from .loop import Trainer, pretrain  # noqa: E402

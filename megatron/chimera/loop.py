@@ -1,7 +1,8 @@
 """The training loop: one iteration is one flush of the pipeline schedule, then one optimizer step.
 
 ``pretrain`` builds the run plan once (config/run_plan.py) and hands it to the Trainer, which runs the
-plan's forward_backward function: our executor for our schedules, megatron-core's own otherwise. The
+plan's forward_backward function (schedule_runner.py): our executor for our schedules, megatron-core's own
+otherwise. The
 loop does not know which schedule it runs. Tests and benchmarks act through ``hooks``
 (observability/hooks.py), never inside the loop.
 """
@@ -32,6 +33,7 @@ from chimera_schedules.runtime.p2p import EmulatedNCCL, TorchP2P
 from .checkpoint.async_saves import async_saves
 from .checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from .checkpoint.states import DataPosition, ModelChunks, OptimizerState, RNGState, State
+from .config.data_spec import DataSpec
 from .config.job import JobConfig, job_config
 from .config.logging_spec import LogSpec
 from .config.parallel_dims import ParallelDims
@@ -65,6 +67,7 @@ from .optim.gradients import ReplicaGradSync
 from .optim.layer_wise import LayerWiseMainParams
 from .optim.muon import build_muon, mark_parameters, steps_with_muon
 from .optim.precision import LossScaler, MainParams, scaled_loss
+from .schedule_runner import runner
 
 
 def _param_groups(params, optimizer: OptimizerSpec):
@@ -136,30 +139,29 @@ class Trainer:
 
     def __init__(self, job: JobConfig, plan, forward_step_func, hooks: Hooks = Hooks()):
         self.job, self.plan, self.hooks = job, plan, hooks
-        dims, train = job.parallel, job.train
+        dims, train, data = job.parallel, job.train, job.data
         backend, device = init_distributed(dims.backend, dims.timeout_minutes, dims.p2p_host_staging)
         self.rt = setup_parallel(dims, plan, backend, device)
         self.held = plan.held(self.rt.worker)  # the (pipeline, stage) copies this rank's chunks are
         fresh_metrics(job.model, plan.layout.chunk_slots())
         print_schedule_proof(plan, agree_on_schedule(plan))
-        torch.manual_seed(train.seed)
-        model_parallel_cuda_manual_seed(train.seed, te_rng_tracker=train.te_rng_tracker)
+        torch.manual_seed(data.seed)
+        model_parallel_cuda_manual_seed(data.seed, te_rng_tracker=train.te_rng_tracker)
         self.timers = make_timers(job.log)
         self.timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         self._build_model_and_optimizer(forward_step_func, device)
         self.transport = (_transport(dims, self.rt, backend, plan.layout, train.precision.params_dtype)
                           if plan.schedule is not None else None)
-        self.forward_backward = plan.runner(self.models, self.transport, self.sync,
-                                            hooks if hooks.observes_actions() else None, job.log.nvtx_ranges)
+        self.forward_backward = runner(plan, self.models, self.transport, self.sync,
+                                       hooks if hooks.observes_actions() else None, job.log.nvtx_ranges)
         started = time.perf_counter()
         warmed = warm_up_communicators(self.rt, dims, plan, self.transport)
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
-        self.micro_batch_size = int(train.micro_batch_size * plan.microbatch_scale)
+        self.micro_batch_size = int(data.micro_batch_size * plan.microbatch_scale)
         self.orders = plan.forward_orders(self.rt.worker)
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        data = job.data
         train, valid = build_datasets(data, build_tokenizer(data.tokenizer, job.megatron_args), *dataset_sizes(data))
         self.train_data = MicrobatchSource(train, data, plan, self.rt.dp_rank)
         self.valid_data = MicrobatchSource(valid, data, plan, self.rt.dp_rank)
@@ -215,7 +217,7 @@ class Trainer:
             data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
             model=self.models,
             num_microbatches=self.plan.microbatches,
-            seq_length=self.job.train.seq_length,
+            seq_length=self.job.data.seq_length,
             micro_batch_size=self.micro_batch_size,
             forward_only=forward_only,
         )
@@ -347,7 +349,7 @@ class Trainer:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
             m.eval()
-        batches = self.job.train.eval_iters
+        batches = self.job.data.eval_iters
         losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * batches + i, forward_only=True))[0]
                   for i in range(batches)]
         return sum(losses) / len(losses)
@@ -402,17 +404,17 @@ class _ExitPolicy:
 
 
 def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_group: bool) -> list[dict]:
-    train, log = job.train, job.log
+    data, log = job.data, job.log
     set_logging_level(log.series)
-    exit_policy = _ExitPolicy(train.exit)
-    trainer = Trainer(job, make_run_plan(job.megatron_args), forward_step_func, hooks)
+    exit_policy = _ExitPolicy(job.train.exit)
+    trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step_func, hooks)
     first = _resume(trainer)
     print_model_state(trainer, log.memory_per_rank)
     board = Writers(log, vars(job.megatron_args))
-    if first >= train.train_iters:  # a requeued or chained job after the run's end: write nothing
-        print_rank_last(f" training already complete at iteration {first} (--train-iters {train.train_iters}):"
+    if first >= data.train_iters:  # a requeued or chained job after the run's end: write nothing
+        print_rank_last(f" training already complete at iteration {first} (--train-iters {data.train_iters}):"
                         " nothing to train")
-        if train.eval_iters:  # as Megatron-LM, evaluate what was loaded
+        if data.eval_iters:  # as Megatron-LM, evaluate what was loaded
             _evaluate_and_print(trainer, board, first)
         board.close()
         _shut_down(trainer, owns_process_group)
@@ -421,9 +423,9 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     print_times(trainer.timers, SETUP)
     print_rank_last("training ...")
     # a copy: Megatron-LM's function writes derived values (query groups) into the namespace it is given
-    flops = (num_floating_point_operations(copy.copy(job.megatron_args), train.global_batch_size)
+    flops = (num_floating_point_operations(copy.copy(job.megatron_args), data.global_batch_size)
              if log.throughput else None)
-    progress = _Progress(train, log, first, board, trainer.timers, flops=flops, world=job.parallel.world,
+    progress = _Progress(job.train, data, log, first, board, trainer.timers, flops=flops, world=job.parallel.world,
                          loaded=bool(job.checkpoint.load), save_dir=job.checkpoint.save)
     housekeeping = Housekeeping(log, trainer.rt.rank)
     saves = async_saves() if job.checkpoint.async_save else None
@@ -460,11 +462,11 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
     """The iterations from ``first``; ``saves``: the queue of asynchronous saves (--async-save), whose
     finished ones are published at each iteration's end, as Megatron-LM does; after a NaN iteration (which
     may stop the run, naming the last checkpoint) or before an early exit, the one in flight too."""
-    train = trainer.job.train
-    hashes = train.weight_hash_interval
+    data = trainer.job.data
+    hashes = trainer.job.train.weight_hash_interval
     if hashes:  # as Megatron-LM, once before training too
         trainer.check_weight_hashes(first)
-    for iteration in range(first, train.train_iters):
+    for iteration in range(first, data.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
         stats = trainer.train_step(iteration)
@@ -475,10 +477,10 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
         progress.record(stats, done, lr, trainer.scaler and trainer.scaler.scale)
         if hashes and done % hashes == 0:
             trainer.check_weight_hashes(done)
-        if train.eval_iters and (train.eval_interval and done % train.eval_interval == 0 or done == train.train_iters):
+        if data.eval_iters and (data.eval_interval and done % data.eval_interval == 0 or done == data.train_iters):
             housekeeping.around_evaluation()
             _evaluate_and_print(trainer, board, done)
-        stop = exit_policy.reason(done, trainer.rt) if done < train.train_iters else None
+        stop = exit_policy.reason(done, trainer.rt) if done < data.train_iters else None
         _maybe_save(trainer, progress, stats, done, stop, saves)
         if stop:
             if saves is not None:
@@ -497,7 +499,7 @@ def _resume(trainer) -> int:
         print_rank_last(f" no checkpoint in {spec.fresh_start} yet (--load = --save): starting from scratch")
     if not spec.load:
         return 0
-    position = DataPosition(trainer.job.train.global_batch_size)
+    position = DataPosition(trainer.job.data.global_batch_size)
     load_checkpoint({**trainer.states(), "data": position}, spec, trainer.rt)
     print_rank_last(f" loaded checkpoint from {spec.load} at iteration {position.iteration}")
     return position.iteration
@@ -507,10 +509,10 @@ def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, sav
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
     check, never the state of a NaN iteration. Megatron-LM's 'save-checkpoint' timer: how long the save
     stopped training (with --async-save, until its files were handed to the writer)."""
-    train, spec = trainer.job.train, trainer.job.checkpoint
-    kept = not (stats["nan"] and train.check_for_nan)
-    if spec.save and kept and (done % spec.save_interval == 0 or done == train.train_iters or stop):
-        states = {**trainer.states(), "data": DataPosition.after(done, train.global_batch_size)}
+    data, spec = trainer.job.data, trainer.job.checkpoint
+    kept = not (stats["nan"] and trainer.job.train.check_for_nan)
+    if spec.save and kept and (done % spec.save_interval == 0 or done == data.train_iters or stop):
+        states = {**trainer.states(), "data": DataPosition.after(done, data.global_batch_size)}
 
         def published(folder: str) -> None:
             progress.last_saved = done
@@ -530,12 +532,12 @@ class _Progress:
     iterations themselves (not of logging, evaluation or saving). With the NaN check, stops the run after too many NaN
     iterations in a row."""
 
-    def __init__(self, train: TrainSpec, log: LogSpec, first: int, board: Writers, timers, *,
+    def __init__(self, train: TrainSpec, data: DataSpec, log: LogSpec, first: int, board: Writers, timers, *,
                  flops: float | None = None, world: int = 1, loaded: bool = False, save_dir: str | None = None):
         """``flops``: Megatron-LM's model FLOPs of one iteration, with --log-throughput; ``world``: the
         ranks they are shared by; ``loaded``: whether the run resumed (the loaded iteration is its last
         saved one); ``save_dir``: --save, named when the NaN policy stops the run."""
-        self.train, self.log, self.board, self.timers = train, log, board, timers
+        self.train, self.data, self.log, self.board, self.timers = train, data, log, board, timers
         self.flops, self.world, self.save_dir = flops, world, save_dir
         self.history, self.nan_run = [], 0
         self.last_saved = first if loaded else None
@@ -544,8 +546,8 @@ class _Progress:
     def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
-        self.board.iteration(stats, done, lr, loss_scale, self.train.global_batch_size, self.world)
-        if done % self.log.interval == 0 or done == self.train.train_iters or self.nan_run:
+        self.board.iteration(stats, done, lr, loss_scale, self.data.global_batch_size, self.world)
+        if done % self.log.interval == 0 or done == self.data.train_iters or self.nan_run:
             iterations = done - self.logged
             elapsed = self._log(done, lr, loss_scale)
             timed = ITERATION if self.log.timing_level >= 1 else ()
@@ -564,21 +566,21 @@ class _Progress:
         stepped (none stepped: no loss field), 'loss scale' with --fp16, no 'grad norm' (nor 'num zeros')
         after a skipped step, 'params norm' with --log-params-norm, and the skipped and NaN iterations since
         the last line. Returns the seconds per iteration."""
-        train = self.train
+        data = self.data
         recent = self.history[self.logged - self.first:]
         elapsed = (time.time() - self.start) / len(recent)
         stepped = [s["lm loss"] for s in recent if not s["skipped"]]
         loss = sum(stepped) / len(stepped) if stepped else None
         moe = _mean_fields([s["moe"] for s in recent if not s["skipped"]])
-        throughput = train.global_batch_size * train.seq_length / elapsed
+        throughput = data.global_batch_size * data.seq_length / elapsed
         norm, zeros, params = (recent[-1][key] for key in ("grad norm", "num zeros", "params norm"))
         skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
         print_rank_last(
-            f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{train.train_iters:8d} |"
-            f" consumed samples: {done * train.global_batch_size:12d} |"
+            f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{data.train_iters:8d} |"
+            f" consumed samples: {done * data.global_batch_size:12d} |"
             f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{self._tflops(elapsed)}"
             f" throughput (tokens/s): {throughput:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {train.global_batch_size:5d} |"
+            f" learning rate: {lr:.6E} | global batch size: {data.global_batch_size:5d} |"
             + ("" if loss is None else f" lm loss: {loss:.6E} |")
             + "".join(f" {name}: {value:.6E} |" for name, value in moe.items() if value > 0)
             + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
@@ -616,4 +618,4 @@ def _evaluate_and_print(trainer, board: Writers, iteration: int) -> None:
     loss = trainer.evaluate(evaluation_index(trainer.job.data, iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                     f" lm loss PPL: {validation_ppl(loss):.6E} |")
-    board.validation(loss, iteration, iteration * trainer.job.train.global_batch_size)
+    board.validation(loss, iteration, iteration * trainer.job.data.global_batch_size)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
+from megatron.chimera.config.checkpoint_spec import CheckpointSpec
 from megatron.chimera.config.train_spec import ExitSpec
 from megatron.chimera.loop import _ExitPolicy
 from megatron.chimera.testing.cases import run_cases
@@ -102,7 +103,7 @@ def test_load_elsewhere_without_a_checkpoint_is_still_an_error(runs):
 
 def test_exit_on_missing_checkpoint_makes_a_first_launch_an_error(tmp_path, capsys):
     same = ["--save", str(tmp_path / "a"), "--save-interval", "2", "--load", str(tmp_path / "a")]
-    assert parse_args(MODEL[1:] + same, world_size=1).fresh_start == str(tmp_path / "a")
+    assert CheckpointSpec.from_args(parse_args(MODEL[1:] + same, world_size=1)).fresh_start == str(tmp_path / "a")
     with pytest.raises(SystemExit):
         parse_args(MODEL[1:] + same + ["--exit-on-missing-checkpoint"], world_size=1)
     assert "no checkpoint there" in capsys.readouterr().err

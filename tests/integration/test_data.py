@@ -9,7 +9,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.data_spec import DataSpec
 from megatron.chimera.data.datasets import build_datasets
 from megatron.chimera.data.tokenizer import build_tokenizer

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.checkpointing import SHAPE_KEYS
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.testing.launch import ROOT, launch
 

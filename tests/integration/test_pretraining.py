@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from chimera_schedules.tools.planner import Precision, model_state_bytes
-from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import VALID, losses, run, train_args
+from megatron.chimera.testing.plans import plan_of
 from megatron.chimera.testing.run_files import tensorboard_scalars, wandb_history
 
 CHIMERA2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
@@ -418,7 +418,7 @@ def test_a_profiled_two_rank_run_traces_one_range_per_action_of_each_worker(two_
     """Megatron-LM's profiler flags on iteration 2: each rank's trace holds the executor's range for
     every action of its worker's lowered list, in order."""
     ok(two_ranks[1], "profiled")
-    lowered = make_run_plan(parse_args(PROFILED, world_size=2)).lowered
+    lowered = plan_of(parse_args(PROFILED, world_size=2)).lowered
     traces = {}
     for path in two_ranks[2].glob("*.pt.trace.json"):
         trace = json.loads(path.read_text())

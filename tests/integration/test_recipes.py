@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import LOSS, ROOT, VALID
 

@@ -9,7 +9,7 @@ import pytest
 import sentencepiece
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.data_spec import TokenizerSpec
 from megatron.chimera.data.tokenizer import build_tokenizer as build_from_spec
 from megatron.chimera.testing.launch import ROOT

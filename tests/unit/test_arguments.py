@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from chimera_schedules import Op
-from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.model import chunk, kernels
+from megatron.chimera.testing.plans import plan_of
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
@@ -129,11 +129,11 @@ def test_impossible_configuration(capsys, flags, world, needle):
 
 
 def test_split_backward_and_dualpipev_build_their_schedules():
-    plan = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+    plan = plan_of(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
                                              "--split-backward"], world_size=2))
     assert plan.schedule.name == "chimera-direct-split" and plan.split_backward
     assert {a.op.value for a in plan.schedule.compute(0)} == {"F", "I", "W"}
-    plan = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
+    plan = plan_of(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
                                     world_size=2))
     assert (plan.model_stages, plan.schedule.placement) == (4, ((0, 1, 1, 0),))
 
@@ -149,7 +149,7 @@ def test_halves_run_where_the_micro_batch_splits_in_two():
              "global_aux_loss": [*HALVES, "--moe-router-load-balancing-type", "global_aux_loss",
                                  "--moe-aux-loss-coeff", "1e-2"],
              "capacity": [*HALVES, "--moe-expert-capacity-factor", "1.0"]}
-    halved = {name: any(a.op is Op.HALVED for w in make_run_plan(parse_args(overlap + flags, world_size=4)
+    halved = {name: any(a.op is Op.HALVED for w in plan_of(parse_args(overlap + flags, world_size=4)
                                                                  ).schedule.workers for a in w)
               for name, flags in cases.items()}
     assert halved == {"size 1": False, "size 2": True, "aux_loss": False, "global_aux_loss": False,
@@ -161,8 +161,8 @@ def test_halves_run_where_the_micro_batch_splits_in_two():
 
 def test_valid_chimera_configuration_builds_its_schedule():
     args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"], world_size=8)
-    assert (args.data_parallel_size, args.num_microbatches) == (2, 4)
-    plan = make_run_plan(args)
+    plan = plan_of(args)
+    assert (args.data_parallel_size, plan.microbatches) == (2, 4)
     assert plan.schedule.name == "chimera-direct" and plan.schedule.microbatches == 4
     assert len(plan.schedule.placement) == 2 and plan.schedule.meta["order"] == "paper"  # the defaults
 
@@ -188,7 +188,7 @@ def test_layout_flags_cut_the_stages_as_megatron_lm_does():
     D-1-s. First and last counts are the first and last model stages'; under the interleaved schedules a
     pipeline rank's, spread over its chunks, as in megatron-core."""
     def layout(*flags, world=4):
-        return str(make_run_plan(parse_args(MODEL + list(flags), world_size=world)).layout)
+        return str(plan_of(parse_args(MODEL + list(flags), world_size=world)).layout)
 
     chimera4 = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"]
     assert layout(*chimera4) == "Ett|tt|tt|ttL"
@@ -202,10 +202,10 @@ def test_layout_flags_cut_the_stages_as_megatron_lm_does():
     # Megatron-LM's uneven interleaving: 2 chunks per rank, the first rank's 2 layers over its 2 chunks
     assert layout("--pipeline-model-parallel-size", "4", "--num-layers", "14", "--num-virtual-stages-per-pipeline-rank",
                   "2", "--decoder-first-pipeline-num-layers", "2") == "Et|(tt|)*3t|tt|tt|ttL"
-    interleaved = make_run_plan(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+    interleaved = plan_of(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                                     "interleaved", LAYOUT, "Et|tt|ttt|ttL"], world_size=2))
     assert interleaved.schedule.virtual_stages == 2 and interleaved.layout.layer_counts() == (1, 2, 3, 2)
-    mtp = make_run_plan(parse_args(MODEL + CHIMERA2 + MTP, world_size=2))
+    mtp = plan_of(parse_args(MODEL + CHIMERA2 + MTP, world_size=2))
     assert str(mtp.layout) == "Etttt|ttttmL" and mtp.layout.embedding_stages(True) == (0, 1)
 
 
@@ -214,6 +214,6 @@ def test_the_balancer_option_applies_its_layout_as_megatron_lms_flag():
     startup line, the checkpoint's arguments and a rerun all read one string."""
     args = parse_args(MODEL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera",
                                "--balance-pipeline-layout", "h100-datasheet", "--vocab-size", "100000"], world_size=4)
-    plan = make_run_plan(args)
+    plan = plan_of(args)
     assert str(plan.layout) == args.pipeline_model_parallel_layout and plan.layout.num_layers == 8
     assert plan.layout.layer_counts() != (2, 2, 2, 2)  # a 100k vocabulary is worth moving layers for

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch, check_weight_hashes
 from megatron.chimera.model.chunk import build_chunk

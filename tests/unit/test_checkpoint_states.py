@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.checkpointing import LATEST, _publish
 from megatron.chimera.checkpoint.states import DataPosition
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.checkpoint_spec import CheckpointSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

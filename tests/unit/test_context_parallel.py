@@ -8,7 +8,8 @@ import torch
 from megatron.core.utils import _get_batch_on_this_cp_rank_per_sequence_balancing
 
 from chimera_schedules import ConfigError
-from megatron.chimera.config.arguments import _context_parallel_attention, parse_args
+from megatron.chimera.arguments import parse_args
+from megatron.chimera.config.architecture_rules import context_parallel_attention
 from megatron.chimera.model.context_parallel import chunk_positions, in_sequence_order
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -66,10 +67,9 @@ def test_gathered_chunks_return_to_sequence_order_at_their_positions(cp):
 
 
 def test_on_a_gpu_without_transformer_engine_context_parallelism_is_refused_in_one_line():
-    args = SimpleNamespace(context_parallel_size=2, transformer_impl="local", multi_latent_attention=False,
-                           window_size=None)
+    args = SimpleNamespace(context_parallel_size=2, multi_latent_attention=False, window_size=None)
     with pytest.raises(ConfigError) as refused:
-        _context_parallel_attention(args, "cuda")
+        context_parallel_attention(args, "cuda", te=False)
     assert refused.value.option == "--context-parallel-size" and "Transformer Engine" in refused.value.rule, \
         refused.value
-    _context_parallel_attention(args, "cpu")  # the CPU's gathered attention runs it
+    context_parallel_attention(args, "cpu", te=False)  # the CPU's gathered attention runs it

@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.data_spec import DataSpec
+from megatron.chimera.config.train_spec import TrainSpec
 from megatron.chimera.data.datasets import dataset_sizes, evaluation_index
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -31,3 +32,11 @@ def test_sizes_ask_for_every_evaluation_the_run_makes():
     assert dataset_sizes(data) == (10 * 8, 3 * 3 * 8), "train and validation samples"
     no_eval = DataSpec.from_args(parse_args(MODEL + ["--eval-iters", "0"], world_size=1))
     assert dataset_sizes(no_eval) == (80, 0), "--eval-iters 0 asks no validation samples"
+
+
+
+def test_the_batches_and_the_run_length_have_one_home():
+    """The data section holds the batch sizes, sequence length, seed and run length; the training section,
+    which the loop reads beside it, repeats none of them (two copies of one flag could drift apart)."""
+    repeated = {f.name for f in dataclasses.fields(TrainSpec)} & {f.name for f in dataclasses.fields(DataSpec)}
+    assert repeated == set(), f"fields TrainSpec repeats from DataSpec: {sorted(repeated)}"

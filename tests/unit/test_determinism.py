@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
 from megatron.chimera.testing.equivalence import MODEL
+from megatron.chimera.testing.plans import plan_of
 
 ENVIRONMENT = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 FLAGS = MODEL + ["--micro-batch-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
@@ -34,7 +34,7 @@ def test_deterministic_mode_sets_what_megatron_lm_sets(mode_restored, on):
         f"deterministic mode {on}: environment {[os.environ.get(n) for n in ENVIRONMENT]}"
     assert torch.are_deterministic_algorithms_enabled() is on, f"torch's deterministic algorithms not {on}"
     assert bool(torch.empty(64).isnan().all()) is on, f"uninitialised memory NaN-filled is not {on}"
-    spec, plan = ModelSpec.from_args(args), make_run_plan(args)
+    spec, plan = ModelSpec.from_args(args), plan_of(args)
     configs = [chunk.transformer_config(spec, held.layers, plan.layout.first_layer(stage), "cpu", False)
                for stage, held in enumerate(plan.layout.stages)]
     modes = {config.deterministic_mode for config in configs}

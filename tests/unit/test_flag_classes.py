@@ -4,10 +4,10 @@ import os
 
 import pytest
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config import flag_classes
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.flag_table import DEFAULT_OUT, megatron_parser, render
-from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.testing.plans import plan_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -115,7 +115,7 @@ def test_megatron_lm_defaults_that_our_rules_read_first(capsys, corpus):
     args = parse_args(samples + ["--train-samples", "3"], world_size=1)
     assert (args.global_batch_size, args.train_iters) == (1, 3)
     banner = capsys.readouterr().out
-    assert "  schedule ...." not in banner and "  plan ...." not in banner and make_run_plan(args) is not None
+    assert "  schedule ...." not in banner and "  plan ...." not in banner and plan_of(args) is not None
 
 
 def test_flags_with_no_effect_are_named_at_startup_in_one_line(capsys):
@@ -139,7 +139,7 @@ def test_overlap_p2p_warmup_flush_alone_has_no_effect_and_builds_every_chunk():
 
     args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
                               "--overlap-p2p-communication-warmup-flush"], world_size=2)
-    spec, plan = ModelSpec.from_args(args), make_run_plan(args)
+    spec, plan = ModelSpec.from_args(args), plan_of(args)
     for stage, held in enumerate(plan.layout.stages):
         config = chunk.transformer_config(spec, held.layers, plan.layout.first_layer(stage), "cpu", False)
         assert config.batch_p2p_comm and not config.overlap_p2p_comm_warmup_flush, stage

@@ -17,9 +17,8 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 from packaging.version import Version
 
 from chimera_schedules.runtime.autograd_split import backward_input
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.process_groups import Runtime
 from megatron.chimera.model import chunk, kernels
 from megatron.chimera.observability.startup import print_building
@@ -27,6 +26,7 @@ from megatron.chimera.optim.distributed_optimizer import ShardedMainParams, _acc
 from megatron.chimera.optim.gradients import ReplicaGradSync
 from megatron.chimera.optim.precision import MainParams
 from megatron.chimera.testing.equivalence import MIXTRAL
+from megatron.chimera.testing.plans import plan_of
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -164,7 +164,7 @@ def test_split_backward_with_transformer_engine_before_2_3_is_refused_in_one_lin
 
 def test_split_backward_with_transformer_engine_2_3_delays_its_weight_gradients(gpu_kernels):
     args = parse_args(BASE + DUALPIPE, world_size=2)
-    plan = make_run_plan(args)
+    plan = plan_of(args)
     assert plan.split_backward  # read from the schedule's IR: DualPipe splits its own backward
     spec = ModelSpec.from_args(args)
     config = chunk.transformer_config(spec, 1, 0, "cuda", plan.split_backward)
@@ -208,7 +208,7 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch, watch=Non
     the fp32 gradients the optimizer steps. ``watch(chunks, sync)``: called before the first forward, with
     --overlap-grad-reduce."""
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    plan = make_run_plan(args)
+    plan = plan_of(args)
     stages = range(len(plan.layout.stages))
     with monkeypatch.context() as m:
         if fused:
@@ -299,7 +299,7 @@ def test_a_tied_weight_zeroes_its_placeholder_only_where_both_its_uses_meet(one_
     mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
     for stages, extra, marked in ((2, [], [False, False]), (1, [], [True]), (2, mtp, [False, True])):
         args = parse_args(FUSED + extra + ["--pipeline-model-parallel-size", str(stages)], world_size=stages)
-        plan, spec = make_run_plan(args), ModelSpec.from_args(args)
+        plan, spec = plan_of(args), ModelSpec.from_args(args)
         chunks = [chunk.build_chunk(spec, plan, s, torch.device("cpu")) for s in range(stages)]
         got = [getattr(c.shared_embedding_or_output_weight(), "zero_out_wgrad", False) for c in chunks]
         assert got == marked, f"zero_out_wgrad of the tied weight per stage, {stages} stages {extra}: {got}"

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.chimera.model.chunk import TIED_NAME
+from megatron.chimera.model.parameter_names import TIED_NAME
 from megatron.chimera.optim.distributed_optimizer import ShardedMainParams
 from megatron.chimera.optim.gradients import ReplicaGradSync, weighted_square_sum
 from megatron.chimera.optim.precision import MainParams

@@ -50,3 +50,11 @@ def test_the_namespace_is_read_only_where_it_belongs():
     total = sum(reads.values())
     busiest = sorted(((n, p) for p, n in reads.items() if n), reverse=True)
     assert total < NAMESPACE_READS_ALLOWED, f"{total} reads of args.<field> outside config/ and testing/: {busiest}"
+
+
+def test_the_run_plan_is_made_from_the_typed_sections_alone():
+    """make_run_plan takes the job's pipeline and parallel sections (config/job.py): run_plan.py never reads
+    Megatron-LM's namespace, whose rules end with validation."""
+    text = source(os.path.join("megatron", "chimera", "config", "run_plan.py"))
+    reads = READ.findall(text) + re.findall(r"\bmegatron_args\b", text)
+    assert reads == [], f"run_plan.py reads the namespace: {reads}"

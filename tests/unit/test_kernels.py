@@ -9,7 +9,7 @@ import pytest
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 from megatron.core.models import backends
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.model import chunk, kernels
 

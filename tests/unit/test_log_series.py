@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.job import job_config
 from megatron.chimera.observability import series
 from megatron.chimera.observability.series import Writers, memory_scalars, set_logging_level

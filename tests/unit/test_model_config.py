@@ -8,12 +8,12 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.argument_utils import core_transformer_config_from_args
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config import model_spec
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
 from megatron.chimera.testing.equivalence import MIXTRAL, MODEL, VARIANTS
+from megatron.chimera.testing.plans import plan_of
 
 ONE = MODEL + ["--micro-batch-size", "1"]
 CHIMERA = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
@@ -102,7 +102,7 @@ def test_mla_picks_megatron_cores_latent_config():
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_chunks_config_differs_from_the_runs_only_in_its_own_fields(name, device_type):
     args = parse_args(ONE + MODELS[name] + CHIMERA, world_size=2)
-    spec, plan = ModelSpec.from_args(args), make_run_plan(args)
+    spec, plan = ModelSpec.from_args(args), plan_of(args)
     for stage, held in enumerate(plan.layout.stages):
         first = plan.layout.first_layer(stage)
         config = chunk.transformer_config(spec, held.layers, first, device_type, plan.split_backward)

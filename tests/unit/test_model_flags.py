@@ -11,12 +11,11 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.training import num_floating_point_operations
 
-from megatron.chimera.config import arguments
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.config.train_spec import TrainSpec
 from megatron.chimera.loop import _param_groups
+from megatron.chimera.model import chunk
 from megatron.chimera.model.chunk import (
     _layer_spec,
     build_chunk,
@@ -26,6 +25,7 @@ from megatron.chimera.model.chunk import (
 )
 from megatron.chimera.testing.cases import process_state_kept
 from megatron.chimera.testing.equivalence import VARIANTS
+from megatron.chimera.testing.plans import plan_of
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -111,7 +111,7 @@ def test_megatron_lm_spellings_of_recomputation_and_virtual_stages():
     assert args.recompute_granularity == "selective"
     vpp = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
                              "--num-virtual-stages-per-pipeline-rank", "2"], world_size=2)
-    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and make_run_plan(vpp).schedule.virtual_stages == 2
+    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and plan_of(vpp).schedule.virtual_stages == 2
 
 
 def test_tensor_parallel_sums_are_marked_by_what_a_parameter_is_whatever_the_layer_spec():
@@ -178,7 +178,7 @@ def test_shared_expert_gate_reaches_megatron_cores_shared_experts(one_process_gr
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
     spec = ModelSpec.from_args(args)
     assert spec.config.moe_shared_expert_gate, "the flag did not reach megatron-core's config"
-    model = build_chunk(spec, make_run_plan(args), 0, torch.device("cpu"))
+    model = build_chunk(spec, plan_of(args), 0, torch.device("cpu"))
     gate = model.decoder.layers[0].mlp.shared_experts.gate_weight
     assert gate.shape == (1, 64) and gate.global_name.endswith("shared_experts.gate_weight"), gate.global_name
     assert 0.01 < gate.std().item() < 0.03, f"the gate is not drawn with --init-method-std 0.02: {gate.std()}"
@@ -252,7 +252,7 @@ def test_multi_latent_attention_with_tensor_parallelism_in_transformer_engine_ne
         capsys, monkeypatch, sequence_parallel):
     """megatron-core 0.19's duplicated key-value down projection (Transformer Engine's) sums the key's position
     gradient over TP only under sequence parallelism; its local layers are corrected (model/chunk.py)."""
-    monkeypatch.setattr(arguments, "uses_transformer_engine", lambda impl, device: True)
+    monkeypatch.setattr(chunk, "uses_transformer_engine", lambda impl, device: True)
     flags = BASE + ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
                     "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--position-embedding-type", "rope",
                     "--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] if sequence_parallel else [])

@@ -11,13 +11,14 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.states import ModelChunks
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.model import chunk
+from megatron.chimera.model.parameter_names import TIED_NAME, is_gated
 from megatron.chimera.optim.gradients import is_expert
 from megatron.chimera.optim.precision import MainParams
+from megatron.chimera.testing.plans import plan_of
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -32,7 +33,7 @@ SINK = "self_attention.core_attention.softmax_offset"
 def _chunk(flags: list[str], stage: int = 0, world_size: int = 1):
     args = parse_args(BASE + flags, world_size=world_size)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    plan = make_run_plan(args)
+    plan = plan_of(args)
     return args, plan, chunk.build_chunk(ModelSpec.from_args(args), plan, stage, torch.device("cpu"))
 
 
@@ -102,7 +103,7 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     assert [p.global_name for p in sinks.values()] == [f"decoder.layers.{first + i}.{SINK}" for i in range(2)]
     for name, p in sinks.items():
         assert p.requires_grad and p.shape == (4,) and p.partition_dim == 0 and p.tensor_model_parallel
-        assert not is_expert(p) and not p.sums_over_tensor_parallel and p.global_name != chunk.TIED_NAME
+        assert not is_expert(p) and not p.sums_over_tensor_parallel and p.global_name != TIED_NAME
         assert name in stage1.state_dict()
     # its layers window as Megatron-LM's layers 3 and 4 (of 1-4) do
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in stage1.decoder.layers]
@@ -162,4 +163,4 @@ def test_impossible_recipe_flags_fail_in_one_line(capsys, extra, world_size, nee
 
 def test_a_quick_geglu_fc1_is_split_over_tp_as_gate_and_up():
     config = ModelSpec.from_args(parse_args(BASE + ["--quick-geglu"])).config
-    assert chunk.is_gated(config, "decoder.layers.0.mlp.linear_fc1.weight")
+    assert is_gated(config, "decoder.layers.0.mlp.linear_fc1.weight")

@@ -10,6 +10,7 @@ import torch
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, model_parallel_cuda_manual_seed
 from torch.distributed.checkpoint import FileSystemReader
 
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.checkpoint.async_saves import async_saves
 from megatron.chimera.checkpoint.checkpointing import (
     LATEST,
@@ -20,9 +21,7 @@ from megatron.chimera.checkpoint.checkpointing import (
 )
 from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
-from megatron.chimera.config.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
-from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import TrainingStopped, _Progress
 from megatron.chimera.model import recompute
 from megatron.chimera.model.chunk import build_chunk, shared_expert_overlap, transformer_config
@@ -30,6 +29,7 @@ from megatron.chimera.observability.hooks import Hooks
 from megatron.chimera.observability.series import Writers
 from megatron.chimera.observability.startup import print_building
 from megatron.chimera.testing.one_step import forward_backward_once, one_process_trainer
+from megatron.chimera.testing.plans import plan_of
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
@@ -96,7 +96,7 @@ def test_shared_expert_overlap_is_off_on_the_cpu_and_startup_says_so(parallel_st
 def routes(flags: list[str]) -> list[torch.Tensor]:
     """The MoE layer's routing maps of two random inputs, each routed from the same RNG states."""
     args = parse_args(TINY + MOE + flags, world_size=1)
-    model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))
+    model = build_chunk(ModelSpec.from_args(args), plan_of(args), 0, torch.device("cpu"))
     router = model.decoder.layers[1].mlp.router
     maps = []
     for seed in (1, 2):
@@ -157,7 +157,7 @@ def test_the_nan_check_skips_counts_and_stops_only_when_on(parallel_state_restor
         assert stats["lm loss"] != stats["lm loss"]  # NaN
         expected = (True, True, 0) if checked else (False, False, 1)
         assert (stats["skipped"], stats["nan"], t.optimizer_steps()) == expected
-        progress = _Progress(t.job.train, t.job.log, 0, Writers(t.job.log), t.timers)
+        progress = _Progress(t.job.train, t.job.data, t.job.log, 0, Writers(t.job.log), t.timers)
         with pytest.raises(TrainingStopped) if checked else contextlib.nullcontext():
             progress.record(stats, 1, 1e-3, None)
 
@@ -168,7 +168,7 @@ def test_dist_ckpt_strictness_reaches_the_load(parallel_state_restored, tmp_path
     them and loads."""
 
     def load(t) -> tuple[int, int]:
-        position = DataPosition(t.job.train.global_batch_size)
+        position = DataPosition(t.job.data.global_batch_size)
         load_checkpoint({**t.states(), "data": position}, t.job.checkpoint, t.rt)
         return position.iteration, position.consumed_samples
 

@@ -9,9 +9,10 @@ from chimera_schedules.ir.spec import OPTION, OPTIONS, SHARED, flags
 from chimera_schedules.registry import REGISTRY
 from chimera_schedules.tools.cli import _options as cli_parser
 from chimera_schedules.tools.options import describe
-from megatron.chimera.config.arguments import parse_args, schedule_flags
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.parser import build_parser as trainer_parser
-from megatron.chimera.config.run_plan import make_run_plan
+from megatron.chimera.config.schedule_request import schedule_flags
+from megatron.chimera.testing.plans import plan_of
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -63,7 +64,7 @@ def test_the_trainer_builds_each_variant_as_the_library_does(name):
     moe = ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
            "--expert-model-parallel-size", "2", "--global-batch-size", "16"] if spec.overlap else []
     args = parse_args(MODEL + moe + schedule_flags(spec, num_layers=8), world_size=4 if spec.overlap else 2)
-    assert make_run_plan(args).schedule == build_spec(spec)
+    assert plan_of(args).schedule == build_spec(spec)
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if "best" not in n])  # best: seconds of search

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from ..model.chunk import LAYER, TIED_NAME, is_gated, tp_shard
+from ..model.parameter_names import LAYER, TIED_NAME, is_gated, tp_shard
 from .format import CheckpointError, safe_globals
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")

@@ -17,6 +17,7 @@ from chimera_schedules.tools.balancer import Sizes, balance, per_rank
 from chimera_schedules.tools.planner import Experts, ModelShape, Precision, Profile
 
 from .run_plan import generated
+from .schedule_request import microbatches, resolved_schedule
 
 FLAG = "--balance-pipeline-layout"
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
@@ -53,13 +54,13 @@ def balanced_layout(args, stages: int, request) -> Layout:
     for flag, dest in HAND_FLAGS:
         require(not getattr(args, dest), FLAG, args.balance_pipeline_layout, f"cannot be combined with {flag}")
     profile = _profile(args.balance_pipeline_layout)
-    pp, name = args.pipeline_model_parallel_size, args.pipeline_schedule
+    pp, name = args.pipeline_model_parallel_size, resolved_schedule(args)
     if request is not None:
         schedule = generated(request)  # the run plan's, generated once
     elif name == "megatron-interleaved":
-        schedule = build("interleaved", pp, args.num_microbatches, virtual_stages=stages // pp)
+        schedule = build("interleaved", pp, microbatches(args), virtual_stages=stages // pp)
     else:
-        schedule = build("1f1b", pp, args.num_microbatches)
+        schedule = build("1f1b", pp, microbatches(args))
     sizes = Sizes(args.micro_batch_size, args.data_parallel_size, args.expert_model_parallel_size,
                   Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon"),
                   args.context_parallel_size)

@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizerSpec:
     """The tokenizer flags our code reads (megatron-core's builder reads Megatron-LM's namespace itself).
     Built from any namespace with Megatron-LM's tokenizer flags: the trainer's and preprocess_data.py's."""
@@ -18,10 +18,11 @@ class TokenizerSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerSpec:
-        return cls(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+        return cls(kind=args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
+                   merge_file=args.merge_file, vocab_size=args.vocab_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FimSpec:
     """--fim-data's settings, as Megatron-LM's pretrain_gpt.py hands them to megatron's GPTFIMDatasetConfig."""
 
@@ -41,9 +42,10 @@ class FimSpec:
         """None without --fim-data."""
         if not args.fim_data:
             return None
-        return cls(args.fim_rate, args.fim_spm_rate, args.fim_split_sample, args.fim_fragment_rate,
-                   args.fim_no_prefix, args.fim_prefix_token, args.fim_middle_token, args.fim_suffix_token,
-                   args.fim_pad_token, args.fim_eod_token)
+        return cls(rate=args.fim_rate, spm_rate=args.fim_spm_rate, split_sample=args.fim_split_sample,
+                   fragment_rate=args.fim_fragment_rate, no_prefix=args.fim_no_prefix,
+                   prefix_token=args.fim_prefix_token, middle_token=args.fim_middle_token,
+                   suffix_token=args.fim_suffix_token, pad_token=args.fim_pad_token, eod_token=args.fim_eod_token)
 
     def extra_tokens(self) -> dict[str, str]:
         """GPTFIMDatasetConfig's ``fim_extra_tokens``, keyed as pretrain_gpt.py keys them."""
@@ -51,10 +53,14 @@ class FimSpec:
                 "pad": self.pad_token, "eod": self.eod_token}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataSpec:
     """Data: paths, split, tokenizer and the dataset builder's settings, and the batch sizes and run
-    lengths that say which samples each iteration and evaluation reads."""
+    lengths that say which samples each iteration and evaluation reads: the run's one home for them,
+    which the training loop reads too (the global batch, micro-batch and sequence sizes, --train-iters
+    (derived from --train-samples when given), evaluation every ``eval_interval`` iterations and at the
+    end, ``eval_iters`` batches). ``seed``: --seed, the datasets' shuffle, and the trainer's torch and
+    model-parallel RNG."""
 
     data_path: tuple[str, ...] | None  # --data-path: prefixes, or a blend of WEIGHT PREFIX pairs
     split: str | None
@@ -76,8 +82,10 @@ class DataSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataSpec:
-        return cls(None if args.data_path is None else tuple(args.data_path), args.split, args.mock_data,
-                   args.data_cache_path, args.mmap_bin_files, args.seq_length, args.reset_position_ids,
-                   args.eod_mask_loss, args.seed, args.global_batch_size, args.micro_batch_size,
-                   args.data_parallel_size, args.train_iters, args.eval_iters, args.eval_interval,
-                   TokenizerSpec.from_args(args), FimSpec.from_args(args))
+        return cls(data_path=None if args.data_path is None else tuple(args.data_path), split=args.split,
+                   mock_data=args.mock_data, cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+                   seq_length=args.seq_length, reset_position_ids=args.reset_position_ids,
+                   eod_mask_loss=args.eod_mask_loss, seed=args.seed, global_batch_size=args.global_batch_size,
+                   micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
+                   train_iters=args.train_iters, eval_iters=args.eval_iters, eval_interval=args.eval_interval,
+                   tokenizer=TokenizerSpec.from_args(args), fim=FimSpec.from_args(args))

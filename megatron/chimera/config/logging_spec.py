@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileSpec:
     """--profile between ``step_start`` and ``step_end`` on ``ranks`` (empty: all), with PyTorch's
     profiler (``pytorch``) or as an nsys capture range."""
@@ -20,11 +20,11 @@ class ProfileSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProfileSpec:
-        return cls(args.profile, tuple(args.profile_ranks or ()), args.profile_step_start, args.profile_step_end,
-                   args.use_pytorch_profiler)
+        return cls(enabled=args.profile, ranks=tuple(args.profile_ranks or ()), step_start=args.profile_step_start,
+                   step_end=args.profile_step_end, pytorch=args.use_pytorch_profiler)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WandbSpec:
     """Megatron-LM's Weights & Biases run: ``project`` (--wandb-project), the run's name (--wandb-exp-name),
     its directory (--wandb-save-dir, else Megatron-LM's default: <--save>/wandb) and --wandb-entity."""
@@ -39,10 +39,11 @@ class WandbSpec:
         if not args.wandb_project:
             return None
         save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-        return cls(args.wandb_project, args.wandb_exp_name, save_dir, args.wandb_entity)
+        return cls(project=args.wandb_project, exp_name=args.wandb_exp_name, save_dir=save_dir,
+                   entity=args.wandb_entity)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SeriesSpec:
     """Megatron-LM's optional log series (observability/series.py writes them): the parameter norm and the
     gradient's zeros in the iteration line, and what TensorBoard and W&B get every ``tensorboard_interval``
@@ -62,14 +63,18 @@ class SeriesSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SeriesSpec:
-        return cls(args.log_params_norm, args.log_num_zeros_in_grad, args.log_timers_to_tensorboard,
-                   args.log_memory_to_tensorboard, args.log_validation_ppl_to_tensorboard,
-                   args.log_world_size_to_tensorboard, args.log_loss_scale_to_tensorboard,
-                   args.tensorboard_log_interval, args.tensorboard_queue_size, args.logging_level,
-                   WandbSpec.from_args(args))
+        return cls(params_norm=args.log_params_norm, num_zeros_in_grad=args.log_num_zeros_in_grad,
+                   timers_to_tensorboard=args.log_timers_to_tensorboard,
+                   memory_to_tensorboard=args.log_memory_to_tensorboard,
+                   validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+                   world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+                   loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+                   tensorboard_interval=args.tensorboard_log_interval,
+                   tensorboard_queue_size=args.tensorboard_queue_size, logging_level=args.logging_level,
+                   wandb=WandbSpec.from_args(args))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LogSpec:
     """The iteration line every ``interval`` iterations (with --log-throughput its TFLOP/s field), the
     timers at ``timing_level`` (``barrier_with_l1_time``: a barrier before each level-1 timer), the
@@ -93,7 +98,9 @@ class LogSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LogSpec:
-        return cls(args.log_interval, args.log_throughput, args.timing_log_level, args.timing_log_option,
-                   args.barrier_with_L1_time, args.tensorboard_dir, args.log_memory_per_rank, args.nvtx_ranges,
-                   args.manual_gc, args.manual_gc_interval, args.manual_gc_eval, args.empty_unused_memory_level,
-                   ProfileSpec.from_args(args), SeriesSpec.from_args(args))
+        return cls(interval=args.log_interval, throughput=args.log_throughput, timing_level=args.timing_log_level,
+                   timing_option=args.timing_log_option, barrier_with_l1_time=args.barrier_with_L1_time,
+                   tensorboard_dir=args.tensorboard_dir, memory_per_rank=args.log_memory_per_rank,
+                   nvtx_ranges=args.nvtx_ranges, manual_gc=args.manual_gc, manual_gc_interval=args.manual_gc_interval,
+                   manual_gc_eval=args.manual_gc_eval, empty_unused_memory_level=args.empty_unused_memory_level,
+                   profile=ProfileSpec.from_args(args), series=SeriesSpec.from_args(args))

@@ -12,7 +12,7 @@ and the fields of the flags that have no effect here (config/flag_classes.py) st
   them off and given Megatron-LM's values after; each chunk's config keeps on only the fusions its device runs
   (model/chunk.py's ``fusion_fields``), and megatron-core checks those.
 - ``overlap_moe_expert_parallel_comm``: megatron-core's rules for it belong to its combined 1F1B (bf16, virtual
-  stages); ours runs schedule plans in our executor (config/arguments.py's ``_check_overlap``), so the field
+  stages); ours runs schedule plans in our executor (config/schedule_rules.py's ``_check_overlap``), so the field
   stays off in the config and the flag is kept here.
 
 Model chunks derive their configs from this one, replacing only what is their own (model/chunk.py's
@@ -38,7 +38,7 @@ NO_EFFECT = {"config_logger_dir": "", "test_mode": False, "defer_embedding_wgrad
 KERNEL_CHECKED = ("apply_rope_fusion", "moe_permute_fusion")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """megatron-core's config of the whole model, and GPTModel's other arguments as Megatron-LM's GPT builder
     (gpt_config_from_args) passes them: the padded vocabulary, the positions and RoPE's settings (Llama 3.1's
@@ -63,7 +63,7 @@ class ModelSpec:
         config = core_transformer_config_from_args(_for_megatron_core(args))
         for field in KERNEL_CHECKED:  # as Megatron-LM's function copies them; see above
             setattr(config, field, getattr(args, field))
-        return cls(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        return cls(config=config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
                    rope_scaling_factor=args.rope_scaling_factor,

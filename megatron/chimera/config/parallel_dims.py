@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """Sizes as ``parse_args`` validated them (``dp`` derived there from the world size; ``etp``
     defaulted to TP there). ``backend``: --distributed-backend, None for Megatron-LM's default (nccl

@@ -20,7 +20,7 @@ from chimera_schedules.tools.options import add_trainer_group
 
 from .flag_classes import VALUES, flag_class
 from .refusal import say_once
-from .run_plan import MEGATRON_SCHEDULES
+from .schedule_request import MEGATRON_SCHEDULES
 
 PROG = "pretrain_gpt.py"
 # Megatron-LM flags whose values we take from a wider type: every value Megatron-LM takes means the

@@ -1,4 +1,4 @@
-"""Training: batches, iterations, learning rate schedule, optimizer, precision, evaluation and exit policy."""
+"""Training: the step's policies, the learning rate schedule, optimizer, precision and exit policy."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from .arguments import lr_increment, lr_schedule
+from .lr_schedule import lr_increment, lr_schedule
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     """AdamW, or with --optimizer muon (``name``) Muon for the hidden weight matrices (``muon``: the --muon-*
     settings by megatron-core's OptimizerConfig field names), and the LR schedule. ``schedule``:
-    megatron-core's OptimizerParamScheduler settings (arguments.lr_schedule), stepped by ``lr_increment``
+    megatron-core's OptimizerParamScheduler settings (lr_schedule.py), stepped by ``lr_increment``
     per iteration (the global batch with --train-samples, else 1). ``decoupled_lr``/``decoupled_min_lr``:
     the input embedding's and output layer's own schedule (--decoupled-lr; the min defaults to --min-lr)."""
 
@@ -42,12 +42,16 @@ class OptimizerSpec:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerSpec:
         decoupled_min = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
-        return cls(args.lr, args.min_lr, args.lr_warmup_init, lr_schedule(args), lr_increment(args),
-                   args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler, args.weight_decay,
-                   (args.adam_beta1, args.adam_beta2), args.adam_eps, args.decoupled_lr, decoupled_min,
-                   args.clip_grad, args.use_distributed_optimizer, args.overlap_grad_reduce,
-                   args.overlap_param_gather, args.apply_wd_to_qk_layernorm, args.optimizer, muon_settings(args),
-                   getattr(args, "use_layer_wise_distributed_optimizer", False))
+        return cls(lr=args.lr, min_lr=args.min_lr, lr_warmup_init=args.lr_warmup_init, schedule=lr_schedule(args),
+                   lr_increment=lr_increment(args), override_scheduler=args.override_opt_param_scheduler,
+                   use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, weight_decay=args.weight_decay,
+                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, decoupled_lr=args.decoupled_lr,
+                   decoupled_min_lr=decoupled_min, clip_grad=args.clip_grad,
+                   distributed=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+                   overlap_param_gather=args.overlap_param_gather,
+                   apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm, name=args.optimizer,
+                   muon=muon_settings(args),
+                   layer_wise=getattr(args, "use_layer_wise_distributed_optimizer", False))
 
 
 def muon_settings(args: argparse.Namespace) -> dict:
@@ -57,7 +61,7 @@ def muon_settings(args: argparse.Namespace) -> dict:
             if name.startswith("muon_") and hasattr(args, name)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionSpec:
     """--fp16/--bf16 and the parameters' dtype; under --fp16 the loss scale: constant with
     ``loss_scale``, otherwise dynamic from ``initial_loss_scale``."""
@@ -73,11 +77,12 @@ class PrecisionSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecisionSpec:
-        return cls(args.fp16, args.bf16, args.params_dtype, args.loss_scale, args.initial_loss_scale,
-                   args.min_loss_scale, args.loss_scale_window, args.hysteresis)
+        return cls(fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype, loss_scale=args.loss_scale,
+                   initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExitSpec:
     """When to save and stop before --train-iters: --exit-interval, --exit-signal with
     --exit-signal-handler, --exit-duration-in-mins (0 or None: never)."""
@@ -89,25 +94,19 @@ class ExitSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ExitSpec:
-        return cls(args.exit_interval, args.exit_signal_handler, args.exit_signal, args.exit_duration_in_mins)
+        return cls(interval=args.exit_interval, signal_handler=args.exit_signal_handler, signal=args.exit_signal,
+                   duration_in_mins=args.exit_duration_in_mins)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainSpec:
-    """Batches and iterations (``train_iters`` derived from --train-samples when given), evaluation
-    (every ``eval_interval`` iterations and at the end, ``eval_iters`` batches), the NaN policy (with
-    ``check_for_nan`` a NaN iteration skips its step, and ``max_consecutive_nan`` in a row stop the
-    run), the weight-hash check (every ``weight_hash_interval`` iterations, None: never), and the optimizer,
-    precision and exit sections."""
+    """The training step and its policies: the RNG tracker, the loss (summed per token with
+    ``per_token_loss``), the NaN policy (with ``check_for_nan`` a NaN iteration skips its step, and
+    ``max_consecutive_nan`` in a row stop the run), the weight-hash check (every ``weight_hash_interval``
+    iterations, None: never), and the optimizer, precision and exit sections. The batches and the run's
+    length (how many iterations, evaluated when) are the data section's (data_spec.py): one home."""
 
-    global_batch_size: int
-    micro_batch_size: int
-    seq_length: int
-    train_iters: int
-    seed: int
     te_rng_tracker: bool  # megatron-core's CUDA RNG tracker is Transformer Engine's, where it is installed
-    eval_iters: int
-    eval_interval: int | None
     per_token_loss: bool
     check_for_nan: bool
     max_consecutive_nan: int
@@ -118,8 +117,9 @@ class TrainSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainSpec:
-        return cls(args.global_batch_size, args.micro_batch_size, args.seq_length, args.train_iters, args.seed,
-                   args.te_rng_tracker, args.eval_iters, args.eval_interval, args.calculate_per_token_loss,
-                   args.check_for_nan_in_loss_and_grad, args.max_consecutive_nan_iterations,
-                   args.check_weight_hash_across_dp_replicas_interval, OptimizerSpec.from_args(args),
-                   PrecisionSpec.from_args(args), ExitSpec.from_args(args))
+        return cls(te_rng_tracker=args.te_rng_tracker, per_token_loss=args.calculate_per_token_loss,
+                   check_for_nan=args.check_for_nan_in_loss_and_grad,
+                   max_consecutive_nan=args.max_consecutive_nan_iterations,
+                   weight_hash_interval=args.check_weight_hash_across_dp_replicas_interval,
+                   optimizer=OptimizerSpec.from_args(args), precision=PrecisionSpec.from_args(args),
+                   exit=ExitSpec.from_args(args))

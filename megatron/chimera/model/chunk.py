@@ -7,9 +7,9 @@ megatron-core neither offsets its layers nor ties its embedding with collectives
 post_process mark the stages holding E and L. Its config is the run's (config/model_spec.py: Megatron-LM's
 own) with only what is the chunk's replaced (``transformer_config``).
 
-Initialisation is a function of (seed, global parameter name) only: every tensor is drawn from a
-generator seeded with both, at its full (unsharded) shape, then sliced to this rank's tensor-parallel
-shard. So every copy of a stage, in every pipeline and layout, and the one-process reference start
+Initialisation is a function of (seed, global parameter name: parameter_names.py) only: every tensor is
+drawn from a generator seeded with both, at its full (unsharded) shape, then sliced to this rank's
+tensor-parallel shard. So every copy of a stage, in every pipeline and layout, and the one-process reference start
 from the same weights without any broadcast; the tied output layer is drawn under the input
 embedding's name. Distributions are Megatron's: the config's init methods for weights (normal(0, std),
 std / sqrt(2 L) for the output projections of attention and MLP, --embedding-init-method-std for the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import zlib
 
 import torch
@@ -57,6 +56,7 @@ from packaging.version import Version
 from ..config.model_spec import ModelSpec
 from . import kernels, recompute
 from .context_parallel import GatheredKeyValueAttention
+from .parameter_names import GROUPED_EXPERT, LOCAL_EXPERT, global_name, is_gated, tp_shard
 
 # TransformerConfig's fusion fields, which Megatron-LM sets from its fusion flags (--no-gradient-accumulation-fusion,
 # --no-bias-swiglu-fusion / --no-bias-gelu-fusion, --no-bias-dropout-fusion, --no-rope-fusion,
@@ -75,11 +75,6 @@ BATCHED_P2P = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
 # --recompute-modules that only Transformer Engine's layers recompute: the activation of its grouped experts
 # (TEGroupedMLP); megatron-core's local experts (SequentialMLP) have no such checkpoint
 TE_RECOMPUTE = ("moe_act",)
-LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
-# Transformer Engine's grouped experts
-GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
-TIED_NAME = "embedding.word_embeddings.weight"
 
 
 def uses_transformer_engine(transformer_impl: str, device_type: str) -> bool:
@@ -554,16 +549,6 @@ def _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=No
     return output if bias is None else output + bias
 
 
-def global_name(name: str, layer_offset: int, tied: bool, first_expert: int = 0) -> str:
-    """The parameter's name in the whole (unsplit) model: layers numbered in the model, and experts
-    among all experts (``first_expert``: this expert-parallel rank's first)."""
-    if tied and name == "output_layer.weight":
-        return TIED_NAME
-    name = LOCAL_EXPERT.sub(lambda m: f".experts.local_experts.{int(m.group(1)) + first_expert}.", name)
-    name = GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first_expert}", name)
-    return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
-
-
 def _tensor_parallel(gname: str) -> tuple[int, int]:
     """(size, rank) of the tensor-parallel group that splits this parameter: the expert-tensor-parallel
     one for routed experts (--expert-tensor-parallel-size), the tensor-parallel one otherwise."""
@@ -612,19 +597,3 @@ def init_chunk(model, spec: ModelSpec, layer_offset: int) -> None:
             g = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}/{gname}".encode()))
             full = init_method(config, gname)(torch.empty(shape), generator=g)
             param.copy_(tp_shard(full, dim, tp, tp_rank, gated=is_gated(config, gname)))
-
-
-def is_gated(config: TransformerConfig, gname: str) -> bool:
-    """Whether the parameter is a gated MLP's fc1 ([gate; up]): --swiglu or --quick-geglu, which Megatron-LM
-    makes gated linear units."""
-    return config.gated_linear_unit and gname.endswith("linear_fc1.weight")
-
-
-def tp_shard(full: torch.Tensor, dim: int, tp: int, rank: int, gated: bool) -> torch.Tensor:
-    """This rank's slice of a full tensor. A gated fc1 is [gate; up] in one process, and each
-    tensor-parallel rank holds [its gate rows; its up rows]."""
-    if dim < 0:
-        return full
-    if gated:
-        return torch.cat([half.chunk(tp, dim)[rank] for half in full.chunk(2, dim)], dim)
-    return full.chunk(tp, dim)[rank]

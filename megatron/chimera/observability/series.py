@@ -136,7 +136,7 @@ class Writers:
 
 def _wandb_run(spec, config: dict):
     """wandb.init as Megatron-LM's _set_wandb_writer calls it; the module is the writer."""
-    import wandb  # here: an optional package (the `wandb` extra); arguments.py checked it is installed
+    import wandb  # here: an optional package (the `wandb` extra); config/run_rules.py checked it is installed
 
     kwargs = {"dir": spec.save_dir, "name": spec.exp_name, "project": spec.project, "config": config}
     if spec.entity:

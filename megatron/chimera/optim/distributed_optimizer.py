@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from chimera_schedules.ir.channels import EMBEDDING_GROUP, expert_group, stage_group
 
-from ..model.chunk import TIED_NAME
+from ..model.parameter_names import TIED_NAME
 from .adam import adam_state
 from .gradients import ChunkGradSync, chunk_syncs, is_expert, weighted_square_sum
 from .precision import unfused_gradient

@@ -27,7 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from chimera_schedules.ir.channels import EMBEDDING_GROUP, reduces
 
-from ..model.chunk import TIED_NAME
+from ..model.parameter_names import TIED_NAME
 
 
 def _grads(params) -> list[torch.Tensor]:

@@ -31,7 +31,8 @@ def main() -> None:
     design.add_argument("--design", choices=("lowered", "legacy"), required=True)
     which = design.parse_args().design
     args = parse_args(FLAGS)
-    trainer = Trainer(job_config(args), make_run_plan(args), forward_step)
+    job = job_config(args)
+    trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step)
     if which == "legacy":  # one process group per pipeline, as parallel.py made them then
         groups = {**trainer.transport.groups, "p0": trainer.transport.groups["down"]}
         transport = dataclasses.replace(trainer.transport, groups=groups)

@@ -37,10 +37,10 @@ from chimera_schedules.ir.errors import InvalidSchedule
 from chimera_schedules.passes.lowering import lower
 from chimera_schedules.passes.overlap import REFERENCE, halve
 from megatron.chimera import Hooks, Trainer, job_config, make_run_plan, parse_args
-from megatron.chimera.config.run_plan import PROOF_MODE, wider_reductions
+from megatron.chimera.config.run_plan import PROOF_MODE
 from megatron.chimera.distributed.weight_hashes import WeightHashMismatch
-from megatron.chimera.model.chunk import global_name, is_gated, tp_shard
 from megatron.chimera.model.gpt_step import forward_step
+from megatron.chimera.model.parameter_names import global_name, is_gated, tp_shard
 from megatron.chimera.observability.series import validation_ppl
 from megatron.chimera.testing.cases import process_state_kept
 from megatron.chimera.testing.parsing import read_field_docstrings_once
@@ -598,11 +598,11 @@ class HookRecorder(Hooks):
                 "actions": actions, "posted": posted, "kinds": sorted(kinds)}
 
 
-def every_pair_fused(plan, args):
+def every_pair_fused(plan, pipeline):
     """``plan`` with each worker's adjacent forward and B-or-I of two micro-batches fused wherever the
     schedule stays valid, whether or not the pair pays; where the plan ran actions in halves, every
     forward and backward left unpaired halved (``passes.overlap.halve`` at its reference costs), so that
-    one case runs pairs and halves both."""
+    one case runs pairs and halves both. ``pipeline``: the section ``plan`` was made from."""
     halves = any(a.op is Op.HALVED for w in plan.schedule.workers for a in w)
     schedule = replace(plan.schedule, workers=tuple(tuple(p for a in w for p in parts(a)) if halves else w
                                                    for w in plan.schedule.workers))
@@ -624,7 +624,7 @@ def every_pair_fused(plan, args):
     if halves:
         fused = halve(fused, REFERENCE)
     validate(fused)
-    lowered = lower(fused, **wider_reductions(args, plan.layout))
+    lowered = lower(fused, **pipeline.reductions)
     check(lowered, PROOF_MODE)  # what make_run_plan proves of every schedule before it runs
     return replace(plan, schedule=fused, lowered=lowered)
 
@@ -699,8 +699,9 @@ def run_case(flags: list[str], world: int, out: str, pair_all: bool = False, dro
     cache = os.path.join(out, f"data_cache_w{world}")
     args = parse_args(MODEL + flags + ["--data-cache-path", cache], world_size=world)
     hooks = HookRecorder()
-    plan = make_run_plan(args)
-    trainer = Trainer(job_config(args), every_pair_fused(plan, args) if pair_all else plan, forward_step, hooks)
+    job = job_config(args)
+    plan = make_run_plan(job.pipeline, job.parallel)
+    trainer = Trainer(job, every_pair_fused(plan, job.pipeline) if pair_all else plan, forward_step, hooks)
     early = count_early_reductions(trainer)
     if drop_expert:
         drop_expert_gradient(trainer)

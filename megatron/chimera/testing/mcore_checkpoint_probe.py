@@ -30,8 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training import checkpointing
 from megatron.training.global_vars import set_args
 
-from megatron.chimera import make_run_plan, parse_args
-from megatron.chimera.config.data_spec import DataSpec
+from megatron.chimera import job_config, make_run_plan, parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.data.datasets import MicrobatchSource, build_datasets, dataset_sizes
 from megatron.chimera.data.tokenizer import build_tokenizer
@@ -53,12 +52,13 @@ def gpt_model(args):
 
 @torch.no_grad()
 def batch_loss(model, args, index: int) -> float:
-    data = DataSpec.from_args(args)
+    job = job_config(args)
+    data, plan = job.data, make_run_plan(job.pipeline, job.parallel)
     train, _ = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
-    source = MicrobatchSource(train, data, make_run_plan(args), dp_rank=0)
+    source = MicrobatchSource(train, data, plan, dp_rank=0)
     total = count = 0.0
     model.eval()
-    for mb in range(args.num_microbatches):
+    for mb in range(plan.microbatches):
         b = source.batch(index, mb, torch.device("cpu"))
         losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
         total += float((losses.double() * b["loss_mask"]).sum())

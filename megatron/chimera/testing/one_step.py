@@ -9,9 +9,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron.chimera.config.arguments import parse_args
+from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.job import job_config
-from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.loop import Trainer
 from megatron.chimera.model.chunk import build_chunk
@@ -25,7 +24,8 @@ def forward_backward_once(flags: list[str]) -> tuple[float, dict[str, torch.Tens
     must exist (one process)."""
     args = parse_args(flags, world_size=1)
     model_parallel_cuda_manual_seed(args.seed)  # as the Trainer does
-    model = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cpu"))
+    job = job_config(args)
+    model = build_chunk(job.model, make_run_plan(job.pipeline, job.parallel), 0, torch.device("cpu"))
     batch, seq = args.micro_batch_size, args.seq_length
     tokens = torch.arange(batch * seq).remainder(args.vocab_size).view(batch, seq)
     saved = []
@@ -45,7 +45,8 @@ def one_process_trainer(flags: list[str], hooks: Hooks = Hooks()):
     """A one-process Trainer of ``flags`` in the test process; after it, the one-process parallel state the
     caller's process group had (the Trainer's own replaced it and is released)."""
     args = parse_args(flags, world_size=1)
-    built = Trainer(job_config(args), make_run_plan(args), forward_step, hooks)
+    job = job_config(args)
+    built = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step, hooks)
     try:
         yield built
     finally:

@@ -47,7 +47,7 @@ DISTOPT = ["--use-distributed-optimizer"]
 # Megatron-LM's overlapped reductions and weight gathers, under our executor
 OVERLAPPED = DISTOPT + ["--overlap-grad-reduce", "--overlap-param-gather"]
 # Mixtral-style experts dispatched by all-to-all, balanced per sequence so that, at micro-batch size 2,
-# --overlap-moe-expert-parallel-comm runs every action in two halves (config/run_plan.py's halves_fit)
+# --overlap-moe-expert-parallel-comm runs every action in two halves (config/schedule_request.py's halves_fit)
 MOE = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-ffn-hidden-size", "32", "--moe-router-load-balancing-type", "seq_aux_loss",
        "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall"]

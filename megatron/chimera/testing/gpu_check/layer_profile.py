@@ -15,8 +15,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from chimera_schedules.tools.planner import ModelShape, Profile, plan
-from megatron.chimera.config.arguments import parse_args
-from megatron.chimera.config.model_spec import ModelSpec
+from megatron.chimera.arguments import parse_args
+from megatron.chimera.config.job import job_config
 from megatron.chimera.config.run_plan import make_run_plan
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.model.chunk import build_chunk, uses_transformer_engine
@@ -70,7 +70,8 @@ def layer_times(repeats: int = 20) -> dict:
                        "--seq-length", str(g["seq"]), "--max-position-embeddings", str(g["seq"]), "--micro-batch-size",
                        "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", "1000", "--bf16",
                        "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=1)
-    chunk = build_chunk(ModelSpec.from_args(args), make_run_plan(args), 0, torch.device("cuda"))
+    job = job_config(args)
+    chunk = build_chunk(job.model, make_run_plan(job.pipeline, job.parallel), 0, torch.device("cuda"))
     forward, backward = _time_layer(chunk.decoder.layers[0], repeats)
     dist.destroy_process_group()
     return {"device": torch.cuda.get_device_name(), "forward_s": forward, "backward_s": backward, "dtype": "bf16",

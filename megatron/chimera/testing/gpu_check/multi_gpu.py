@@ -132,7 +132,7 @@ def _uncheckable(m: Machine, case: Case) -> str | None:
     """Why a case this machine could run checks nothing here (INCOMPLETE), or None."""
     if "transformer_engine" in case.needs and not m.te:
         return "Transformer Engine not installed: its layers on NCCL unchecked"
-    # the release the run's own rule asks for (arguments.py: by the flags, gradient-accumulation fusion asked)
+    # the release the run's own rule asks (config/schedule_rules.py), by the flags: gradient-accumulation fusion
     if "te_split" in case.needs and not delays_weight_gradients(overlap_grad_reduce=False,
                                                                 gradient_accumulation_fusion=True):
         return (f"Transformer Engine {transformer_engine_version()} has no weight-gradient split under these flags "

@@ -1,0 +1,37 @@
+"""pretrain_gpt.py's arguments: Megatron-LM's parser with Chimera's group (config/parser.py), validated by
+config/validation.py's rules; an impossible request fails with one line naming the flag and the rule, exit
+code 2.
+
+Here, above every layer of the trainer, the rules are handed what they ask of the layers above config
+(config/layer_probes.py): the tokenizer (data/), Transformer Engine (model/), the checkpoint at --load
+(checkpoint/). config imports none of them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from chimera_schedules import ConfigError
+from chimera_schedules.ir.spec import flags
+
+from .checkpoint.validation_reads import read_checkpoint, take_checkpoint_args
+from .config.layer_probes import LayerProbes
+from .config.parser import PROG, fail, parse, say_no_effect
+from .config.validation import validate
+from .data.tokenizer import build_tokenizer
+from .model import chunk
+
+# model/chunk.py itself answers about Transformer Engine, read at each call (tests set its answers)
+PROBES = LayerProbes(build_tokenizer=build_tokenizer, transformer_engine=chunk,
+                     take_checkpoint_args=take_checkpoint_args, read_checkpoint=read_checkpoint)
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate. Exits with code 2 and one line on an impossible configuration."""
+    args, parser = parse(argv)
+    try:
+        ignored = validate(args, parser, sys.argv[1:] if argv is None else argv, world_size, PROBES)
+    except ConfigError as e:
+        fail(f"{PROG}: error: {e.message(flags('trainer'))}")
+    say_no_effect(ignored)
+    return args

@@ -1,0 +1,48 @@
+"""The pipeline: what the run plan (run_plan.py) is built from, read once from the validated flags."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from chimera_schedules import ScheduleSpec
+from chimera_schedules.ir.layout import Layout
+
+from .parallel_dims import ParallelDims
+from .schedule_request import microbatches, model_stages, resolved_schedule, schedule_request, stage_layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """``schedule``: --pipeline-schedule, or Megatron-LM's choice when it is not given. ``request``: our
+    executor's schedule as the flags ask it (the registry fills in its defaults), None for megatron-core's
+    schedules and a single stage. ``microbatches`` per iteration and pipeline replica; ``model_stages`` per
+    pipeline; ``layout``: the layers, embedding, MTP and loss each model stage holds. ``reductions``: what
+    the lowered lists post beside the stage copies' gradient reductions (passes/lowering.py's ``lower``
+    options). ``balanced_for``: the hardware profile --balance-pipeline-layout cut the layout for."""
+
+    schedule: str
+    request: ScheduleSpec | None
+    microbatches: int
+    model_stages: int
+    layout: Layout
+    reductions: dict
+    balanced_for: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, parallel: ParallelDims) -> PipelineSpec:
+        request = schedule_request(args)
+        stages = model_stages(args, request)
+        layout = stage_layout(args, stages)
+        return cls(schedule=resolved_schedule(args), request=request, microbatches=microbatches(args),
+                   model_stages=stages, layout=layout,
+                   reductions=wider_reductions(args.overlap_grad_reduce, parallel, layout),
+                   balanced_for=args.balance_pipeline_layout)
+
+
+def wider_reductions(overlap_grad_reduce: bool, parallel: ParallelDims, layout: Layout) -> dict:
+    """With --overlap-grad-reduce, each stage's routed experts' reductions where they have groups of their
+    own, and the tied word embedding's, so that they start as early as the stage copies' and the checker
+    proves them; without it nothing runs before the flush."""
+    if not overlap_grad_reduce:
+        return {}
+    return {"experts": parallel.expert_groups, "embedding_stages": layout.embedding_stages(parallel.tied_embeddings)}

@@ -1,0 +1,131 @@
+"""The flags as a pipeline request: which schedule, its options as a ScheduleSpec
+(chimera_schedules/ir/spec.py), the model stages it runs and the layers each holds.
+
+Pure functions of Megatron-LM's namespace, and cheap: validation's rules (schedule_rules.py) ask them
+while parsing, and ``PipelineSpec.from_args`` (pipeline_spec.py) asks them once more to build the
+section the run plan is made from. Nothing here writes to the namespace: --pipeline-schedule stays as
+given, and ``resolved_schedule`` says what it resolves to.
+"""
+from __future__ import annotations
+
+from chimera_schedules import ScheduleSpec
+from chimera_schedules.ir import layout as layouts
+from chimera_schedules.ir.layout import Layout
+from chimera_schedules.ir.spec import OPTION, SHARED
+from chimera_schedules.registry import REGISTRY
+
+MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
+INTERLEAVED = ("interleaved", "megatron-interleaved")  # megatron's round-robin placement of v chunks per rank
+
+
+def resolved_schedule(args) -> str:
+    """--pipeline-schedule, or Megatron-LM's choice when it is not given: its interleaved schedule with
+    virtual stages (or a layout of more stages than PP), else its 1F1B."""
+    if args.pipeline_schedule is not None:
+        return args.pipeline_schedule
+    text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    more_stages = text is not None and len(layouts.parse(text).stages) > pp
+    chunks = args.num_layers_per_virtual_pipeline_stage or (args.num_virtual_stages_per_pipeline_rank or 0) > 1
+    return "megatron-interleaved" if chunks or more_stages else "megatron-1f1b"
+
+
+def microbatches(args) -> int:
+    """Micro-batches per iteration and pipeline replica: the global batch over micro-batch size x DP."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
+def given_options(args) -> dict:
+    """The schedule options the trainer takes as they are, by ScheduleSpec field; None if not given."""
+    return {field: getattr(args, flag_dest(OPTION[field].trainer)) for field in SHARED}
+
+
+def interleaved_chunks(args) -> int | None:
+    """Model chunks per rank that --num-layers-per-virtual-pipeline-stage (or, with uneven first and last
+    stages, --num-virtual-stages-per-pipeline-rank) gives, if set; under the interleaved schedules, a
+    --pipeline-model-parallel-layout's stages over PP (Megatron-LM's rule)."""
+    text, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    if text is not None and resolved_schedule(args) in INTERLEAVED:
+        return max(1, len(layouts.parse(text).stages) // pp)
+    if args.num_virtual_stages_per_pipeline_rank:  # kept only with first/last counts (megatron_namespace.py)
+        return args.num_virtual_stages_per_pipeline_rank
+    v = args.num_layers_per_virtual_pipeline_stage
+    return args.num_layers // (args.pipeline_model_parallel_size * v) if v else None
+
+
+def schedule_request(args) -> ScheduleSpec | None:
+    """The request our executor's schedule is built from, as the flags give it (the registry checks it
+    and fills in its defaults); None for megatron-core's schedules and for a single stage."""
+    name = resolved_schedule(args)
+    if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
+        return None
+    options = given_options(args)
+    if args.overlap_moe_expert_parallel_comm and not halves_fit(args):
+        options["halves"] = False  # pairs only (docs/moe.md): a micro-batch that does not split exactly
+    virtual = interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None
+    return ScheduleSpec(name, args.pipeline_model_parallel_size, microbatches(args), virtual_stages=virtual,
+                        overlap=args.overlap_moe_expert_parallel_comm or None, **options)
+
+
+def halves_fit(args) -> bool:
+    """Whether the micro-batches the schedule runs split into two halves along the batch, exactly: an
+    even size (--micro-batch-size, halved again under --chimera-concat halving), and router statistics
+    that two halves reproduce (``whole_batch_statistics``)."""
+    size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
+    return size >= 2 and size % 2 == 0 and not whole_batch_statistics(args)
+
+
+def whole_batch_statistics(args) -> list[str]:
+    """The flags whose router statistics are computed from a whole micro-batch's tokens together, which
+    two halves cannot reproduce: --moe-router-load-balancing-type aux_loss or global_aux_loss (with a
+    coefficient) and sinkhorn (which routes each token by all the others), and
+    --moe-expert-capacity-factor (a capacity of the whole micro-batch's). Means over tokens or sequences
+    (z-loss, seq_aux_loss) and token counts (expert bias) are the whole's from its halves
+    (model/schedule_plan.py)."""
+    kinds = args.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    coeffs = args.moe_aux_loss_coeff
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
+    whole = [f"--moe-router-load-balancing-type {kind}" for kind, coeff in zip(kinds, coeffs)
+             if kind == "sinkhorn" or kind in ("aux_loss", "global_aux_loss") and coeff]
+    return whole + (["--moe-expert-capacity-factor"] if args.moe_expert_capacity_factor is not None else [])
+
+
+def model_stages(args, request: ScheduleSpec | None) -> int:
+    """Model stages per pipeline: PP times the stages per worker and pipeline that the registry gives
+    the schedule (megatron-core's interleaved one: its chunks per rank). Known before the request is
+    checked, so a --num-layers that does not divide is named first."""
+    pp = args.pipeline_model_parallel_size
+    if request is not None:
+        return pp * REGISTRY[request.schedule].virtual_stages(request)
+    return pp * (interleaved_chunks(args) or 1) if resolved_schedule(args) == "megatron-interleaved" else pp
+
+
+def stage_layout(args, stages: int) -> Layout:
+    """The layers each of the ``stages`` model stages holds, as Megatron-LM's five layout flags ask
+    (checked: ConfigError naming the flag). Under the interleaved schedules the first and last layer
+    counts are a pipeline rank's, spread over its chunks, as in megatron-core."""
+    per_rank = stages // args.pipeline_model_parallel_size if resolved_schedule(args) in INTERLEAVED else 1
+    return layouts.from_flags(args.num_layers, stages, args.mtp_num_layers or 0, args.pipeline_model_parallel_layout,
+                              args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                              args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+                              per_rank)
+
+
+def flag_dest(flag: str) -> str:
+    """The namespace attribute argparse stores ``flag`` in."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def schedule_flags(spec: ScheduleSpec, num_layers: int) -> list[str]:
+    """The flags that make the trainer build ``spec`` for a model of ``num_layers``, given a global batch
+    that gives its micro-batches (the benchmark runs the registry's variants with these)."""
+    out = ["--pipeline-model-parallel-size", str(spec.depth), "--pipeline-schedule", spec.schedule]
+    if spec.virtual_stages:
+        out += [OPTION["virtual_stages"].trainer, str(num_layers // (spec.depth * spec.virtual_stages))]
+    for field in (*SHARED, "overlap"):
+        value = getattr(spec, field)
+        if isinstance(value, bool):  # a switch: its flag when the value is not its default
+            out += [OPTION[field].trainer] if value is not bool(OPTION[field].default) else []
+        elif value is not None:
+            out += [OPTION[field].trainer, str(value)]
+    return out
