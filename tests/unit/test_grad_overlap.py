@@ -61,7 +61,7 @@ def _one_member_groups(monkeypatch):
 
 def _sync(kind: str, chunks: dict, rt):
     if kind == "replica":
-        return ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=True)
+        return ReplicaGradSync(MainParams(chunks, rt, tied=False).by_chunk, rt, overlap=True)
     return ShardedMainParams(chunks, rt, tied=False, overlap_reduce=True)
 
 
@@ -92,7 +92,7 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
     """Megatron-LM's default: an R action records nothing; finish starts every copy, stage by stage."""
     rt = _Runtime(stages=(0, 1))
     chunks = {(0, 1): _chunk(1), (1, 0): _chunk(0)}  # Chimera's placement order on a worker
-    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt) if kind == "replica" else ShardedMainParams(
+    sync = ReplicaGradSync(MainParams(chunks, rt, tied=False).by_chunk, rt) if kind == "replica" else ShardedMainParams(
         chunks, rt, tied=False)
     assert sync.chunk_syncs(list(chunks.values())) is None
     sync.start(0, 1, "stage 1", "stage1")
@@ -104,7 +104,7 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
 
 def test_with_overlap_an_r_action_starts_its_reduction_at_once():
     rt = _Runtime()
-    sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}).by_chunk, rt, overlap=True)
+    sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}, rt, tied=False).by_chunk, rt, overlap=True)
     sync.start(0, 0, "stage 0", "stage0")
     assert len(rt.calls) == 1
     sync.finish()
@@ -124,7 +124,7 @@ def _chimera_worker(kind: str, overlap: bool):
     embedding on both stages, both copies' backwards done; its GradSync and runtime."""
     rt = _Runtime(stages=(0, 1), embedding_group="embedding", experts=True)
     chunks = {(0, 1): _moe_chunk(1), (1, 0): _moe_chunk(0)}
-    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=overlap) if kind == "replica" else \
+    sync = ReplicaGradSync(MainParams(chunks, rt, tied=True).by_chunk, rt, overlap=overlap) if kind == "replica" else \
         ShardedMainParams(chunks, rt, tied=True, overlap_reduce=overlap)
     for i, chunk in enumerate(chunks.values()):
         _backward(chunk, i)
