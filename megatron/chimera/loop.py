@@ -114,10 +114,10 @@ class Trainer:
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        data = job.data
+        data, exits = job.data, job.train.exit
         train, valid = build_datasets(data, build_tokenizer(data.tokenizer, job.megatron_args), *dataset_sizes(data))
-        self.train_data = MicrobatchSource(train, data, plan, self.rt.dp_rank)
-        self.valid_data = MicrobatchSource(valid, data, plan, self.rt.dp_rank)
+        reading = (data, plan, self.rt.dp_rank, device.type == "cuda", exits.signal if exits.signal_handler else None)
+        self.train_data, self.valid_data = MicrobatchSource(train, *reading), MicrobatchSource(valid, *reading)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
         # NCCL, or its emulation: from here a group or pair the warm-up missed fails at once, naming it. Last,
@@ -144,6 +144,8 @@ class Trainer:
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
         self.main.flush()
+        self.train_data.close()
+        self.valid_data.close()
         if self.transport is not None:
             self.transport.p2p.close()
             self.transport = None

@@ -73,6 +73,8 @@ class DataSpec:
     eval_interval: int | None
     tokenizer: TokenizerSpec
     fim: FimSpec | None  # --fim-data: fill-in-the-middle samples
+    num_workers: int  # --num-workers: the DataLoader's worker processes
+    dataloader_type: str  # --dataloader-type: single (in order) or cyclic (shuffled)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataSpec:
@@ -80,4 +82,4 @@ class DataSpec:
                    args.data_cache_path, args.mmap_bin_files, args.seq_length, args.reset_position_ids,
                    args.eod_mask_loss, args.seed, args.global_batch_size, args.micro_batch_size,
                    args.data_parallel_size, args.train_iters, args.eval_iters, args.eval_interval,
-                   TokenizerSpec.from_args(args), FimSpec.from_args(args))
+                   TokenizerSpec.from_args(args), FimSpec.from_args(args), args.num_workers, args.dataloader_type)

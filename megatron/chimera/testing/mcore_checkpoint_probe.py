@@ -55,11 +55,12 @@ def gpt_model(args):
 def batch_loss(model, args, index: int) -> float:
     data = DataSpec.from_args(args)
     train, _ = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
-    source = MicrobatchSource(train, data, make_run_plan(args), dp_rank=0)
+    source = MicrobatchSource(train, data, make_run_plan(args), dp_rank=0, pinned=False, exit_signal=None)
+    steps = source.global_batch(index)
     total = count = 0.0
     model.eval()
     for mb in range(args.num_microbatches):
-        b = source.batch(index, mb, torch.device("cpu"))
+        b = source.microbatch(steps, mb)
         losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
         total += float((losses.double() * b["loss_mask"]).sum())
         count += float(b["loss_mask"].sum())
