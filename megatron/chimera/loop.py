@@ -133,8 +133,7 @@ class Trainer:
         self.chunks = {key: build_chunk(model, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in self.held]
-        self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
-        self.main, self.sync = build_main(self.chunks, rt, spec, self.tied)
+        self.main, self.sync = build_main(self.chunks, rt, spec)
         precision = self.job.train.precision
         self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func

@@ -7,7 +7,7 @@ import torch
 
 from megatron.chimera.model.chunk import TIED_NAME
 from megatron.chimera.optim.distributed_optimizer import ShardedMainParams
-from megatron.chimera.optim.gradients import ReplicaGradSync, weighted_square_sum
+from megatron.chimera.optim.gradients import ReplicaGradSync, clip_, weighted_square_sum
 from megatron.chimera.optim.precision import MainParams
 
 
@@ -191,3 +191,19 @@ def test_the_norm_of_large_cpu_gradients_stays_within_fp32_rounding_of_fp64():
     got = weighted_square_sum(grads, weights, torch.device("cpu"))
     assert got.dtype == torch.float64
     assert abs(got - expected) / expected < 1e-6
+
+
+def test_clipping_is_torchs_with_our_norm_and_rounds_as_before():
+    """clip_ scales each gradient by max_norm / (norm + 1e-6), that coefficient rounded from the fp64 division
+    to fp32 as a Python float multiplier was (bit for bit), and only when it is below 1."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 3000, 1)]
+    for trial in range(50):
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        before = [p.grad.clone() for p in params]
+        norm, max_norm = float(torch.rand(()) * 3), float(torch.rand(()) * 2)
+        clip_(params, max_norm, norm)
+        coefficient = max_norm / (norm + 1e-6)
+        expected = [g * coefficient if coefficient < 1.0 else g for g in before]
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected)), f"trial {trial}: {norm}, {max_norm}"

@@ -329,4 +329,5 @@ def clip_(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> Non
     the norm stays ours, summed over every rank and counting each logical parameter once, where torch's
     clip_grad_norm_ would norm this rank's gradients only. Passed as an fp64 tensor, so that torch's clip
     coefficient rounds as the Python float did."""
-    clip_grads_with_norm_(params, max_norm, torch.tensor(norm, dtype=torch.float64))
+    if norm + 1e-6 > max_norm:  # torch scales by 1 otherwise (sparing a host sync: the norm is on the host here)
+        clip_grads_with_norm_(params, max_norm, torch.tensor(norm, dtype=torch.float64))

@@ -78,10 +78,10 @@ class MainWeights(Protocol):
         """(main parameters, gradients) in bytes, for the model-state line."""
 
 
-def build_main(chunks: dict, rt, spec: OptimizerSpec, tied: bool) -> tuple[MainWeights, GradSync]:
+def build_main(chunks: dict, rt, spec: OptimizerSpec) -> tuple[MainWeights, GradSync]:
     """The main weights of this rank's ``chunks`` (``{(pipeline, stage): chunk}``) that ``spec`` asks for, and the
-    gradient sync our executor and megatron-core's schedules start reductions through. ``tied``: the word
-    embedding has copies on several stages."""
+    gradient sync our executor and megatron-core's schedules start reductions through."""
+    tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
     if spec.name == "muon":
         mark_parameters(list(chunks.values()))
     if spec.layer_wise:
