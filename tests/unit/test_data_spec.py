@@ -2,6 +2,7 @@
 all the data code reads (the tokenizer type and padded vocabulary are decided by validation, not by it)."""
 import dataclasses
 import os
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -77,6 +78,28 @@ def test_num_workers_reads_the_samples_in_dataloader_workers(workers, in_workers
     source = _source(["--num-workers", workers], 0)
     readers = {pid for i in range(3) for b in source.global_batch(i) for pid in b["reader"].view(-1).tolist()}
     assert (os.getpid() not in readers) == in_workers, f"--num-workers {workers}: read by {readers}, here {os.getpid()}"
+    source.close()
+
+
+class _Signalled(_Numbered):
+    """Each read in a worker signals the worker itself, as Slurm signals every process of a job it preempts."""
+
+    def __init__(self):
+        self.parent = os.getpid()
+
+    def __getitem__(self, i: int) -> dict:
+        if os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(i)
+
+
+def test_with_the_exit_signal_handler_workers_survive_the_signal():
+    """--exit-signal-handler: the workers record --exit-signal (Megatron-LM's worker_init_fn), so the training
+    process, which saves and stops, still gets its samples."""
+    data = DataSpec.from_args(parse_args(MODEL + ["--num-workers", "1"], world_size=2))
+    source = MicrobatchSource(_Signalled(), data, SimpleNamespace(microbatch_scale=1.0), 0, pinned=False,
+                              exit_signal=signal.SIGTERM)
+    assert [b["tokens"].view(-1).tolist() for b in source.global_batch(1)] == [[8, 9], [12, 13]]
     source.close()
 
 
