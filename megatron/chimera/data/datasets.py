@@ -58,7 +58,8 @@ def build_datasets(data: DataSpec, tokenizer, train_samples: int, valid_samples:
 
 def _fim_config(fim: FimSpec, common: dict) -> GPTFIMDatasetConfig:
     """pretrain_gpt.py's FIM config. GPTFIMDataset draws its permutations from one random stream per process
-    in the order samples are read: unlike the rest, they depend on the layout and restart on resume."""
+    (each DataLoader worker a copy of it) in the order samples are read: unlike the rest, they depend on the
+    layout and --num-workers, and restart on resume."""
     return GPTFIMDatasetConfig(**common, fim_rate=fim.rate, fim_spm_rate=fim.spm_rate,
                                fim_extra_tokens=fim.extra_tokens(), fim_split_sample=fim.split_sample,
                                fim_fragment_rate=fim.fragment_rate, fim_no_prefix=fim.no_prefix)
@@ -115,8 +116,8 @@ class MicrobatchSource:
         return cyclic_iter(loader) if data.dataloader_type == "cyclic" else iter(loader)
 
     def close(self) -> None:
-        """Stop the workers (they stop too when the source is dropped)."""
-        self.stream = None
+        """Stop the workers (they stop too when the source is dropped); a later read starts a new loader."""
+        self.stream, self.next_batch = None, None
 
 
 def _in_worker(exit_signal: int | None, worker_id: int) -> None:
