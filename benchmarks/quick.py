@@ -46,7 +46,7 @@ from megatron.chimera.config.schedule_request import schedule_flags
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.distributed.process_groups import init_distributed
 from megatron.chimera.model.gpt_step import forward_step
-from megatron.chimera.observability.startup import model_state_bytes
+from megatron.chimera.optim.optimizer import model_state_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,8 @@ def _measure_case(flags, cfg):
     # every rank's numbers to rank 0
     mine = {**measured, "saved": {f"{k[0]},{k[1]},{k[2]}": v for k, v in timing.saved_bytes.items()},
             "weights": sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters()),
-            "model_state": sum(model_state_bytes(trainer).values()), "schedule": trainer.plan.schedule}
+            "model_state": sum(model_state_bytes(trainer.models, trainer.main, trainer.optimizer)),
+            "schedule": trainer.plan.schedule}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()  # idle gloo groups poll: leaked ones would slow every later case

@@ -50,7 +50,7 @@ from .model.chunk import build_chunk, uses_transformer_engine
 from .model.moe import auxiliary_loss_fields, fresh_metrics, mtp_loss_fields, scale_auxiliary_losses, update_expert_bias
 from .observability.hooks import Hooks
 from .observability.housekeeping import Housekeeping
-from .observability.series import Writers, params_norm, set_logging_level, validation_ppl
+from .observability.series import Writers, set_logging_level, validation_ppl
 from .observability.startup import (
     print_building,
     print_global_aux_loss,
@@ -61,56 +61,11 @@ from .observability.startup import (
     print_warm_up,
 )
 from .observability.timing import ITERATION, SETUP, make_timers, print_times
-from .optim.adam import adam_state, build_adamw
-from .optim.distributed_optimizer import ShardedMainParams
-from .optim.gradients import ReplicaGradSync
-from .optim.layer_wise import LayerWiseMainParams
-from .optim.muon import build_muon, mark_parameters, steps_with_muon
-from .optim.precision import LossScaler, MainParams, scaled_loss
+from .optim.main import build_main
+from .optim.muon import steps_with_muon
+from .optim.optimizer import build_optimizer, model_state_bytes
+from .optim.precision import LossScaler, scaled_loss
 from .schedule_runner import runner
-
-
-def _param_groups(params, optimizer: OptimizerSpec):
-    """Megatron's rules: no weight decay on biases and norms (the 1-D parameters), but on the query and key
-    norms with --apply-wd-to-qk-layernorm; with --decoupled-lr, the input embedding and output layer follow
-    their own LR schedule. A piece of a parameter (the distributed optimizer's) follows the rules of the
-    parameter it is cut from."""
-    decoupled = optimizer.decoupled_lr is not None
-    groups = {}
-    for p in params:
-        source = getattr(p, "source", p)
-        own_lr = decoupled and getattr(source, "is_embedding_or_output_parameter", False)
-        groups.setdefault((_decays(source, optimizer), own_lr), []).append(p)
-    out = []
-    for (decays, own_lr), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
-        group = {"params": members, "wd_mult": 1.0 if decays else 0.0}
-        if own_lr:
-            group.update(max_lr=optimizer.decoupled_lr, min_lr=optimizer.decoupled_min_lr)
-        out.append(group)
-    return out
-
-
-def _decays(param, optimizer: OptimizerSpec) -> bool:
-    """megatron-core's standard weight-decay rule (get_standard_config_overrides), on the global name."""
-    qk_norm = "q_layernorm." in param.global_name or "k_layernorm." in param.global_name
-    return param.dim() > 1 or (optimizer.apply_wd_to_qk_layernorm and qk_norm)
-
-
-def _allocate_state(optimizer) -> None:
-    """AdamW's state as its first step would create it (zero moments, step 0), allocated now so the
-    model-state line counts real tensors; for the parameters Muon steps, Muon has allocated its own."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p not in optimizer.state:
-                optimizer.state[p] = adam_state(optimizer, p, 0, torch.zeros_like(p), torch.zeros_like(p))
-
-
-def _build_optimizer(params, spec: OptimizerSpec, device, chunks):
-    """AdamW (optim/adam.py), or with --optimizer muon Muon and AdamW (optim/muon.py), its state allocated."""
-    groups = _param_groups(params, spec)
-    optimizer = build_muon(groups, spec, device, chunks) if spec.name == "muon" else build_adamw(groups, spec, device)
-    _allocate_state(optimizer)
-    return optimizer
 
 
 def _scheduler(spec: OptimizerSpec, optimizer):
@@ -162,9 +117,10 @@ class Trainer:
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+        exits = job.train.exit
         train, valid = build_datasets(data, build_tokenizer(data.tokenizer, job.megatron_args), *dataset_sizes(data))
-        self.train_data = MicrobatchSource(train, data, plan, self.rt.dp_rank)
-        self.valid_data = MicrobatchSource(valid, data, plan, self.rt.dp_rank)
+        reading = (data, plan, self.rt.dp_rank, device.type == "cuda", exits.signal if exits.signal_handler else None)
+        self.train_data, self.valid_data = MicrobatchSource(train, *reading), MicrobatchSource(valid, *reading)
         self.timers("train/valid/test-data-iterators-setup").stop()
         print_datetime("after dataloaders are built")
         # NCCL, or its emulation: from here a group or pair the warm-up missed fails at once, naming it. Last,
@@ -180,27 +136,18 @@ class Trainer:
         self.chunks = {key: build_chunk(model, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)
         self.models = [self.chunks[key] for key in self.held]
-        self.tied = len(rt.embedding_stages) > 1  # the word embedding has copies on several stages
-        if spec.name == "muon":
-            mark_parameters(self.models)
-        if spec.layer_wise:
-            self.main = LayerWiseMainParams(self.chunks, rt)
-            self.sync = ReplicaGradSync(self.main.by_chunk, rt, spec.overlap_grad_reduce)
-        elif spec.distributed:
-            self.main = self.sync = ShardedMainParams(self.chunks, rt, self.tied, spec.overlap_grad_reduce,
-                                                      spec.overlap_param_gather)
-        else:
-            self.main = MainParams(self.chunks)
-            self.sync = ReplicaGradSync(self.main.by_chunk, rt, spec.overlap_grad_reduce)
+        self.main, self.sync = build_main(self.chunks, rt, spec)
         precision = self.job.train.precision
         self.scaler = LossScaler(precision) if precision.fp16 else None
         self.forward_step_func = scaled_loss(forward_step_func, self.scaler) if self.scaler else forward_step_func
-        self.optimizer = _build_optimizer(self.main.stepped(), spec, device, self.models)
+        self.optimizer = build_optimizer(self.main, spec, device, self.models)
         self.scheduler = _scheduler(spec, self.optimizer)
 
     def close(self) -> None:
         """Free the process groups and communication threads, for a process that builds more trainers."""
         self.main.flush()
+        self.train_data.close()
+        self.valid_data.close()
         if self.transport is not None:
             self.transport.p2p.close()
             self.transport = None
@@ -266,7 +213,7 @@ class Trainer:
         series = self.job.log.series
         return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
                 "nan": self._nan_iteration(loss, finite, steps), "moe": moe, "num zeros": zeros,
-                "params norm": params_norm(self) if series.params_norm else None}
+                "params norm": self.main.params_norm() if series.params_norm else None}
 
     def _nan_iteration(self, loss: float, finite: bool, steps: bool) -> bool:
         """With the NaN check (Megatron-LM's default): a NaN/Inf loss, or gradient norm without a loss scaler
@@ -292,7 +239,7 @@ class Trainer:
         timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
             self.main.unscale(self.scaler.scale)
-        return loss, self.main.grad_norm(self.rt, self.tied)
+        return loss, self.main.grad_norm()
 
     def _divide_gradients(self, divisor: float) -> None:
         for p in self.main.all():
@@ -309,7 +256,7 @@ class Trainer:
         zeros = None
         if steps and self.job.log.series.num_zeros_in_grad:
             timers("optimizer-count-zeros", log_level=1).start(barrier=self.job.log.barrier_with_l1_time)
-            zeros = self.main.zeros(self.rt, self.tied)
+            zeros = self.main.zeros()
             timers("optimizer-count-zeros").stop()
         timers("optimizer-inner-step", log_level=1).start()
         if self.scaler:
@@ -409,7 +356,7 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     exit_policy = _ExitPolicy(job.train.exit)
     trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step_func, hooks)
     first = _resume(trainer)
-    print_model_state(trainer, log.memory_per_rank)
+    print_model_state(model_state_bytes(trainer.models, trainer.main, trainer.optimizer), log.memory_per_rank)
     board = Writers(log, vars(job.megatron_args))
     if first >= data.train_iters:  # a requeued or chained job after the run's end: write nothing
         print_rank_last(f" training already complete at iteration {first} (--train-iters {data.train_iters}):"

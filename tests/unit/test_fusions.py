@@ -224,7 +224,7 @@ def _main_gradients(args, fused: bool, distributed: bool, monkeypatch, watch=Non
     if distributed:
         main = sync = ShardedMainParams(chunks, rt, tied, overlap)
     else:
-        main = MainParams(chunks)
+        main = MainParams(chunks, rt, tied)
         sync = ReplicaGradSync(main.by_chunk, rt, overlap)
     main.zero_grad(torch.optim.SGD(main.all(), lr=0.0))
     if watch is not None:
@@ -311,7 +311,7 @@ def test_fp32_main_parameters_under_the_fusion_are_the_models_storage():
     line counts no main weights."""
     model = torch.nn.Linear(3, 2)
     model.config = types.SimpleNamespace(gradient_accumulation_fusion=True)
-    main = MainParams({(0, 0): model})
+    main = MainParams({(0, 0): model}, rt=None, tied=False)  # no norms here
     assert [m.data_ptr() for m in main.all()] == [p.data_ptr() for p in model.parameters()], "main weights copied"
     assert all(m is not p for m, p in zip(main.all(), model.parameters())) and not main.half
     assert main.state_bytes() == (0, 4 * 8), main.state_bytes()

@@ -7,7 +7,7 @@ import torch
 
 from megatron.chimera.model.parameter_names import TIED_NAME
 from megatron.chimera.optim.distributed_optimizer import ShardedMainParams
-from megatron.chimera.optim.gradients import ReplicaGradSync, weighted_square_sum
+from megatron.chimera.optim.gradients import ReplicaGradSync, clip_, weighted_square_sum
 from megatron.chimera.optim.precision import MainParams
 
 
@@ -61,7 +61,7 @@ def _one_member_groups(monkeypatch):
 
 def _sync(kind: str, chunks: dict, rt):
     if kind == "replica":
-        return ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=True)
+        return ReplicaGradSync(MainParams(chunks, rt, tied=False).by_chunk, rt, overlap=True)
     return ShardedMainParams(chunks, rt, tied=False, overlap_reduce=True)
 
 
@@ -92,7 +92,7 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
     """Megatron-LM's default: an R action records nothing; finish starts every copy, stage by stage."""
     rt = _Runtime(stages=(0, 1))
     chunks = {(0, 1): _chunk(1), (1, 0): _chunk(0)}  # Chimera's placement order on a worker
-    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt) if kind == "replica" else ShardedMainParams(
+    sync = ReplicaGradSync(MainParams(chunks, rt, tied=False).by_chunk, rt) if kind == "replica" else ShardedMainParams(
         chunks, rt, tied=False)
     assert sync.chunk_syncs(list(chunks.values())) is None
     sync.start(0, 1, "stage 1", "stage1")
@@ -104,7 +104,7 @@ def test_without_overlap_every_reduction_starts_after_the_schedule_in_stage_orde
 
 def test_with_overlap_an_r_action_starts_its_reduction_at_once():
     rt = _Runtime()
-    sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}).by_chunk, rt, overlap=True)
+    sync = ReplicaGradSync(MainParams({(0, 0): _chunk(0)}, rt, tied=False).by_chunk, rt, overlap=True)
     sync.start(0, 0, "stage 0", "stage0")
     assert len(rt.calls) == 1
     sync.finish()
@@ -124,7 +124,7 @@ def _chimera_worker(kind: str, overlap: bool):
     embedding on both stages, both copies' backwards done; its GradSync and runtime."""
     rt = _Runtime(stages=(0, 1), embedding_group="embedding", experts=True)
     chunks = {(0, 1): _moe_chunk(1), (1, 0): _moe_chunk(0)}
-    sync = ReplicaGradSync(MainParams(chunks).by_chunk, rt, overlap=overlap) if kind == "replica" else \
+    sync = ReplicaGradSync(MainParams(chunks, rt, tied=True).by_chunk, rt, overlap=overlap) if kind == "replica" else \
         ShardedMainParams(chunks, rt, tied=True, overlap_reduce=overlap)
     for i, chunk in enumerate(chunks.values()):
         _backward(chunk, i)
@@ -191,3 +191,19 @@ def test_the_norm_of_large_cpu_gradients_stays_within_fp32_rounding_of_fp64():
     got = weighted_square_sum(grads, weights, torch.device("cpu"))
     assert got.dtype == torch.float64
     assert abs(got - expected) / expected < 1e-6
+
+
+def test_clipping_is_torchs_with_our_norm_and_rounds_as_before():
+    """clip_ scales each gradient by max_norm / (norm + 1e-6), that coefficient rounded from the fp64 division
+    to fp32 as a Python float multiplier was (bit for bit), and only when it is below 1."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 3000, 1)]
+    for trial in range(50):
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        before = [p.grad.clone() for p in params]
+        norm, max_norm = float(torch.rand(()) * 3), float(torch.rand(()) * 2)
+        clip_(params, max_norm, norm)
+        coefficient = max_norm / (norm + 1e-6)
+        expected = [g * coefficient if coefficient < 1.0 else g for g in before]
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected)), f"trial {trial}: {norm}, {max_norm}"

@@ -14,7 +14,6 @@ from megatron.training.training import num_floating_point_operations
 from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.model_spec import ModelSpec
 from megatron.chimera.config.train_spec import TrainSpec
-from megatron.chimera.loop import _param_groups
 from megatron.chimera.model import chunk
 from megatron.chimera.model.chunk import (
     _layer_spec,
@@ -23,8 +22,10 @@ from megatron.chimera.model.chunk import (
     mark_tensor_parallel_sums,
     transformer_config,
 )
+from megatron.chimera.optim.optimizer import param_groups
 from megatron.chimera.testing.cases import process_state_kept
 from megatron.chimera.testing.equivalence import VARIANTS
+from megatron.chimera.testing.one_step import one_process_trainer
 from megatron.chimera.testing.plans import plan_of
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
@@ -227,24 +228,55 @@ def test_te_rng_tracker_reaches_the_seeding():
     assert not TrainSpec.from_args(parse_args(BASE)).te_rng_tracker
 
 
+def _layer(names: dict[str, int]) -> torch.nn.Module:
+    """A module holding a parameter of ``dims`` dimensions under each name of layer 0."""
+    root = torch.nn.Module()
+    for name, dims in names.items():
+        *path, leaf = ("decoder.layers.0." + name).split(".")
+        module = root
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, torch.nn.Module())
+            module = module._modules[part]
+        module.register_parameter(leaf, torch.nn.Parameter(torch.ones([2] * dims)))
+    return root
+
+
 @pytest.mark.parametrize("flags", [["--apply-wd-to-qk-layernorm"], ["--no-weight-decay-cond-type",
                                                                       "apply_wd_to_qk_layernorm"]])
-def test_weight_decay_on_the_query_and_key_norms_is_megatron_cores_rule(flags):
+def test_weight_decay_on_the_query_and_key_norms_is_megatron_cores_rule(one_process_group, flags):
     """Megatron's rule: no weight decay on 1-D parameters (norms, biases), but on the query and key norms with
     --apply-wd-to-qk-layernorm (or its deprecated spelling)."""
-    names = {"self_attention.q_layernorm.weight": 1, "self_attention.k_layernorm.bias": 1,
-             "input_layernorm.weight": 1, "self_attention.linear_qkv.weight": 2}
-    params = []
-    for name, dims in names.items():
-        params.append(torch.nn.Parameter(torch.ones([2] * dims)))
-        params[-1].global_name = "decoder.layers.0." + name
+    layer = _layer({"self_attention.q_layernorm.weight": 1, "self_attention.k_layernorm.bias": 1,
+                    "input_layernorm.weight": 1, "self_attention.linear_qkv.weight": 2})
+    named = {id(p): name for name, p in layer.named_parameters()}
 
     def decayed(argv):
-        groups = _param_groups(params, TrainSpec.from_args(parse_args(BASE + argv)).optimizer)
-        return {p.global_name.split(".")[-2] for g in groups if g["wd_mult"] for p in g["params"]}
+        groups = param_groups([layer], [(p, p) for p in layer.parameters()],
+                              TrainSpec.from_args(parse_args(BASE + argv)).optimizer)
+        return {named[id(p)].split(".")[-2] for g in groups if g["wd_mult"] for p in g["params"]}
 
     assert decayed([]) == {"linear_qkv"}
     assert decayed(flags) == {"linear_qkv", "q_layernorm", "k_layernorm"}
+
+
+@pytest.mark.parametrize("distributed", [[], ["--use-distributed-optimizer", "--bf16"]])
+def test_parameter_groups_follow_the_model_parameters_the_main_weights_stand_for(one_process_group, distributed):
+    """Each main parameter (an fp32 copy, a piece of the distributed optimizer) in its model parameter's group:
+    weight decay on the matrices only; --decoupled-lr's schedule for the embedding and output layer only, the
+    others on the scheduler's own --lr and --min-lr (so that a loaded schedule applies to them)."""
+    flags = BASE + distributed + ["--untie-embeddings-and-output-weights", "--decoupled-lr", "5e-4",
+                                  "--eval-iters", "0"]
+    with one_process_trainer(flags) as t:
+        for group in t.optimizer.param_groups:
+            for model, main in t.main.stepped():
+                if any(main is p for p in group["params"]):
+                    own = getattr(model, "is_embedding_or_output_parameter", False)
+                    assert group["wd_mult"] == (1.0 if model.dim() > 1 else 0.0), f"{model.global_name}: weight decay"
+                    assert group.get("max_lr") == (5e-4 if own else None), f"{model.global_name}: {group.get('max_lr')}"
+                    assert group.get("min_lr") == (0.0 if own else None), f"{model.global_name}: {group.get('min_lr')}"
+        stepped = sum(len(g["params"]) for g in t.optimizer.param_groups)
+        assert stepped == len(t.main.stepped()), "a main parameter in no group, or in two"
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -109,7 +109,8 @@ def test_the_attention_sink_is_an_ordinary_parameter_of_its_stage(one_process_gr
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in stage1.decoder.layers]
     assert windows == [(4, 0), None]
     # megatron-core's checkpoint key (its head axis split over TP), the layers stacked over the whole model
-    saved = ModelChunks.of({(0, 1): stage1}, [(0, 1)], plan.layout, MainParams({(0, 1): stage1})).sharded_state_dict()
+    main = MainParams({(0, 1): stage1}, rt=None, tied=False)
+    saved = ModelChunks.of({(0, 1): stage1}, [(0, 1)], plan.layout, main).sharded_state_dict()
     saved = saved["model0"]
     for i, name in enumerate(sinks):
         item = saved[name]

@@ -79,6 +79,8 @@ class DataSpec:
     eval_interval: int | None
     tokenizer: TokenizerSpec
     fim: FimSpec | None  # --fim-data: fill-in-the-middle samples
+    num_workers: int  # --num-workers: the DataLoader's worker processes
+    dataloader_type: str  # --dataloader-type: single (in order) or cyclic (shuffled)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataSpec:
@@ -88,4 +90,5 @@ class DataSpec:
                    eod_mask_loss=args.eod_mask_loss, seed=args.seed, global_batch_size=args.global_batch_size,
                    micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
                    train_iters=args.train_iters, eval_iters=args.eval_iters, eval_interval=args.eval_interval,
-                   tokenizer=TokenizerSpec.from_args(args), fim=FimSpec.from_args(args))
+                   tokenizer=TokenizerSpec.from_args(args), fim=FimSpec.from_args(args),
+                   num_workers=args.num_workers, dataloader_type=args.dataloader_type)

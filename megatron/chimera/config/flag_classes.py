@@ -49,7 +49,7 @@ HONOURED = _flags("""
     --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec
     --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
     --eval-iters
-    --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length
+    --eval-interval --data-path --split --data-cache-path --no-mmap-bin-files --mock-data --seq-length --num-workers
     --reset-position-ids --eod-mask-loss --vocab-size --vocab-file --merge-file --tokenizer-type
     --tokenizer-model --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
     --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
@@ -117,9 +117,6 @@ NO_EFFECT = {
     """),
     "torchrun's LOCAL_RANK picks the device": _flags("""
         --local-rank
-    """),
-    'samples are read in the training process, without DataLoader workers': _flags("""
-        --num-workers
     """),
     'no attention mask is built: attention is causal': _flags("""
         --no-create-attention-mask-in-dataloader
@@ -487,7 +484,7 @@ VALUES = {
     "--moe-token-dispatcher-type": ("allgather", "alltoall"),
     "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
     "--moe-router-score-function": ("softmax", "sigmoid"),
-    "--dataloader-type": (None, "single"),
+    "--dataloader-type": (None, "single", "cyclic"),
     "--transformer-impl": ("transformer_engine", "local"),
     "--ckpt-format": ("torch_dist", "torch"),
     # return_*: megatron-core's load returns the mismatched keys beside the state, which Megatron-LM's loader

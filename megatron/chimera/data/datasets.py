@@ -1,18 +1,25 @@
 """Data for one iteration, identical for every layout.
 
-Iteration i uses samples [i G, (i+1) G) of the dataset (G = global batch). As in Megatron's
-sampler, the k-th micro-batch step of data-parallel rank d takes samples (k W + d) mbs ... + mbs.
+Iteration i uses samples [i G, (i+1) G) of the dataset (G = global batch): Megatron-LM's sampler from
+consumed_samples i G gives the k-th micro-batch step of data-parallel rank d samples i G + (k W + d) mbs ...
++ mbs (with --dataloader-type cyclic, those positions of its shuffle, in buckets of the data-parallel ranks).
 A schedule's micro-batch m maps to step m; with backward halving (``microbatch_scale`` 0.5) IR
 micro-batch m is half h = m % 2 of step m // 2. Each chunk that needs data (first or last stage)
 gets an iterator over its micro-batches in the order its schedule runs their forwards.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+from megatron.training.dist_signal_handler import DistributedSignalHandler
+from megatron.training.training import cyclic_iter
+from torch.utils.data import DataLoader
 
 from ..config.data_spec import DataSpec, FimSpec
 
@@ -51,44 +58,81 @@ def build_datasets(data: DataSpec, tokenizer, train_samples: int, valid_samples:
 
 def _fim_config(fim: FimSpec, common: dict) -> GPTFIMDatasetConfig:
     """pretrain_gpt.py's FIM config. GPTFIMDataset draws its permutations from one random stream per process
-    in the order samples are read: unlike the rest, they depend on the layout and restart on resume."""
+    (each DataLoader worker a copy of it) in the order samples are read: unlike the rest, they depend on the
+    layout and --num-workers, and restart on resume."""
     return GPTFIMDatasetConfig(**common, fim_rate=fim.rate, fim_spm_rate=fim.spm_rate,
                                fim_extra_tokens=fim.extra_tokens(), fim_split_sample=fim.split_sample,
                                fim_fragment_rate=fim.fragment_rate, fim_no_prefix=fim.no_prefix)
 
 
 class MicrobatchSource:
-    """Turns (iteration, micro-batch) into the right samples of a dataset for this data-parallel rank."""
+    """This data-parallel rank's micro-batches of a dataset, read as Megatron-LM reads them: its pretraining
+    sampler (--dataloader-type single: in order; cyclic: shuffled per epoch) under a torch DataLoader with
+    --num-workers worker processes, pinned for a GPU. Global batch b starts at consumed_samples b G, so every
+    iteration, resumed or not, reads the samples it always reads (the module docstring says which).
+    Megatron-LM's build_pretraining_data_loader is not called: it reads Megatron-LM's global arguments, which
+    this trainer does not set, and its loader starts once, where an evaluation here may read a round again."""
 
-    def __init__(self, dataset, data: DataSpec, plan, dp_rank: int):
-        self.dataset, self.dp_rank = dataset, dp_rank
-        self.G, self.mbs, self.W = data.global_batch_size, data.micro_batch_size, data.data_parallel_size
+    def __init__(self, dataset, data: DataSpec, plan, dp_rank: int, pinned: bool, exit_signal: int | None):
+        """``pinned``: the batches go to a GPU; ``exit_signal``: the signal the workers must survive
+        (--exit-signal with --exit-signal-handler: the training process saves, then stops them)."""
+        self.dataset, self.data, self.dp_rank = dataset, data, dp_rank
+        self.pinned, self.exit_signal = pinned, exit_signal
         self.parts = int(round(1 / plan.microbatch_scale))  # halving: each micro-batch in two halves
-        self.size = self.mbs // self.parts
+        self.size = data.micro_batch_size // self.parts
+        self.steps = data.global_batch_size // (data.micro_batch_size * data.data_parallel_size)
+        self.stream, self.next_batch = None, None
 
-    def batch(self, iteration: int, mb: int, device) -> dict:
-        """One micro-batch on ``device``. On a GPU it is stacked in pinned host memory and copied without
-        blocking the host, so building it never waits for the compute stream."""
+    def global_batch(self, index: int) -> list[dict]:
+        """This rank's micro-batch steps of global batch ``index``, step k the sampler's k-th batch: read on from
+        the batch before, or by a new loader from the batch's first sample (the first read, an evaluation
+        round read again)."""
+        if index != self.next_batch:
+            self.close()
+            self.stream = self._read_from(index * self.data.global_batch_size)
+        self.next_batch = index + 1
+        return [next(self.stream) for _ in range(self.steps)]
+
+    def microbatch(self, steps: list[dict], mb: int) -> dict:
+        """The schedule's micro-batch ``mb`` of a global batch's ``steps``: step mb // parts, or with backward
+        halving its half mb % parts."""
         step, part = divmod(mb, self.parts)
-        start = iteration * self.G + (step * self.W + self.dp_rank) * self.mbs + part * self.size
-        samples = [self.dataset[i] for i in range(start, start + self.size)]
-        pinned = device.type == "cuda"
-        return {k: _stacked(samples, k, pinned).to(device, non_blocking=pinned) for k in samples[0]}
+        return {k: t[part * self.size:(part + 1) * self.size] for k, t in steps[step].items()}
+
+    def _read_from(self, consumed: int):
+        data, total = self.data, len(self.dataset)
+        if data.dataloader_type == "cyclic":  # data sharding: Megatron-LM's default (--no-data-sharding is refused)
+            sampler = MegatronPretrainingRandomSampler(self.dataset, total, consumed, data.micro_batch_size,
+                                                       self.dp_rank, data.data_parallel_size, data_sharding=True)
+        else:
+            sampler = MegatronPretrainingSampler(total, consumed, data.micro_batch_size, self.dp_rank,
+                                                 data.data_parallel_size)
+        workers = data.num_workers
+        # its own generator: the workers' base seed, drawn from torch's global one, would move the model's random
+        # stream (dropout on the CPU)
+        loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=workers, pin_memory=self.pinned,
+                            persistent_workers=workers > 0, generator=torch.Generator(),
+                            worker_init_fn=partial(_in_worker, self.exit_signal) if workers else None)
+        return cyclic_iter(loader) if data.dataloader_type == "cyclic" else iter(loader)
+
+    def close(self) -> None:
+        """Stop the workers (they stop too when the source is dropped); a later read starts a new loader."""
+        self.stream, self.next_batch = None, None
 
 
-def _stacked(samples: list[dict], key: str, pinned: bool) -> torch.Tensor:
-    stacked = torch.stack([s[key] for s in samples])
-    return stacked.pin_memory() if pinned else stacked
+def _in_worker(exit_signal: int | None, worker_id: int) -> None:
+    """Megatron-LM's worker_init_fn: the workers record --exit-signal instead of dying of it (Slurm signals every
+    process of the job). Not its closing of the GPU's file descriptors: a worker exits with its loader."""
+    if exit_signal is not None:
+        DistributedSignalHandler(exit_signal).__enter__()
 
 
 def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):
     """One iterator per chunk over its micro-batches of this iteration, all built (and on a GPU their
-    copies issued) before the schedule runs, so no forward waits for data or syncs the host; None for
-    chunks in the middle of the pipeline (they need no data, unless they hold MTP layers)."""
-    out = []
-    for order, chunk in zip(orders, chunks):
-        if chunk.pre_process or chunk.post_process or chunk.mtp_process:
-            out.append(iter([source.batch(iteration, m, device) for m in order]))
-        else:
-            out.append(None)
-    return out
+    copies issued, from the loader's pinned memory, without blocking the host) before the schedule runs, so
+    no forward waits for data or syncs the host; None for chunks in the middle of the pipeline (they need
+    no data, unless they hold MTP layers), and a rank with only those reads none."""
+    needs = [chunk.pre_process or chunk.post_process or chunk.mtp_process for chunk in chunks]
+    steps = source.global_batch(iteration) if any(needs) else None
+    return [iter([{k: t.to(device, non_blocking=True) for k, t in source.microbatch(steps, m).items()}
+                  for m in order]) if needed else None for order, needed in zip(orders, needs)]

@@ -2,7 +2,9 @@
 
 Tests inject faults through it (``megatron/chimera/testing/fault_hooks.py``) and the benchmark times iterations and
 actions with it (``benchmarks/quick.py``), so neither patches the loop and the loop holds no test
-or benchmark logic. Pass an instance to ``pretrain`` or ``Trainer``.
+or benchmark logic. Pass an instance to ``pretrain`` or ``Trainer``. Unlike the logging beside them, which
+receives the values it logs, hooks receive the trainer itself: they act on it (a fault test puts a NaN into
+a gradient, or a failing forward into a chunk).
 """
 from __future__ import annotations
 

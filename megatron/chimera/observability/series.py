@@ -2,8 +2,8 @@
 
 Each value has Megatron-LM's definition, counted over the logical model: a rank under Chimera holds two
 copies of stages (the down and the up pipeline), identical replicas, and every stage counts once, as in
-one process (the optimizer's ``weight_norm``/``zeros`` weigh each copy by 1/copies, as the gradient norm
-does). Tags, their ' vs samples' twins and the iteration-line fields follow megatron/training/training.py
+one process (the main weights' ``params_norm``/``zeros``, optim/main.py, weigh each copy by 1/copies, as the
+gradient norm does). Tags, their ' vs samples' twins and the iteration-line fields follow megatron/training/training.py
 (training_log, evaluate_and_print_results); docs/megatron.md lists them.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..config.logging_spec import LogSpec, SeriesSpec
-from ..optim.gradients import global_norm
 
 # Megatron-LM's evaluate_and_print_results caps the exponent at 20
 PPL_CAP = 20.0
@@ -32,16 +31,6 @@ def set_logging_level(spec: SeriesSpec) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             logging.getLogger(__name__).info(f"Setting logging level to {level}")
         logging.getLogger().setLevel(level)
-
-
-def params_norm(trainer) -> float:
-    """Megatron-LM's calc_params_l2_norm (collective): the fp32 main weights under bf16, the weights
-    themselves otherwise (fp32 ones, or fp16 ones normed in fp32), each stage once."""
-    if trainer.job.train.precision.fp16:
-        trainer.main.flush()  # the weights, with --overlap-param-gather, are complete after a flush
-        weights = {key: list(chunk.parameters()) for key, chunk in trainer.chunks.items()}
-        return global_norm(weights, trainer.rt, trainer.tied, of=lambda p: p.float())
-    return trainer.main.weight_norm(trainer.rt, trainer.tied)
 
 
 def validation_ppl(loss: float) -> float:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..config.model_spec import ModelSpec
 from ..config.run_plan import PROOF_MODE
 from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
+from ..optim.optimizer import ModelStateBytes
 
 
 def print_building(spec: ModelSpec, transformer_engine: bool, device_type: str) -> None:
@@ -128,25 +129,13 @@ def print_warm_up(warmed, seconds: float, rt) -> None:
 FIELDS = ("parameters", "main parameters", "gradients", "optimizer")
 
 
-def model_state_bytes(trainer) -> dict[str, int]:
-    """This rank's model state, counted from its tensors: the model's weights, fp32 main weights that
-    are copies (half precision), the fp32 gradients of an iteration, and the optimizer's state (AdamW's two
-    moments per parameter; with --optimizer muon, Muon's one momentum per matrix element)."""
-    params = sum(p.numel() * p.element_size() for m in trainer.models for p in m.parameters())
-    main, grads = trainer.main.state_bytes()
-    optimizer = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
-                    for t in s.values() if t.dim() > 0)
-    return dict(zip(FIELDS, (params, main, grads, optimizer)))
-
-
-def print_model_state(trainer, per_rank: bool) -> None:
-    """One line per rank with --log-memory-per-rank (``per_rank``); otherwise, printed once, the rank
-    with the most. Collective."""
-    mine = model_state_bytes(trainer)
+def print_model_state(mine: ModelStateBytes, per_rank: bool) -> None:
+    """This rank's model state (optim/optimizer.py counts it): one line per rank with --log-memory-per-rank
+    (``per_rank``); otherwise, printed once, the rank with the most. Collective."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    fields = lambda b: " | ".join(f"{k}: {v}" for k, v in b.items()) + f" | total: {sum(b.values())}"  # noqa: E731
+    dist.all_gather_object(everyone, tuple(mine))
+    fields = lambda b: " | ".join(f"{k}: {v}" for k, v in zip(FIELDS, b)) + f" | total: {sum(b)}"  # noqa: E731
     if per_rank:
         print(f"rank {dist.get_rank()} model state (bytes) | {fields(mine)}", flush=True)
     elif dist.get_rank() == 0:
-        print(f"max model state (bytes) | {fields(max(everyone, key=lambda b: sum(b.values())))}", flush=True)
+        print(f"max model state (bytes) | {fields(max(everyone, key=sum))}", flush=True)

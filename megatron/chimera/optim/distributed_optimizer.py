@@ -34,8 +34,8 @@ from chimera_schedules.ir.channels import EMBEDDING_GROUP, expert_group, stage_g
 
 from ..model.parameter_names import TIED_NAME
 from .adam import adam_state
-from .gradients import ChunkGradSync, chunk_syncs, is_expert, weighted_square_sum
-from .precision import unfused_gradient
+from .gradients import ChunkGradSync, chunk_syncs, clip_, is_expert, weighted_square_sum
+from .precision import half_weights_norm, unfused_gradient
 
 
 class _Bucket:
@@ -193,7 +193,8 @@ class ShardedMainParams:
     schedule without it (gradients.py says when, for every schedule)."""
 
     def __init__(self, chunks: dict, rt, tied: bool, overlap_reduce: bool = False, overlap_gather: bool = False):
-        self.rt, self.overlap_reduce, self.overlap_gather = rt, overlap_reduce, overlap_gather
+        self.chunks, self.rt, self.tied = chunks, rt, tied
+        self.overlap_reduce, self.overlap_gather = overlap_reduce, overlap_gather
         self.started: set[str] = set()
         self.watched: list[ChunkGradSync] = []
         shared = [p for c in chunks.values() for p in c.parameters() if tied and p.global_name == TIED_NAME]
@@ -227,9 +228,10 @@ class ShardedMainParams:
     def all(self) -> list[torch.nn.Parameter]:
         return [piece for b in self.buckets for piece in b.pieces]
 
-    def stepped(self) -> list[torch.nn.Parameter]:
-        """What this rank's optimizer steps: the pieces of its shards."""
-        return self.all()
+    def stepped(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """What this rank's optimizer steps, each beside the model parameter it is cut from: the pieces of its
+        shards."""
+        return [(piece.source, piece) for piece in self.all()]
 
     def _counted(self) -> list[torch.nn.Parameter]:
         """The pieces the norms sum over all ranks: every element of every logical parameter once
@@ -290,22 +292,26 @@ class ShardedMainParams:
         for bucket in self.buckets:
             bucket.grad.zero_()
 
-    def grad_norm(self, runtime, tied: bool) -> float:
-        """Each element of each logical parameter lives in one shard per optimizer instance, so the norm
-        is one sum over all ranks of the counted pieces."""
-        grads = [piece.grad for piece in self._counted()]
-        total = weighted_square_sum(grads, [1.0] * len(grads), self.rt.device)
+    def grad_norm(self) -> float:
+        return self._norm(lambda piece: piece.grad)
+
+    def params_norm(self) -> float:
+        """Megatron-LM's calc_params_l2_norm: the main weights, as ``grad_norm``; under --fp16 the fp16 weights
+        themselves, normed in fp32 once the pending gathers have landed in them."""
+        if any(piece.source.dtype == torch.float16 for piece in self.all()):
+            self.flush()
+            return half_weights_norm(self.chunks, self.rt, self.tied)
+        return self._norm(lambda piece: piece.detach())
+
+    def _norm(self, of) -> float:
+        """The L2 norm of ``of(piece)`` over the model: each element of each logical parameter lives in one
+        shard per optimizer instance, so it is one sum over all ranks of the counted pieces."""
+        tensors = [of(piece) for piece in self._counted()]
+        total = weighted_square_sum(tensors, [1.0] * len(tensors), self.rt.device)
         self.rt.all_reduce(total)
         return math.sqrt(total.item())
 
-    def weight_norm(self, runtime, tied: bool) -> float:
-        """The main weights' L2 norm, as ``grad_norm``."""
-        pieces = [piece.detach() for piece in self._counted()]
-        total = weighted_square_sum(pieces, [1.0] * len(pieces), self.rt.device)
-        self.rt.all_reduce(total)
-        return math.sqrt(total.item())
-
-    def zeros(self, runtime, tied: bool) -> int:
+    def zeros(self) -> int:
         """megatron-core's count_zeros_fp32 over the shards (its distributed optimizer's: the whole world)."""
         total = torch.zeros((), dtype=torch.int64, device=self.rt.device)
         for piece in self._counted():
@@ -314,10 +320,7 @@ class ShardedMainParams:
         return int(total.item())
 
     def clip(self, max_norm: float, norm: float) -> None:
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            for piece in self.all():
-                piece.grad.mul_(coeff)
+        clip_(self.all(), max_norm, norm)
 
     def unscale(self, scale: float) -> None:
         for piece in self.all():

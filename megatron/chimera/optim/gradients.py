@@ -24,6 +24,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.utils import clip_grads_with_norm_
 
 from chimera_schedules.ir.channels import EMBEDDING_GROUP, reduces
 
@@ -323,10 +324,10 @@ def _norm_pieces(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[
     return [piece for pieces in split for piece in pieces], [len(pieces) for pieces in split]
 
 
-def clip_(chunks: dict, max_norm: float, norm: float) -> None:
-    coeff = max_norm / (norm + 1e-6)
-    if coeff < 1.0:
-        for c in chunks.values():
-            for p in c:
-                if p.grad is not None:
-                    p.grad.mul_(coeff)
+def clip_(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
+    """torch's clip_grads_with_norm_, given the norm ``global_norm`` (or the distributed optimizer) computed:
+    the norm stays ours, summed over every rank and counting each logical parameter once, where torch's
+    clip_grad_norm_ would norm this rank's gradients only. Passed as an fp64 tensor, so that torch's clip
+    coefficient rounds as the Python float did."""
+    if norm + 1e-6 > max_norm:  # torch scales by 1 otherwise (sparing a host sync: the norm is on the host here)
+        clip_grads_with_norm_(params, max_norm, torch.tensor(norm, dtype=torch.float64))

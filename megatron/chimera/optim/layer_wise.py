@@ -24,21 +24,20 @@ from .precision import MainParams
 class LayerWiseMainParams(MainParams):
     """MainParams whose optimizer steps only the parameters this rank owns (``stepped``)."""
 
-    def __init__(self, chunks: dict, rt):
-        super().__init__(chunks)
-        self.rt, rank = rt, dist.get_rank()
+    def __init__(self, chunks: dict, rt, tied: bool):
+        super().__init__(chunks, rt, tied)
+        rank = dist.get_rank()
         self.stages = {}  # stage -> [(group, positions in a copy's parameter list, their owners)]
         for (_, stage), params in sorted(self.by_chunk.items()):
             if stage not in self.stages:
                 groups = ((rt.stage_groups.get(stage), False), (rt.expert_groups.get(stage), True))
                 parts = [(g, [i for i, p in enumerate(params) if is_expert(p) == expert]) for g, expert in groups]
                 self.stages[stage] = [(g, at, _owners([params[i] for i in at], g)) for g, at in parts if at]
-        mine = {id(params[i]) for stage, parts in self.stages.items() for params in self._copies(stage)
-                for _, at, owners in parts for i, owner in zip(at, owners) if owner == rank}
-        self.mine = [p for p in self.all() if id(p) in mine]
+        self.mine = {id(params[i]) for stage, parts in self.stages.items() for params in self._copies(stage)
+                     for _, at, owners in parts for i, owner in zip(at, owners) if owner == rank}
 
-    def stepped(self) -> list[torch.nn.Parameter]:
-        return self.mine
+    def stepped(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        return [(model, main) for model, main in self._model_and_main() if id(main) in self.mine]
 
     def zero_grad(self, optimizer) -> None:
         """Every gradient, the optimizer holding only the owned parameters."""
@@ -91,9 +90,8 @@ class LayerWiseMainParams(MainParams):
     def load_full_state(self, optimizer, states: dict, step: int) -> None:
         """Every parameter's state as the checkpoint has it, kept for the owned ones only."""
         super().load_full_state(optimizer, states, step)
-        mine = {id(p) for p in self.mine}
         for p in self.all():
-            if id(p) not in mine:
+            if id(p) not in self.mine:
                 optimizer.state.pop(p, None)
 
 

@@ -18,8 +18,6 @@ two threads. megatron-core's DDP keeps the same contract for the same reason.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..config.train_spec import PrecisionSpec
@@ -28,9 +26,12 @@ from .muon import loaded_state
 
 
 class MainParams:
-    """The parameters the optimizer steps and the gradient code reads, per held chunk."""
+    """The parameters the optimizer steps and the gradient code reads, per held chunk (optim/main.py's
+    MainWeights). ``rt``: the process groups the norms sum over; ``tied``: whether the word embedding has
+    copies on several stages (each counted once)."""
 
-    def __init__(self, chunks: dict):
+    def __init__(self, chunks: dict, rt, tied: bool):
+        self.chunks, self.rt, self.tied = chunks, rt, tied
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model, fp32 copy)
         self.aliases: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model, its storage)
         self.fused = {key: chunk for key, chunk in chunks.items() if chunk.config.gradient_accumulation_fusion}
@@ -66,9 +67,10 @@ class MainParams:
     def all(self) -> list[torch.nn.Parameter]:
         return [p for params in self.by_chunk.values() for p in params]
 
-    def stepped(self) -> list[torch.nn.Parameter]:
-        """What this rank's optimizer steps: every main parameter (layer_wise.py: the owned ones)."""
-        return self.all()
+    def stepped(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """What this rank's optimizer steps, each beside its model parameter: every main parameter
+        (layer_wise.py: the owned ones)."""
+        return self._model_and_main()
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -101,18 +103,21 @@ class MainParams:
         optimizer.zero_grad(set_to_none=False)
         self._point_main_grads()
 
-    def grad_norm(self, runtime, tied: bool) -> float:
-        return global_norm(self.by_chunk, runtime, tied)
+    def grad_norm(self) -> float:
+        return global_norm(self.by_chunk, self.rt, self.tied)
 
-    def weight_norm(self, runtime, tied: bool) -> float:
-        """The main weights' L2 norm, each logical parameter once (Megatron-LM's params norm under bf16)."""
-        return global_norm(self.by_chunk, runtime, tied, of=lambda p: p)
+    def params_norm(self) -> float:
+        """Megatron-LM's calc_params_l2_norm: the main weights (fp32 ones, or bf16's fp32 copies), or under
+        --fp16 the fp16 weights themselves normed in fp32; each logical parameter once."""
+        if any(model.dtype == torch.float16 for model, _ in self.pairs):
+            return half_weights_norm(self.chunks, self.rt, self.tied)
+        return global_norm(self.by_chunk, self.rt, self.tied, of=lambda p: p)
 
-    def zeros(self, runtime, tied: bool) -> int:
-        return global_zeros(self.by_chunk, runtime, tied)
+    def zeros(self) -> int:
+        return global_zeros(self.by_chunk, self.rt, self.tied)
 
     def clip(self, max_norm: float, norm: float) -> None:
-        clip_(self.by_chunk, max_norm, norm)
+        clip_(self.all(), max_norm, norm)
 
     def full_state(self, optimizer, names: tuple[str, ...]) -> dict[int, dict[str, torch.Tensor]]:
         """Each named state of every model parameter, whole (for checkpoints): id(model param) -> state."""
@@ -139,6 +144,12 @@ class MainParams:
         """(main parameters, gradients) in bytes: fp32 copies of half-precision weights, and the fp32
         gradient every main parameter holds during an iteration."""
         return sum(m.numel() * 4 for _, m in self.pairs), sum(p.numel() * 4 for p in self.all())
+
+
+def half_weights_norm(chunks: dict, rt, tied: bool) -> float:
+    """The L2 norm of the model chunks' own weights, in fp32, each logical parameter once (--fp16's params norm)."""
+    return global_norm({key: list(chunk.parameters()) for key, chunk in chunks.items()}, rt, tied,
+                       of=lambda p: p.float())
 
 
 def unfused_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -214,7 +225,3 @@ def scaled_loss(forward_step_func, scaler: LossScaler):
         return output, loss_times_scale
 
     return forward_step
-
-
-def overflowed(norm: float) -> bool:
-    return not math.isfinite(norm)

@@ -55,11 +55,12 @@ def batch_loss(model, args, index: int) -> float:
     job = job_config(args)
     data, plan = job.data, make_run_plan(job.pipeline, job.parallel)
     train, _ = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
-    source = MicrobatchSource(train, data, plan, dp_rank=0)
+    source = MicrobatchSource(train, data, plan, dp_rank=0, pinned=False, exit_signal=None)
+    steps = source.global_batch(index)
     total = count = 0.0
     model.eval()
     for mb in range(plan.microbatches):
-        b = source.batch(index, mb, torch.device("cpu"))
+        b = source.microbatch(steps, mb)
         losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
         total += float((losses.double() * b["loss_mask"]).sum())
         count += float(b["loss_mask"].sum())
