@@ -1,34 +1,62 @@
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron.chimera.distributed.ports import free_port
-from megatron.chimera.model import cpu_compat
+# megatron-core and the trainer are imported by the fixtures that use them, never here: the schedule library's
+# tests (tests/schedules) import neither (tests/unit/test_layers.py checks it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+TIERS = {"unit": "unit", "schedules": "unit", "integration": "integration"}  # folder -> marker
+
+
 def pytest_collection_modifyitems(items):
-    """Mark each test by its folder, so that ``-m unit`` or ``-m integration`` selects a kind; the
-    README's command runs both."""
+    """Mark each test by its tier, which its folder holds by cost: ``unit`` (tests/unit, and tests/schedules for
+    the schedule library, which imports no megatron-core) runs in this process and launches nothing, which
+    ``launches_nothing`` enforces; ``integration`` launches processes; ``slow`` (marked in the modules) are the
+    integration tests that take longest (Slurm, SIGTERM, silent ranks, packaging). Markers select, never skip;
+    the README's command runs every tier."""
     for item in items:
-        kind = os.path.basename(os.path.dirname(str(item.path)))
-        if kind in ("unit", "integration"):
+        kind = TIERS.get(os.path.basename(os.path.dirname(str(item.path))))
+        if kind:
             item.add_marker(getattr(pytest.mark, kind))
+
+
+@pytest.fixture(autouse=True)
+def launches_nothing(request, monkeypatch):
+    """A unit test that starts a Python process (a launch, torchrun, multiprocessing) fails, naming it: its tier
+    is integration. Other programs (ruff, bash) are tools, not launches."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_python(self, args, *rest, **kwargs):
+        program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
+        if program.startswith(("python", "torchrun")):
+            pytest.fail(f"{request.node.nodeid} launches {program}: a launching test belongs in tests/integration")
+        popen_init(self, args, *rest, **kwargs)
+
+    def refuse_process(self, *args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process: a launching test belongs in tests/integration")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
 
 
 def _global_state() -> dict:
     """What megatron-core, Megatron-LM and torch hold per process that a test could leave changed, described so
     that equal states compare equal: megatron-core's parallel state (each group by its ranks, each rank and
     size it keeps at module level), its micro-batch calculator, Megatron-LM's global args and torch's
-    deterministic switch."""
-    from megatron.core import num_microbatches_calculator
+    deterministic switch. Nothing while no test has imported megatron-core."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return {}
+    import torch
+    from megatron.core import num_microbatches_calculator, parallel_state
     from megatron.training import global_vars
 
     held = {f"parallel_state.{name}": _described(value) for name, value in vars(parallel_state).items()
@@ -40,6 +68,8 @@ def _global_state() -> dict:
 
 
 def _described(value):
+    import torch.distributed as dist
+
     if isinstance(value, dist.ProcessGroup):
         try:
             return "group", tuple(dist.get_process_group_ranks(value))
@@ -59,19 +89,18 @@ def leaves_no_global_state(request):
     before = _global_state()
     yield
     after = _global_state()
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, _GONE) != after.get(k, _GONE))
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
     if changed:
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         pytest.fail(f"{request.node.nodeid} left process-wide state changed: {', '.join(changed[:4])}{more}")
-
-
-_GONE = object()
 
 
 @pytest.fixture
 def parallel_state_restored(one_process_group):
     """For a test that initialises megatron-core's parallel state again (``setup_parallel``, a Trainer): the
     session's one-process state is made again afterwards, so that the tests after it run in it."""
+    from megatron.core import parallel_state
+
     yield
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)
@@ -81,6 +110,12 @@ def parallel_state_restored(one_process_group):
 def one_process_group():
     """A one-process gloo group with megatron-core's parallel state and the CPU layer, for tests that
     build megatron-core models inside the test process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.chimera.distributed.ports import free_port
+    from megatron.chimera.model import cpu_compat
+
     port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cpu_compat.apply()

@@ -150,6 +150,7 @@ def test_a_killed_rank_ends_the_other_with_a_clear_message():
                      line) or "a collective failed" in line, line
 
 
+@pytest.mark.slow
 def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
     p0, p1 = ranks(*CHIMERA2[:-1], "0.25", "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "hang 1@3"})  # 15 s
     try:
@@ -199,6 +200,7 @@ def test_a_forward_that_raises_is_named_on_its_rank_and_ends_the_peer():
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_resumed_run_continues_exactly(tmp_path):
     save = tmp_path / "ckpt"
     p0, p1 = ranks(*CHIMERA2, "--train-iters", "60", "--exit-signal-handler", "--save", str(save),

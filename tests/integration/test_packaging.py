@@ -8,9 +8,12 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.testing.launch import ENV, ROOT
 
+pytestmark = pytest.mark.slow
 OUTSIDE_ENV = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
 
 
@@ -60,3 +63,14 @@ def test_a_built_wheel_holds_every_module(tmp_path):
             for name in files:
                 if name.endswith(".py"):
                     assert os.path.relpath(os.path.join(folder, name), ROOT).replace(os.sep, "/") in held, name
+
+
+def test_module_entry_point_draws_a_png(tmp_path):
+    """python -m chimera_schedules, as a user runs it, draws a PNG."""
+    png = tmp_path / "x.png"
+    proc = subprocess.run([sys.executable, "-m", "chimera_schedules", "show", "--schedule", "chimera",
+                           "--stages", "4", "--microbatches", "4", "--out", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

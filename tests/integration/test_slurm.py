@@ -16,9 +16,9 @@ from megatron.chimera.testing.launch import ROOT
 
 MUNGE_SOCKET = "/run/munge/munge.socket.2"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")),
-    reason="Slurm is not installed (scripts/install_slurm.sh needs root and apt-get)")
+    reason="Slurm is not installed (scripts/install_slurm.sh needs root and apt-get)")]
 
 
 

@@ -118,3 +118,46 @@ def test_nothing_outside_the_testing_helpers_imports_them():
     wrong = [f"{module} -> {target}" for module, targets in graph().items() if not module.startswith(helpers)
              for target in targets if target.startswith(helpers)]
     assert wrong == []
+
+
+def _imported(path: str, module_level_only: bool = False) -> set[str]:
+    """Every absolute module name a file imports (inside functions too, unless ``module_level_only``)."""
+    tree = ast.parse(open(path).read())
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _megatron_reached(path: str, module_level_only: bool = False) -> list[str]:
+    """The chains of imports from ``path`` through our own sources that reach megatron (megatron-core or ours)."""
+    chains, seen, todo = [], set(), [(path, [os.path.relpath(path, ROOT)], module_level_only)]
+    while todo:
+        file, chain, top_only = todo.pop()
+        for name in sorted(_imported(file, top_only)):
+            if name.split(".")[0] == "megatron":
+                chains.append(" -> ".join(chain + [name]))
+                continue
+            source = os.path.join(ROOT, *name.split("."))
+            for candidate in (source + ".py", os.path.join(source, "__init__.py")):
+                if os.path.isfile(candidate) and candidate not in seen:
+                    seen.add(candidate)
+                    todo.append((candidate, chain + [name], False))
+    return chains
+
+
+def test_the_schedule_librarys_tests_import_no_megatron():
+    """tests/schedules (the schedule library's tests) and what they import of ours, transitively, and the
+    shared conftest's module level, import nothing of megatron: ``pytest tests/schedules`` never pays
+    megatron-core's import."""
+    folder = os.path.join(ROOT, "tests", "schedules")
+    files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".py")]
+    assert len(files) >= 8, f"tests/schedules holds {len(files)} files"
+    chains = [c for f in files for c in _megatron_reached(f)]
+    chains += _megatron_reached(os.path.join(ROOT, "tests", "conftest.py"), module_level_only=True)
+    assert chains == [], "imports that reach megatron: " + "; ".join(chains[:5])
