@@ -1,4 +1,5 @@
 import json
+import multiprocessing
 import multiprocessing.process
 import os
 import subprocess
@@ -27,25 +28,41 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, kind))
 
 
+# what a launch of ours runs: the programs the tests launch as a user does (pretrain_gpt.py, torchrun, our modules)
+OURS = ("pretrain_gpt.py", "torch.distributed.run", "megatron.chimera", "chimera_schedules", "benchmarks", "scripts/")
+
+
 @pytest.fixture(autouse=True)
-def launches_nothing(request, monkeypatch):
-    """A unit test that starts a Python process (a launch, torchrun, multiprocessing) fails, naming it: its tier
-    is integration. Other programs (ruff, bash) are tools, not launches."""
+def launches_nothing(request):
+    """A unit test that launches one of our programs (pretrain_gpt.py, torchrun, ``python -m`` a module of ours) or
+    starts a new interpreter through multiprocessing (spawn) fails, naming it: its tier is integration. Tools
+    (ruff, bash), torch's own probes and forked DataLoader workers are not launches of a program under test."""
     if request.node.get_closest_marker("unit") is None:
+        yield
         return
     popen_init = subprocess.Popen.__init__
 
-    def refuse_python(self, args, *rest, **kwargs):
-        program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
-        if program.startswith(("python", "torchrun")):
-            pytest.fail(f"{request.node.nodeid} launches {program}: a launching test belongs in tests/integration")
+    def refuse_ours(self, args, *rest, **kwargs):
+        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+        if os.path.basename(words[0]).startswith(("python", "torchrun")) and any(o in w for w in words for o in OURS):
+            pytest.fail(f"{request.node.nodeid} launches {' '.join(words[:4])}: a launching test belongs in "
+                        "tests/integration")
         popen_init(self, args, *rest, **kwargs)
 
-    def refuse_process(self, *args, **kwargs):
-        pytest.fail(f"{request.node.nodeid} starts a process: a launching test belongs in tests/integration")
+    def refuse_interpreter(process, *args, **kwargs):
+        method = process._start_method or multiprocessing.get_start_method()
+        if method != "fork":
+            pytest.fail(f"{request.node.nodeid} starts a {method} process: a launching test belongs in "
+                        "tests/integration")
+        start(process, *args, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
+    start = multiprocessing.process.BaseProcess.start
+    # patched and put back here, not with the test's monkeypatch: that one is undone after every other fixture
+    subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = refuse_ours, refuse_interpreter
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = popen_init, start
 
 
 def _global_state() -> dict:
