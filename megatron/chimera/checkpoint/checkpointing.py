@@ -42,7 +42,7 @@ from megatron.training.training import preprocess_common_state_dict
 
 from ..config.checkpoint_spec import CheckpointSpec
 from .async_saves import WriteResults
-from .format import CheckpointError, digest, safe_globals
+from .format import CheckpointError, digest
 from .integrity import verify as verify_integrity
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
@@ -148,7 +148,7 @@ def read_common(folder: str, fmt: str, root: str) -> dict:
         if digest(os.path.join(folder, name)) != manifest["files"][name]:
             raise CheckpointError(root, f"{name} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
     try:
-        with safe_globals(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # read before any process group exists (the argument checks): that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             return dist_checkpointing.load_common_state_dict(folder)
@@ -367,8 +367,7 @@ def _load_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, folder: st
     if rng:
         request["rng_state"] = states["rng"].sharded_state_dict()
     try:
-        with safe_globals():
-            loaded = _load_strictly(request, folder, spec.strictness, _objects(models))
+        loaded = _load_strictly(request, folder, spec.strictness, _objects(models))
     except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
         raise CheckpointError(spec.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
     try:

@@ -29,7 +29,6 @@ from chimera_schedules.ir.spec import OPTION, SHARED, flags
 from chimera_schedules.registry import check_options
 
 from ..checkpoint.checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
-from ..checkpoint.format import safe_globals
 from ..checkpoint.integrity import unverifiable
 from ..data.tokenizer import build_tokenizer, check_fim_tokens, check_padded_vocab, default_type
 from ..data.tokenizer import check_arguments as check_tokenizer_arguments
@@ -748,8 +747,7 @@ def _checkpoint_args(args) -> None:
         folder, fmt = find_checkpoint(args.load)
         check_sizes(folder, args.load)
         read_common(folder, fmt, args.load)  # checks the digests of what is unpickled
-    with safe_globals():
-        load_args_from_checkpoint(args)
+    load_args_from_checkpoint(args)
 
 
 def _validate_checkpoint(args) -> None:
