@@ -44,6 +44,7 @@ def put(tree: dict, key: str, value: dict) -> None:
 
 
 def _sharded(state: State, built: dict, after: tuple[str, ...], **metadata) -> dict:
+    """A state's sharded state, given those of the sharded states it comes ``after`` (the optimizer: the model's)."""
     return state.sharded_state_dict(*(built[name] for name in after if name in built), **metadata)
 
 
