@@ -38,10 +38,10 @@ FLAGS = ["--num-layers", "8", "--hidden-size", "384", "--num-attention-heads", "
 def timed_save(trainer, folder: str, saves=None) -> float:
     """Seconds one save of the trainer's state stopped training, as Megatron-LM's timer reports it."""
     spec = replace(trainer.job.checkpoint, save=folder)
-    states = {**trainer.states(), "data": DataPosition.after(1, trainer.job.data.global_batch_size)}
+    position = DataPosition.after(1, trainer.job.data.global_batch_size)
     timer = trainer.timers("save-checkpoint", log_level=0)
     timer.start(barrier=False)
-    save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args, saves=saves)
+    save_checkpoint(trainer.states(), position, spec, trainer.rt, trainer.job.megatron_args, saves=saves)
     timer.stop(barrier=False)
     seconds = timer.elapsed(reset=False)
     print_times(trainer.timers, ("save-checkpoint",))

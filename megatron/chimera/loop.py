@@ -283,7 +283,7 @@ class Trainer:
         return max(steps, default=0)
 
     def states(self) -> dict[str, State]:
-        """What a checkpoint holds of this trainer, by name (checkpoint/states.py); the loop adds the data position."""
+        """What a checkpoint holds of this trainer, by name (checkpoint/states.py); the loop gives the data position."""
         states = {"model": ModelChunks.of(self.chunks, self.held, self.plan.layout, self.main),
                   "optimizer": OptimizerState(self.optimizer, self.main, self.models,
                                               steps_with_muon if self.job.train.optimizer.name == "muon" else None),
@@ -447,7 +447,7 @@ def _resume(trainer) -> int:
     if not spec.load:
         return 0
     position = DataPosition(trainer.job.data.global_batch_size)
-    load_checkpoint({**trainer.states(), "data": position}, spec, trainer.rt)
+    load_checkpoint(trainer.states(), position, spec, trainer.rt)
     print_rank_last(f" loaded checkpoint from {spec.load} at iteration {position.iteration}")
     return position.iteration
 
@@ -459,14 +459,14 @@ def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, sav
     data, spec = trainer.job.data, trainer.job.checkpoint
     kept = not (stats["nan"] and trainer.job.train.check_for_nan)
     if spec.save and kept and (done % spec.save_interval == 0 or done == data.train_iters or stop):
-        states = {**trainer.states(), "data": DataPosition.after(done, data.global_batch_size)}
+        position = DataPosition.after(done, data.global_batch_size)
 
         def published(folder: str) -> None:
             progress.last_saved = done
             print_rank_last(f" saved checkpoint at iteration {done} to {folder}")
 
         trainer.timers("save-checkpoint", log_level=0).start(barrier=False)
-        save_checkpoint(states, spec, trainer.rt, trainer.job.megatron_args,
+        save_checkpoint(trainer.states(), position, spec, trainer.rt, trainer.job.megatron_args,
                         lambda: trainer.hooks.during_save(trainer, done), published, saves)
         trainer.timers("save-checkpoint").stop(barrier=False)
         if saves is not None:

@@ -1,13 +1,25 @@
 """Checkpointing sees named states, a CheckpointSpec and the process-group runtime, never the trainer
 (issue 41): no function of megatron/chimera/checkpoint/ takes one, and none reads a field of Megatron-LM's
-namespace; the spec reads the namespace once. The checkpoint flags of issue 42 that the spec carries."""
+namespace; the spec reads the namespace once. The checkpoint flags of issue 42 that the spec carries. It
+names no state (issue 51): any states, placed by states.py's PLACES, are saved where Megatron-LM keeps them
+and loaded in the order their places declare, each part left out as Megatron-LM's flags say."""
+import argparse
 import ast
 import os
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+import torch
+from megatron.core.dist_checkpointing import validation
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.chimera.arguments import parse_args
-from megatron.chimera.checkpoint.checkpointing import LATEST, _publish
+from megatron.chimera.checkpoint import async_saves, checkpointing
+from megatron.chimera.checkpoint.checkpointing import LATEST, _publish, load_checkpoint, read_common, save_checkpoint
+from megatron.chimera.checkpoint.format import CheckpointError
 from megatron.chimera.checkpoint.states import DataPosition
 from megatron.chimera.config.checkpoint_spec import CheckpointSpec
 
@@ -35,6 +47,14 @@ def test_no_checkpoint_function_takes_the_trainer_or_reads_the_namespace():
             if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in ("trainer", "args"):
                 wrong.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert wrong == [], f"checkpoint/ reaches into the trainer or the namespace: {wrong}"
+
+
+def test_checkpointing_names_no_state():
+    """States are taken from the mapping by the names layout.py orders, never by a name written here."""
+    named = [f"{name}:{node.lineno}" for name, tree in _trees() if name != "states.py" for node in ast.walk(tree)
+             if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "states"
+             and isinstance(node.slice, ast.Constant)]
+    assert named == [], f"checkpoint/ names states: {named}"
 
 
 @pytest.mark.parametrize("flags, optimizer, rng", [([], True, True), (["--no-load-optim"], False, True),
@@ -95,3 +115,166 @@ def test_the_spec_says_what_a_save_writes(tmp_path):
     spec = CheckpointSpec.from_args(parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5", "--ckpt-format",
                                                        "torch", "--no-save-optim"], world_size=1))
     assert (spec.format, spec.save_optimizer, spec.verify_integrity) == ("torch", False, False), spec
+
+
+class Weights:
+    """A model placed at the top level, as ModelChunks: ``model0.weight``."""
+
+    def __init__(self, log: list, value: float):
+        self.log, self.weight = log, torch.full((2, 3), value)
+
+    def sharded_state_dict(self, metadata=None) -> dict:
+        return {"model0": {"weight": ShardedTensor.from_rank_offsets("weight", self.weight, replica_id=0)}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.log.append("model")
+        self.weight.copy_(state_dict["model0"]["weight"])
+
+
+class Moments:
+    """An optimizer: a moment sharded like the model's weight, over the model's sharded state, and a step."""
+
+    def __init__(self, log: list, value: float):
+        self.log, self.moment, self.step = log, torch.full((2, 3), value), int(value)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, metadata=None) -> dict:
+        self.log.append(("optimizer built over", sorted(model_sharded_state_dict), metadata))
+        weight = model_sharded_state_dict["model0"]["weight"]
+        return {"state": {"exp_avg": make_sharded_optimizer_tensor(weight, self.moment, "optimizer.state.exp_avg")},
+                "step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.log.append("optimizer")
+        self.moment.copy_(state_dict["state"]["exp_avg"])
+        self.step = state_dict["step"]
+
+
+class Generators:
+    """Per-rank state, sharded by rank, as RNGState."""
+
+    def __init__(self, log: list, value: float):
+        self.log, self.state = log, torch.full((4,), value)
+
+    def sharded_state_dict(self, metadata=None) -> dict:
+        return {"torch": ShardedTensor.from_rank_offsets("rng_state.torch", self.state.unsqueeze(0), (0, 0, 1),
+                                                         replica_id=0)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.log.append("rng")
+        self.state.copy_(state_dict["torch"][0])
+
+
+class Plain:
+    """A state without tensors: an LR scheduler, a loss scale."""
+
+    def __init__(self, log: list, name: str, value: float):
+        self.log, self.name, self.value = log, name, {"value": value}
+
+    def state_dict(self) -> dict:
+        return dict(self.value)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.log.append(self.name)
+        self.value = state_dict
+
+
+def fakes(log: list, value: float) -> dict:
+    """Every kind of state, those that come after others first: checkpointing orders them."""
+    return {"grad_scaler": Plain(log, "grad_scaler", value), "optimizer": Moments(log, value),
+            "lr_scheduler": Plain(log, "lr_scheduler", value), "rng": Generators(log, value),
+            "model": Weights(log, value)}
+
+
+RT = SimpleNamespace(world=1, tp=1, pp=1, dp=1, tp_rank=0, dp_rank=0, cp_rank=0, worker=0)
+
+
+def spec_for(root, **changes) -> CheckpointSpec:
+    spec = CheckpointSpec(save=str(root), save_interval=1, load=str(root), fresh_start=None, finetune=False,
+                          load_optimizer=True, load_rng=True, strictness="assume_ok_unexpected", schedule="1f1b",
+                          async_save=False, retain_interval=None, verify_integrity=False, format="torch_dist",
+                          save_optimizer=True)
+    return replace(spec, **changes)
+
+
+def saved(root, **changes) -> str:
+    """A checkpoint of the fakes (every value 3), iteration 2 after 4 samples."""
+    return save_checkpoint(fakes([], 3.0), DataPosition(2, 2, 4), spec_for(root, **changes), RT,
+                           argparse.Namespace(use_distributed_optimizer=False))
+
+
+def test_each_state_is_saved_where_megatron_lm_keeps_it(one_process_group, tmp_path):
+    folder = saved(tmp_path)
+    common = read_common(folder, "torch_dist", str(tmp_path))
+    assert (common["iteration"], common["args"].consumed_train_samples) == (2, 4), common
+    assert common["opt_param_scheduler"] == {"value": 3.0}, common
+    assert common["optimizer"] == {"step": 3, "grad_scaler": {"value": 3.0}}, common
+    tensors = {key for key in FileSystemReader(folder).read_metadata().state_dict_metadata
+               if not key.startswith("common_state")}  # megatron-core's object holding the common state
+    assert tensors == {"weight", "optimizer.state.exp_avg.weight", "rng_state.torch"}, tensors
+
+
+def test_states_load_in_the_order_their_places_declare(one_process_group, tmp_path):
+    """The optimizer's sharded state is built over the model's, with what the checkpoint holds of it; the model
+    loads before the optimizer (whose fp32 main weights replace those the model's load copied), the loss
+    scale after the optimizer, whose dict holds it."""
+    saved(tmp_path)
+    log, position = [], DataPosition(2)
+    states = fakes(log, 0.0)
+    load_checkpoint(states, position, spec_for(tmp_path), RT)
+    assert log[0] == ("optimizer built over", ["model0"], {"step": 3, "grad_scaler": {"value": 3.0}}), log
+    loads = log[1:]
+    assert sorted(loads) == ["grad_scaler", "lr_scheduler", "model", "optimizer", "rng"], log
+    assert loads.index("model") < loads.index("optimizer") < loads.index("grad_scaler"), log
+    assert (states["model"].weight == 3).all() and (states["optimizer"].moment == 3).all(), "tensors not loaded"
+    assert (states["rng"].state == 3).all() and states["optimizer"].step == 3, "rng or step not loaded"
+    assert (position.iteration, position.consumed_samples) == (2, 4), position
+
+
+@pytest.mark.parametrize("changes, world, loaded", [
+    ({"load_optimizer": False}, 1, ["model", "rng"]),
+    ({"load_rng": False}, 1, ["grad_scaler", "lr_scheduler", "model", "optimizer"]),
+    ({}, 2, ["grad_scaler", "lr_scheduler", "model", "optimizer"])])  # another layout: not the RNG states
+def test_the_flags_leave_out_the_parts_megatron_lm_leaves_out(one_process_group, tmp_path, changes, world, loaded):
+    saved(tmp_path)
+    log = []
+    rt = SimpleNamespace(**{**vars(RT), "world": world})
+    load_checkpoint(fakes(log, 0.0), DataPosition(2), spec_for(tmp_path, **changes), rt)
+    assert sorted(entry for entry in log if isinstance(entry, str)) == loaded, log
+
+
+def test_without_save_optim_the_optimizers_part_is_not_saved(one_process_group, tmp_path):
+    common = read_common(saved(tmp_path, save_optimizer=False), "torch_dist", str(tmp_path))
+    assert "optimizer" not in common and "opt_param_scheduler" not in common, sorted(common)
+
+
+def test_a_corrupted_checkpoint_loads_nothing(one_process_group, tmp_path):
+    folder = saved(tmp_path)
+    shard = next(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    log, position = [], DataPosition(2)
+    with pytest.raises(CheckpointError, match="is corrupted") as failed:
+        load_checkpoint(fakes(log, 0.0), position, spec_for(tmp_path), RT)
+    assert "\n" not in str(failed.value) and log == [] and position.iteration == 0, (str(failed.value), log)
+
+
+def test_verify_integrity_hashes_every_file_once_at_a_save_and_once_at_a_load(one_process_group, tmp_path,
+                                                                             monkeypatch):
+    """Each file is hashed once by whoever wrote it at a save (integrity.json from the same digests), and once
+    at a load; megatron-core, which would hash every file again on rank 0, hashes none, and still verifies the
+    integrity.json ours wrote."""
+    hashed = []
+    for module in (async_saves, checkpointing):
+        monkeypatch.setattr(module, "digest", lambda path, real=module.digest: hashed.append(path) or real(path))
+    monkeypatch.setattr(validation, "_compute_file_hash", lambda path: pytest.fail(f"megatron-core hashed {path}"))
+    folder = saved(tmp_path, verify_integrity=True)
+    files = sorted(os.path.join(folder, name) for name in os.listdir(folder) if name != "manifest.json")
+    assert sorted(path.replace(".tmp", "") for path in hashed) == files, f"hashed at the save: {hashed}"
+    hashed.clear()
+    load_checkpoint(fakes([], 0.0), DataPosition(2), spec_for(tmp_path, verify_integrity=True), RT)
+    assert sorted(hashed) == files, f"hashed at the load: {hashed}"
+    monkeypatch.undo()
+    validation.verify_integrity_manifest(folder)

@@ -169,11 +169,11 @@ def test_dist_ckpt_strictness_reaches_the_load(parallel_state_restored, tmp_path
 
     def load(t) -> tuple[int, int]:
         position = DataPosition(t.job.data.global_batch_size)
-        load_checkpoint({**t.states(), "data": position}, t.job.checkpoint, t.rt)
+        load_checkpoint(t.states(), position, t.job.checkpoint, t.rt)
         return position.iteration, position.consumed_samples
 
     with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
-        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+        save_checkpoint(t.states(), DataPosition(2, 1, 2), t.job.checkpoint, t.rt, t.job.megatron_args)
     flags = ["--load", str(tmp_path), "--dist-ckpt-strictness"]
     with trainer(flags + ["raise_all"]) as t:
         assert load(t) == (1, 2), "our own checkpoint loads under raise_all at its iteration and samples"
@@ -212,11 +212,11 @@ def test_an_async_save_writes_the_synchronous_files_and_publishes_them_only_at_f
                   "--use-persistent-ckpt-worker"]) as t:
         spec, published = t.job.checkpoint, []
         assert spec.async_save, "--async-save with --use-persistent-ckpt-worker reaches the checkpoint spec"
-        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, spec, t.rt, t.job.megatron_args)
-        save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, replace(spec, save=str(sync)), t.rt,
+        save_checkpoint(t.states(), DataPosition(2, 1, 2), spec, t.rt, t.job.megatron_args)
+        save_checkpoint(t.states(), DataPosition(2, 2, 4), replace(spec, save=str(sync)), t.rt,
                         t.job.megatron_args)
         saves = async_saves()
-        save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, spec, t.rt, t.job.megatron_args,
+        save_checkpoint(t.states(), DataPosition(2, 2, 4), spec, t.rt, t.job.megatron_args,
                         on_published=published.append, saves=saves)
         t.train_step(1)
         assert (background / LATEST).read_text() == "1" and not (background / "iter_0000002").exists(), \
@@ -245,9 +245,9 @@ def test_a_save_that_fails_before_it_is_published_leaves_the_previous_one(parall
         raise RuntimeError("crashed before publishing")
 
     with trainer(["--save", str(tmp_path), "--save-interval", "1"]) as t:
-        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+        save_checkpoint(t.states(), DataPosition(2, 1, 2), t.job.checkpoint, t.rt, t.job.megatron_args)
         with pytest.raises(RuntimeError, match="crashed before publishing"):
-            save_checkpoint({**t.states(), "data": DataPosition(2, 2, 4)}, t.job.checkpoint, t.rt,
+            save_checkpoint(t.states(), DataPosition(2, 2, 4), t.job.checkpoint, t.rt,
                             t.job.megatron_args, crash)
     assert (tmp_path / LATEST).read_text() == "1"
     assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
@@ -260,7 +260,7 @@ def test_use_checkpoint_args_takes_the_models_settings_from_the_checkpoint(paral
     parsed as pretrain_gpt.py parses them, before any process group exists (Megatron-LM's reader of the latest
     file would otherwise agree on it with the other ranks, on a GPU)."""
     with trainer(["--save", str(tmp_path), "--save-interval", "1", "--hidden-dropout", "0.25"]) as t:
-        save_checkpoint({**t.states(), "data": DataPosition(2, 1, 2)}, t.job.checkpoint, t.rt, t.job.megatron_args)
+        save_checkpoint(t.states(), DataPosition(2, 1, 2), t.job.checkpoint, t.rt, t.job.megatron_args)
     shapeless = ["--seq-length", "8", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
                  "--vocab-size", "64", "--eval-iters", "0"]
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)

@@ -5,21 +5,27 @@
         (megatron-core 0.19 keeps the common state, iteration, args, opt_param_scheduler, optimizer
         step and layout, inside .metadata; 0.16's separate common.pt is still read)
     SAVE/iter_0000100/manifest.json    ours: the size and sha256 of every file above
+    SAVE/iter_0000100/integrity.json   megatron-core's, with --verify-integrity: the sha256 of each file
 
 Tensors are keyed and sharded as megatron-core's GPTModel writes them (sharded_state.py), so a
 checkpoint loads into any tensor-parallel size, pipeline depth and schedule, ours or megatron-core's,
 and into a plain GPTModel; a GPTModel's checkpoint loads here. Megatron-LM's legacy per-rank ``torch``
 files are read too (legacy.py), and written with --ckpt-format torch (legacy_save.py). What is saved
-and loaded is a mapping of named states (states.py), placed where Megatron-LM's checkpoints keep them;
-these functions see the states, a CheckpointSpec and the process-group runtime, never the trainer.
+and loaded is a mapping of named states (states.py), placed where Megatron-LM's checkpoints keep them
+(layout.py), and the data position; these functions see them, a CheckpointSpec and the process-group
+runtime, never the trainer, and name no state.
 
 What we write is atomic: every rank writes into ``iter_X.tmp``; rank 0 then writes the manifest,
 renames the folder and replaces the ``latest`` file, so a crash mid-save leaves the previous
 checkpoint the latest one. With --async-save the files are written in the background (async_saves.py)
 and all of that happens at the save's finalisation, so the same holds while a save is in flight.
-At load every file is checked against the manifest (sizes before any process starts, sha256 before
-anything is unpickled), so a truncated or corrupted file is named, never used, and no tampered file
-runs code. A foreign checkpoint (no manifest) is loaded as it is.
+The manifest's digests are taken where the files are written, in parallel: each rank's writer hashes
+the files it wrote (its ``.distcp`` files, or its legacy per-rank file), and rank 0 only the few small
+files it writes itself (megatron-core's metadata); rank 0 gathers them. At load every file is checked
+against the manifest (sizes before any process starts, sha256 before anything is unpickled), each rank
+hashing a share of the files (about 1/N of the bytes), and every rank raises the same one-line error
+when one is bad, so a truncated or corrupted file is named, never used, and no tampered file runs code.
+A foreign checkpoint (no manifest) is loaded as it is.
 """
 from __future__ import annotations
 
@@ -34,20 +40,25 @@ from functools import partial
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
+from megatron.core.dist_checkpointing.validation import (
+    INTEGRITY_FNAME,
+    StrictHandling,
+    maybe_report_missing_and_unexpected_keys,
+)
 from megatron.training.training import preprocess_common_state_dict
 
 from ..config.checkpoint_spec import CheckpointSpec
 from .async_saves import WriteResults
-from .format import CheckpointError, digest, safe_globals
+from .format import CheckpointError, digest
+from .integrity import integrity_text
 from .integrity import verify as verify_integrity
+from .layout import load_into, ordered, to_load, to_save
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
 from .legacy_save import save_legacy
-from .states import State, StateMismatch
+from .states import DataPosition, Place, State, StateMismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -113,42 +124,73 @@ def check_sizes(folder: str, root: str) -> None:
             raise CheckpointError(root, f"{rel} in {folder} is truncated or missing ({have})")
 
 
-def check_digests(folder: str, root: str) -> None:
-    manifest = _manifest(folder, root) or {"files": {}}
-    for rel, want in sorted(manifest["files"].items()):
-        if digest(os.path.join(folder, rel)) != want:
-            raise CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
+def _corrupted(folder: str, root: str, rel: str) -> CheckpointError:
+    return CheckpointError(root, f"{rel} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
 
 
-def _verified_by_rank0(folder: str, root: str) -> None:
-    """Collective: rank 0 hashes the files, every rank raises the same error if one is bad."""
-    failure = None
-    if dist.get_rank() == 0:
+def _first_bad(folder: str, files: dict, names) -> str | None:
+    """The first of ``names`` (by name) whose size or sha256 is not what ``files`` records, or that is unreadable."""
+    for rel in sorted(names):
         try:
-            check_digests(folder, root)
-        except CheckpointError as e:
-            failure = str(e.rule)
-    box = [failure]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise CheckpointError(root, box[0])
+            if digest(os.path.join(folder, rel)) != files[rel]:
+                return rel
+        except OSError:
+            return rel
+    return None
+
+
+def check_digests(folder: str, root: str) -> None:
+    """Every file the manifest lists, hashed here."""
+    files = (_manifest(folder, root) or {"files": {}})["files"]
+    bad = _first_bad(folder, files, files)
+    if bad is not None:
+        raise _corrupted(folder, root, bad)
+
+
+def share(files: dict, rank: int, world: int) -> list[str]:
+    """The files rank ``rank`` of ``world`` verifies: the largest first, each to the rank with the fewest bytes
+    so far, so every rank hashes about 1/world of the bytes (every rank computes the same split)."""
+    load, mine = [0] * world, []
+    for rel in sorted(files, key=lambda r: (-files[r]["bytes"], r)):
+        least = load.index(min(load))
+        load[least] += files[rel]["bytes"]
+        if least == rank:
+            mine.append(rel)
+    return mine
+
+
+def _verified(folder: str, root: str) -> dict | None:
+    """Collective: every file the manifest lists checked against it, each rank hashing its share; every rank
+    raises the same error, naming the first bad file by name, if one is. Returns the manifest's files."""
+    manifest = _manifest(folder, root)
+    if manifest is None:
+        return None
+    files = manifest["files"]
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, _first_bad(folder, files, share(files, dist.get_rank(), dist.get_world_size())))
+    bad = min((rel for rel in found if rel is not None), default=None)
+    if bad is not None:
+        raise _corrupted(folder, root, bad)
+    return files
 
 
 # Where dist_checkpointing keeps the non-tensor state: .metadata since megatron-core 0.19, common.pt before
 COMMON_FILES = ("common.pt", ".metadata")
 
 
-def read_common(folder: str, fmt: str, root: str) -> dict:
-    """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor."""
+def read_common(folder: str, fmt: str, root: str, checked: bool = False) -> dict:
+    """The checkpoint's non-tensor state (iteration, args, scheduler), without loading any tensor; the files
+    that hold it checked against the manifest first, unless they just were (``checked``: at a load, after
+    ``_verified``)."""
     if fmt == "torch":
         return legacy_common(folder, root)
-    manifest = _manifest(folder, root)
-    holders = [name for name in COMMON_FILES if manifest and name in manifest["files"]]
-    for name in holders:  # checked before anything in them is unpickled
-        if digest(os.path.join(folder, name)) != manifest["files"][name]:
-            raise CheckpointError(root, f"{name} in {folder} is corrupted (its sha256 does not match {MANIFEST})")
+    files = (_manifest(folder, root) or {"files": {}})["files"]
+    holders = [name for name in COMMON_FILES if name in files]
+    bad = None if checked else _first_bad(folder, files, holders)  # before anything in them is unpickled
+    if bad is not None:
+        raise _corrupted(folder, root, bad)
     try:
-        with safe_globals(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # read before any process group exists (the argument checks): that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             return dist_checkpointing.load_common_state_dict(folder)
@@ -186,13 +228,13 @@ def _saved_args(megatron_args: argparse.Namespace, consumed_samples: int) -> arg
     return argparse.Namespace(**kept)
 
 
-def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args: argparse.Namespace,
-                    on_written: Callable[[], None] = lambda: None, on_published: Callable[[str], None] = lambda _: None,
-                    saves: AsyncCallsQueue | None = None) -> str:
-    """Collective: ``states`` (named as states.py lists them) into ``spec.save``, as iteration
-    the data position's iteration, with Megatron-LM's ``megatron_args`` written as its checkpoints hold them;
-    ``rt`` gives this rank's place. ``on_written`` runs once every rank has written its part, before the
-    checkpoint is published; ``on_published`` with the final directory, which it returns, once it is.
+def save_checkpoint(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt,
+                    megatron_args: argparse.Namespace, on_written: Callable[[], None] = lambda: None,
+                    on_published: Callable[[str], None] = lambda _: None, saves: AsyncCallsQueue | None = None) -> str:
+    """Collective: ``states`` (named as states.py places them) into ``spec.save``, as iteration ``position``'s
+    iteration, with Megatron-LM's ``megatron_args`` written as its checkpoints hold them; ``rt`` gives this
+    rank's place. ``on_written`` runs once every rank has written its part, before the checkpoint is
+    published; ``on_published`` with the final directory, which it returns, once it is.
 
     With ``saves`` (--async-save: megatron-core's queue of asynchronous saves, async_saves.py) the files
     are written in the background: this returns once they are planned and handed to the writer, and the
@@ -200,73 +242,76 @@ def save_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt, megat
     A save still in flight is finalised before this one starts."""
     if saves is not None:
         saves.maybe_finalize_async_calls(blocking=True)
-    iteration = states["data"].state_dict()["iteration"]
-    final = iteration_dir(spec.save, iteration)
+    final = iteration_dir(spec.save, position.iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    finish = partial(_finish, tmp, final, spec, iteration, on_written=on_written, on_published=on_published)
+    finish = partial(_finish, tmp, final, spec, position.iteration, on_written=on_written, on_published=on_published)
     if spec.format == "torch":  # Megatron-LM's legacy per-rank files, written at once
-        save_legacy(states["model"], rt, tmp, _common(states, megatron_args))
-        finish(results=None)
+        written = save_legacy(_legacy_held(states), rt, tmp, _common(position, megatron_args))
+        finish(written=lambda: {os.path.relpath(path, tmp): digest(path) for path in written})
         return final
     results = filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
-    request = _write_dist(states, spec, rt, megatron_args, tmp, asynchronous=saves is not None)
+    request = _write_dist(states, position, spec, rt, megatron_args, tmp, asynchronous=saves is not None)
     if saves is None:
-        finish(results=results)
+        finish(written=lambda: results.digests)
     else:
-        request.add_finalize_fn(partial(finish, results=results))
+        request.add_finalize_fn(partial(finish, written=lambda: results.digests))
         saves.schedule_async_request(request)
     return final
 
 
-def _write_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args, tmp: str, asynchronous: bool):
+def _legacy_held(states: Mapping[str, State]) -> State:
+    """The one state Megatron-LM's legacy per-rank files hold (--ckpt-format torch): the model's weights."""
+    (held,) = [states[name] for name in ordered(states, lambda place: place.legacy)]
+    return held
+
+
+def _write_dist(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt, megatron_args,
+                tmp: str, asynchronous: bool):
     """Collective: every rank's part of a torch_dist checkpoint into ``tmp``, through megatron-core; the
     asynchronous request to schedule, with ``asynchronous``."""
-    state = _megatron_layout(states, spec, rt, megatron_args)
+    state = _megatron_layout(states, position, spec, rt, megatron_args)
     # Megatron-LM's own preprocessing for megatron-core's check that every rank's common state matches rank 0's
     # (the common state is written by rank 0 alone): it compares a copy of the args without ``rank`` and
     # ``local_rank``, which differ by design, so no rank warns "common state dict differs". What is saved is the
-    # unchanged state, args included.
+    # unchanged state, args included. --verify-integrity's integrity.json is written at publishing (_publish),
+    # from the digests the writers took, not by megatron-core, which would hash every file again on rank 0.
     return dist_checkpointing.save(state, tmp, async_sharded_save=asynchronous, async_strategy="mcore",
-                                   preprocess_common_before_consistancy_check=preprocess_common_state_dict,
-                                   verify_integrity=spec.verify_integrity)
+                                   preprocess_common_before_consistancy_check=preprocess_common_state_dict)
 
 
-def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, results: WriteResults | None,
+def _finish(tmp: str, final: str, spec: CheckpointSpec, iteration: int, written: Callable[[], dict],
             on_written: Callable[[], None], on_published: Callable[[str], None]) -> None:
-    """Collective, once every rank's files are written: publish the checkpoint, with the digests each rank's
-    writer took of its files (so rank 0 reads only the files written at finalisation)."""
+    """Collective, once every rank's files are written: publish the checkpoint, with the digests each rank
+    took of the files it wrote (``written()``: by file, relative to ``tmp``), so rank 0 reads only the files it
+    wrote itself."""
     on_written()
     digests = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(results.digests if results else {}, digests, dst=0)
+    dist.gather_object(written(), digests, dst=0)
     if dist.get_rank() == 0:
-        _publish(tmp, final, spec.save, iteration, spec.retain_interval, {k: v for d in digests for k, v in d.items()})
+        _publish(tmp, final, spec.save, iteration, spec.retain_interval, {k: v for d in digests for k, v in d.items()},
+                 spec.verify_integrity)
     dist.barrier()
     on_published(final)
 
 
-def _common(states: Mapping[str, State], megatron_args) -> dict:
-    """What every Megatron-LM checkpoint holds beside the tensors: the iteration, its version, the args."""
-    position = states["data"].state_dict()
-    return {"iteration": position["iteration"], "checkpoint_version": CHECKPOINT_VERSION,
-            "args": _saved_args(megatron_args, position["consumed_samples"])}
+def _common(position: DataPosition, megatron_args) -> dict:
+    """What every Megatron-LM checkpoint holds beside the states: the iteration, its version, the args (the
+    samples consumed among them)."""
+    return {"iteration": position.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+            "args": _saved_args(megatron_args, position.consumed_samples)}
 
 
-def _megatron_layout(states: Mapping[str, State], spec: CheckpointSpec, rt, megatron_args) -> dict:
-    """The named states where Megatron-LM's checkpoints keep them, with its metadata and our layout; without
-    the optimizer and LR scheduler with --no-save-optim, as Megatron-LM leaves them out."""
-    models = states["model"].sharded_state_dict()
-    state = {**models, "rng_state": states["rng"].sharded_state_dict(), **_common(states, megatron_args),
-             "layout": {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}}
-    if spec.save_optimizer:
-        optimizer = states["optimizer"].sharded_state_dict(models)
-        if "grad_scaler" in states:
-            optimizer["grad_scaler"] = states["grad_scaler"].state_dict()
-        state.update(optimizer=optimizer, opt_param_scheduler=states["lr_scheduler"].state_dict())
-    return state
+def _megatron_layout(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt,
+                     megatron_args) -> dict:
+    """The states where Megatron-LM's checkpoints keep them, with its metadata and our layout; without the
+    optimizer's part (optimizer, LR scheduler, loss scale) with --no-save-optim, as Megatron-LM leaves it out."""
+    layout = {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}
+    saved = ordered(states, lambda place: spec.save_optimizer or place.part != "optimizer")
+    return to_save(states, saved, {**_common(position, megatron_args), "layout": layout})
 
 
 class _NotAsync(logging.Filter):
@@ -282,17 +327,16 @@ logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter
 
 
 def _publish(tmp: str, final: str, root: str, iteration: int, retain_interval: int | None = None,
-             digests: dict | None = None) -> None:
-    """Rank 0: manifest, then the rename, then the latest file, each made durable before the next. The
-    manifest takes the ``digests`` given (by file, relative to ``tmp``) and computes the others. With
-    --save-retain-interval, as Megatron-LM: the checkpoint the latest file named before goes, unless its
-    iteration is a multiple of the interval."""
-    files = {}
-    for folder, _, names in os.walk(tmp):
-        for name in names:
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, tmp)
-            files[rel] = (digests or {}).get(rel) or digest(path)
+             digests: dict | None = None, integrity: bool = False) -> None:
+    """Rank 0: manifest (after megatron-core's integrity.json, with ``integrity``), then the rename, then the
+    latest file, each made durable before the next. The manifests take the ``digests`` given (by file,
+    relative to ``tmp``) and compute the others (the files rank 0 wrote). With --save-retain-interval, as
+    Megatron-LM: the checkpoint the latest file named before goes, unless its iteration is a multiple of the
+    interval."""
+    files = _digests(tmp, digests or {})
+    if integrity:
+        _write_durably(os.path.join(tmp, INTEGRITY_FNAME), integrity_text(files))
+        files[INTEGRITY_FNAME] = digest(os.path.join(tmp, INTEGRITY_FNAME))
     _write_durably(os.path.join(tmp, MANIFEST), json.dumps({"iteration": iteration, "files": files}, indent=1))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -302,6 +346,16 @@ def _publish(tmp: str, final: str, root: str, iteration: int, retain_interval: i
     os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
     if retain_interval and previous not in (None, iteration) and previous % retain_interval:
         shutil.rmtree(iteration_dir(root, previous), ignore_errors=True)
+
+
+def _digests(tmp: str, given: dict) -> dict:
+    """Every file in ``tmp``: its digest as ``given`` (by file, relative to ``tmp``), or computed here."""
+    files = {}
+    for folder, _, names in os.walk(tmp):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), tmp)
+            files[rel] = given.get(rel) or digest(os.path.join(folder, name))
+    return files
 
 
 def _latest_iteration(root: str) -> int | None:
@@ -323,22 +377,22 @@ def _write_durably(path: str, text: str) -> None:
 
 # --- load ----------------------------------------------------------------------------------------
 
-def load_checkpoint(states: Mapping[str, State], spec: CheckpointSpec, rt) -> None:
-    """Collective: ``spec.load`` into ``states`` (named as states.py lists them; ``rt`` gives this rank's
-    place): the weights; unless --finetune / --no-load-optim / --no-load-rng say otherwise, the optimizer,
-    loss scale and LR scheduler and (same layout only) the RNG states; the data position, 0 with --finetune."""
+def load_checkpoint(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt) -> None:
+    """Collective: ``spec.load`` into ``states`` (named as states.py places them; ``rt`` gives this rank's
+    place) and ``position``: the weights; unless --finetune / --no-load-optim / --no-load-rng say otherwise,
+    the optimizer, loss scale and LR scheduler and (same layout only) the RNG states; the data position, 0
+    with --finetune. Every file is verified first (``_verified``), and nothing is loaded if one is bad."""
     folder, fmt = find_checkpoint(spec.load)
-    _verified_by_rank0(folder, spec.load)
+    files = _verified(folder, spec.load)
     if fmt == "torch":
-        common = load_legacy(states["model"].chunks, rt.tp, rt.tp_rank, folder, spec.load)
-        states["model"].weights_loaded()
+        model = _legacy_held(states)
+        common = load_legacy(model.chunks, rt.tp, rt.tp_rank, folder, spec.load)
+        model.weights_loaded()
     else:
         if spec.verify_integrity:
-            verify_integrity(folder, spec.load)
+            verify_integrity(folder, spec.load, files)
         common = _load_dist(states, spec, rt, folder)
-    if spec.load_optimizer and "opt_param_scheduler" in common:
-        states["lr_scheduler"].load_state_dict(common["opt_param_scheduler"])
-    states["data"].load_state_dict({"iteration": 0, "consumed_samples": 0} if spec.finetune else _position(common))
+    position.load_state_dict({"iteration": 0, "consumed_samples": 0} if spec.finetune else _position(common))
 
 
 def _position(common: dict) -> dict:
@@ -355,32 +409,26 @@ def _same_layout(common: dict, rt) -> bool:
     return (layout.get("world"), layout.get("tp"), layout.get("pp")) == (rt.world, rt.tp, rt.pp)
 
 
+def _loaded(spec: CheckpointSpec, common: dict, rt) -> Callable[[Place], bool]:
+    """Which parts a load restores, as Megatron-LM's flags say: the optimizer's unless --no-load-optim or
+    --finetune; the RNG states unless --no-load-rng or --finetune, and only into the layout they were saved in."""
+    parts = {None: True, "optimizer": spec.load_optimizer, "rng": spec.load_rng and _same_layout(common, rt)}
+    return lambda place: parts[place.part]
+
+
 def _load_dist(states: Mapping[str, State], spec: CheckpointSpec, rt, folder: str) -> dict:
     """Every state the checkpoint fills, in one dist_checkpointing.load; returns its common state."""
-    common = read_common(folder, "torch_dist", spec.load)
-    models = states["model"].sharded_state_dict()
-    request = {k: _tensors_only(v) for k, v in models.items()}
-    if spec.load_optimizer:  # that the checkpoint has one was checked before start
-        request["optimizer"] = states["optimizer"].sharded_state_dict(
-            models, is_loading=True, main_weights=common["optimizer"].get("fp32_param", False))
-    rng = spec.load_rng and _same_layout(common, rt)
-    if rng:
-        request["rng_state"] = states["rng"].sharded_state_dict()
+    common = read_common(folder, "torch_dist", spec.load, checked=True)
+    names = ordered(states, _loaded(spec, common, rt))
+    request, objects = to_load(states, names, common)
     try:
-        with safe_globals():
-            loaded = _load_strictly(request, folder, spec.strictness, _objects(models))
+        loaded = _load_strictly(request, folder, spec.strictness, objects)
     except Exception as e:  # noqa: BLE001 -- missing keys, wrong shapes: named, never a traceback per rank
         raise CheckpointError(spec.load, f"{folder} does not fit this model: {str(e).splitlines()[0][:300]}") from None
     try:
-        states["model"].load_state_dict({k: loaded[k] for k in models})
+        load_into(states, names, loaded)
     except StateMismatch as e:
         raise CheckpointError(spec.load, str(e)) from None
-    if spec.load_optimizer:
-        states["optimizer"].load_state_dict(loaded["optimizer"])
-        if "grad_scaler" in states and "grad_scaler" in common["optimizer"]:
-            states["grad_scaler"].load_state_dict(common["optimizer"]["grad_scaler"])
-    if rng:
-        states["rng"].load_state_dict(loaded["rng_state"])
     return common
 
 
@@ -388,7 +436,7 @@ def _load_strictly(request: dict, folder: str, strictness: str, skipped: set[str
     """dist_checkpointing.load under --dist-ckpt-strictness, as Megatron-LM's loader passes it: what to do with
     keys the request and the checkpoint do not share (raise, log, ignore). The two that also look for keys of the
     checkpoint nobody requested (log_all, raise_all) do not count the ``skipped`` ones, which this loader leaves
-    out on purpose (``_tensors_only``) and Megatron-LM requests: megatron-core returns the mismatches
+    out on purpose (layout.to_load) and Megatron-LM requests: megatron-core returns the mismatches
     (return_all), and they are raised or logged as the flag says, in megatron-core's words."""
     if strictness not in (StrictHandling.LOG_ALL.value, StrictHandling.RAISE_ALL.value):
         return dist_checkpointing.load(request, folder, strict=strictness)
@@ -396,14 +444,3 @@ def _load_strictly(request: dict, folder: str, strictness: str, skipped: set[str
     maybe_report_missing_and_unexpected_keys(missing - skipped, unexpected,
                                              raise_error=strictness == StrictHandling.RAISE_ALL.value)
     return loaded
-
-
-def _objects(models: dict) -> set[str]:
-    """The keys of the ShardedObjects in the models' sharded state (what ``_tensors_only`` leaves out)."""
-    return {v.key for tree in models.values() for v in tree.values() if isinstance(v, ShardedObject)}
-
-
-def _tensors_only(tree: dict) -> dict:
-    """A model's sharded state without its ShardedObjects (``_extra_state``: empty on the local spec,
-    fp8 scales on Transformer Engine's, which we do not run), so loading unpickles nothing."""
-    return {k: v for k, v in tree.items() if not isinstance(v, ShardedObject)}

@@ -1,17 +1,12 @@
-"""What every checkpoint reader shares: the error that names --load, torch.load's allow-list for
-the classes Megatron-LM's checkpoints pickle, and the digest of a file our manifest records."""
+"""What every checkpoint reader shares: the error that names --load, and the digest of a file our manifest
+records. torch.load's allow-list for the classes Megatron-LM's checkpoints pickle besides tensors (its args
+Namespace, megatron-core's enums, numpy's RNG state in the legacy files) is megatron-core's own
+(megatron.core.safe_globals, registered with torch when megatron.core is imported), so every
+``torch.load(weights_only=True)`` here accepts what Megatron-LM writes and runs no code."""
 from __future__ import annotations
 
-import argparse
 import hashlib
-import io
 import os
-
-import numpy as np
-import torch
-from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
-from megatron.core.transformer.enums import AttnBackend, ModelType
-from numpy._core.multiarray import _reconstruct
 
 from chimera_schedules import ConfigError
 
@@ -21,14 +16,6 @@ class CheckpointError(ConfigError):
 
     def __init__(self, root: str, rule: str):
         super().__init__("--load", root, rule)
-
-
-def safe_globals():
-    """The classes Megatron-LM's checkpoints pickle besides tensors, allowed to torch.load's
-    weights_only unpickler (which runs no code); numpy's array for the legacy files' ``np_rng_state``."""
-    return torch.serialization.safe_globals([argparse.Namespace, io.BytesIO, AttnBackend, ModelType,
-                                             RerunDiagnostic, RerunMode, RerunState, _reconstruct, np.ndarray,
-                                             np.dtype, np.dtypes.UInt32DType])
 
 
 def digest(path: str) -> dict:

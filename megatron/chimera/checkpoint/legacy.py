@@ -4,8 +4,8 @@ Megatron-LM wrote one ``model_optim_rng.pt`` per (tensor, pipeline) rank, in ``m
 ``mp_rank_TT_PPP``: a plain state dict of that stage, its layers numbered from 0. We rebuild every
 full tensor (tensor-parallel shards joined, layers renumbered into the whole model, Transformer
 Engine's fused-norm names mapped to the local spec's) and copy this rank's slice, so any layout and
-schedule reads them. Files are opened with ``torch.load(weights_only=True)`` and only the safe
-globals Megatron-LM's files need. The optimizer state is not converted: Megatron-LM keyed it by its
+schedule reads them. Files are opened with ``torch.load(weights_only=True)`` and megatron-core's allow-list
+of what Megatron-LM's files pickle (format.py). The optimizer state is not converted: Megatron-LM keyed it by its
 own parameter order, so these checkpoints load with --finetune or --no-load-optim.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import torch
 
 from ..model.parameter_names import LAYER, TIED_NAME, is_gated, tp_shard
-from .format import CheckpointError, safe_globals
+from .format import CheckpointError
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -41,8 +41,7 @@ def _files(folder: str) -> dict[int, list[str]]:
 
 def _load(path: str, root: str) -> dict:
     try:
-        with safe_globals():
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first_line = str(e).splitlines()[0][:200]
         raise CheckpointError(root, f"{path} holds objects we do not unpickle ({first_line})") from None

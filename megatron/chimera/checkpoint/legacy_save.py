@@ -15,7 +15,7 @@ No optimizer state: Megatron-LM keys the legacy one by its own parameter groups'
 distributed optimizer's ``distrib_optim.pt`` by its buffers' layout), which this trainer does not
 reproduce, so this format is written with --no-save-optim only (Megatron-LM then leaves out the LR
 scheduler too). checkpointing.py publishes the folder as it does a torch_dist one (manifest, rename,
-``latest``); legacy.py reads it.
+``latest``), each file's digest taken by the rank that wrote it; legacy.py reads it.
 """
 from __future__ import annotations
 
@@ -43,14 +43,16 @@ def _rng_state() -> dict:
             "rng_tracker_states": get_cuda_rng_tracker().get_states()}
 
 
-def save_legacy(model, rt, folder: str, common: dict) -> None:
+def save_legacy(model, rt, folder: str, common: dict) -> list[str]:
     """This rank's file in ``folder``, if it writes one: the down-pipeline chunk of ``model``
-    (states.py's ModelChunks) with ``common`` (iteration, args, checkpoint_version) and its RNG states."""
+    (states.py's ModelChunks) with ``common`` (iteration, args, checkpoint_version) and its RNG states.
+    Returns the paths it wrote (none or one), whose digests this rank takes for the manifest."""
     if rt.dp_rank != 0 or rt.cp_rank != 0:  # the copies at other DP and CP ranks are the same
-        return
+        return []
     model.main.flush()  # pending parameter gathers (--overlap-param-gather) land in the weights first
     down = [chunk for chunk, pipeline, _ in model.placed if pipeline == 0]
     assert len(down) == 1, f"worker {rt.worker} holds {len(down)} down-pipeline stages; the torch format needs 1"
     path = os.path.join(folder, rank_dir(rt.tp_rank, rt.worker, rt.pp))
     os.makedirs(path, exist_ok=True)
     torch.save({**common, "model": down[0].state_dict(), "rng_state": [_rng_state()]}, os.path.join(path, FILE))
+    return [os.path.join(path, FILE)]

@@ -1,16 +1,18 @@
 """The named states a checkpoint holds, each an object that saves and loads itself, as torchtitan's
 CheckpointManager takes them: ``state_dict``/``load_state_dict`` (torch's ``Stateful``), or, for tensors
 sharded over ranks, megatron-core's ``sharded_state_dict`` with ``load_state_dict`` of what it filled.
-``Trainer.states()`` names the trainer's, the loop adds the data position; checkpointing.py writes and
-reads them in Megatron-LM's layout of a checkpoint, never seeing the trainer:
+``Trainer.states()`` names the trainer's; ``PLACES`` says where Megatron-LM's checkpoints keep each and
+which come first; checkpointing.py saves and loads them in that layout without naming any, never seeing
+the trainer:
 
     "model"         ModelChunks                -> model0, model1, ...  (the whole model's sharded keys)
     "optimizer"     OptimizerState             -> optimizer            (moments or momentum, fp32 main weights, step)
     "grad_scaler"   LossScaler (--fp16 only)   -> optimizer.grad_scaler
     "lr_scheduler"  OptimizerParamScheduler    -> opt_param_scheduler
     "rng"           RNGState                   -> rng_state            (sharded by rank)
-    "data"          DataPosition               -> iteration, args.consumed_train_samples
 
+How far the data was read (DataPosition) is the checkpoint's position rather than one of them: it names the
+``iter_X`` folder, and Megatron-LM keeps it as ``iteration`` and in ``args`` (consumed_train_samples).
 The classes here give the protocol to what lacks it: the held chunks with the main weights that shadow
 them, AdamW with those main weights, the process's random generators, and how far the data was read.
 """
@@ -35,14 +37,45 @@ from .sharded_state import (
 
 class ShardedStateful(Protocol):
     """megatron-core's protocol for state sharded over ranks: ``sharded_state_dict`` gives the sharded
-    tensors to write, or to fill at a load; ``load_state_dict`` takes them filled."""
+    tensors to write, or to fill at a load; ``load_state_dict`` takes them filled. Its arguments: the sharded
+    states of the states its place comes ``after``, and, at a load, ``metadata``: what the checkpoint holds
+    at its place besides tensors (megatron-core's models and optimizers take a ``metadata`` too)."""
 
-    def sharded_state_dict(self, *args, **kwargs) -> dict: ...
+    def sharded_state_dict(self, *after: dict, metadata: dict | None = None) -> dict: ...
 
     def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 State = Stateful | ShardedStateful
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where Megatron-LM's checkpoints keep a named state, and what saving and loading it needs.
+
+    ``key``: its path in the checkpoint ("a.b": nested; "": its keys at the top level, as the model's
+    ``model0``, ``model1``, ..., which is why it is handed the whole checkpoint at a load). ``part``: the
+    flags that leave it out, as Megatron-LM's: "optimizer" (--no-save-optim, --no-load-optim, --finetune),
+    "rng" (--no-load-rng, --finetune, and a load into another layout, where a rank's generators are not the
+    same rank's), None (none). ``after``: the states saved and loaded before it (their sharded states
+    are its sharded state's arguments). ``legacy``: what Megatron-LM's legacy per-rank files hold
+    (--ckpt-format torch): the model's weights alone."""
+
+    key: str
+    part: str | None = None
+    after: tuple[str, ...] = ()
+    legacy: bool = False
+
+
+PLACES = {
+    "model": Place("", legacy=True),
+    # its tensors are sharded like the model's; the fp32 main weights it loads replace those the model's load
+    # copied into the main weights (ModelChunks.weights_loaded)
+    "optimizer": Place("optimizer", "optimizer", after=("model",)),
+    "grad_scaler": Place("optimizer.grad_scaler", "optimizer", after=("optimizer",)),  # inside the optimizer's
+    "lr_scheduler": Place("opt_param_scheduler", "optimizer"),
+    "rng": Place("rng_state", "rng"),
+}
 
 
 class StateMismatch(Exception):
@@ -68,7 +101,8 @@ class ModelChunks:
     def chunks(self) -> list[torch.nn.Module]:
         return [chunk for chunk, _, _ in self.placed]
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, metadata: dict | None = None) -> dict:
+        """The chunks' sharded states (``metadata``, the checkpoint's at a load, changes no key)."""
         self.main.flush()
         return {f"model{i}": chunk_state(chunk, first, self.num_layers, pipeline)
                 for i, (chunk, pipeline, first) in enumerate(self.placed)}
@@ -97,18 +131,18 @@ class OptimizerState:
     def __init__(self, optimizer: torch.optim.Optimizer, main, chunks: list[torch.nn.Module], muon_steps=None):
         self.optimizer, self.main, self.chunks, self.muon_steps = optimizer, main, chunks, muon_steps
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
-                           main_weights: bool | None = None) -> dict:
-        """megatron-core's optimizer protocol, over the model's sharded state. ``main_weights``: whether the
-        fp32 main weights are in it; by default whether this run has them, at a load whether the checkpoint
-        does. Zeros to be filled at a load. Collective when saving (the distributed optimizer gathers)."""
-        main_weights = self.main.half if main_weights is None else main_weights
-        weights = ("fp32_param",) if main_weights else ()
+    def sharded_state_dict(self, model_sharded_state_dict: dict, metadata: dict | None = None) -> dict:
+        """megatron-core's optimizer protocol, over the model's sharded state; at a load (``metadata``: what the
+        checkpoint holds of the optimizer besides tensors), zeros to be filled. The fp32 main weights are in it
+        when this run has them, at a load when the checkpoint does. Collective when saving (the distributed
+        optimizer gathers)."""
+        loading = metadata is not None
+        weights = ("fp32_param",) if (metadata.get("fp32_param", False) if loading else self.main.half) else ()
         kept = (MOMENTS + MOMENTUM if self.muon_steps else MOMENTS) + weights  # Muon: no distributed optimizer
-        full = {} if is_loading else self.main.full_state(self.optimizer, kept)
+        full = {} if loading else self.main.full_state(self.optimizer, kept)
         return {"state": optimizer_tensors(self.chunks, model_sharded_state_dict, full,
                                            lambda p: self._moments(p) + weights),
-                "step": self.steps(), "fp32_param": main_weights}
+                "step": self.steps(), "fp32_param": bool(weights)}
 
     def _moments(self, param: torch.nn.Parameter) -> tuple[str, ...]:
         return MOMENTUM if self.muon_steps and self.muon_steps(param) else MOMENTS
@@ -132,7 +166,8 @@ class RNGState:
     rank: int
     world: int
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, metadata: dict | None = None) -> dict:
+        """This rank's generators (``metadata``, the checkpoint's at a load, changes nothing)."""
         return rng_state(self.rank, self.world)
 
     def load_state_dict(self, state_dict: dict) -> None:

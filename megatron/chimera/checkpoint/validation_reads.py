@@ -9,7 +9,6 @@ from megatron.training.checkpointing import load_args_from_checkpoint
 
 from ..config.layer_probes import SavedCheckpoint
 from .checkpointing import LATEST, check_shape, check_sizes, find_checkpoint, read_common
-from .format import safe_globals
 from .integrity import unverifiable
 
 
@@ -21,8 +20,7 @@ def take_checkpoint_args(load: str, megatron_args: argparse.Namespace) -> None:
         folder, fmt = find_checkpoint(load)
         check_sizes(folder, load)
         read_common(folder, fmt, load)  # checks the digests of what is unpickled
-    with safe_globals():
-        load_args_from_checkpoint(megatron_args)
+    load_args_from_checkpoint(megatron_args)  # torch.load's allow-list is megatron-core's (format.py)
 
 
 def read_checkpoint(load: str, megatron_args: argparse.Namespace, verify_integrity: bool) -> SavedCheckpoint:
