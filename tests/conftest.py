@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# one intra-op thread per process, as every launch here runs (launch.py's ENV): two pytest workers share two cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # megatron-core and the trainer are imported by the fixtures that use them, never here: the schedule library's
 # tests (tests/schedules) import neither (tests/unit/test_layers.py checks it)
 

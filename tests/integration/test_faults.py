@@ -19,7 +19,7 @@ from megatron.chimera.testing.launch import ROOT, launch
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128", "--num-workers", "0"]
 
 
 def fake_checkpoint(root, hidden: int):
@@ -123,7 +123,7 @@ CHIMERA2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
             "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
-            "--lr-decay-style", "constant", "--distributed-timeout-minutes", "2"]
+            "--lr-decay-style", "constant", "--distributed-timeout-minutes", "2", "--num-workers", "0"]
 
 
 def test_ranks_that_built_different_schedules_fail_in_one_line_before_training():

@@ -167,7 +167,7 @@ PROFILED = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
              "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
              "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
              "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
-             "--lr-decay-style", "constant", "--train-iters", "2", "--eval-iters", "1"]
+             "--lr-decay-style", "constant", "--train-iters", "2", "--eval-iters", "1", "--num-workers", "0"]
 MTP = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]  # DeepSeek-V3's MTP (Megatron-LM wants rope)
 LAYOUT = "--pipeline-model-parallel-layout"
 MODEL_STATE = re.compile(r"model state \(bytes\) \| parameters: (\d+) \| main parameters: (\d+) \| gradients: (\d+) \|"

@@ -19,7 +19,7 @@ from megatron.chimera.testing.one_step import one_process_trainer
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
         "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--eval-iters", "0"]
+        "--eval-iters", "0", "--num-workers", "0"]
 GLOBAL_AUX = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8", "--disable-bias-linear",
               "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2"]
 

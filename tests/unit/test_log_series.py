@@ -13,7 +13,7 @@ from megatron.chimera.observability.series import Writers, memory_scalars, set_l
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--train-iters", "6", "--lr", "1e-4", "--mock-data", "--vocab-size", "128"]
+        "--train-iters", "6", "--lr", "1e-4", "--mock-data", "--vocab-size", "128", "--num-workers", "0"]
 
 
 class Recorder:

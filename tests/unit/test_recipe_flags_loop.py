@@ -34,7 +34,7 @@ from megatron.chimera.testing.plans import plan_of
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
         "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--eval-iters", "0"]
+        "--eval-iters", "0", "--num-workers", "0"]
 # layer 0 dense, layer 1 mixture-of-experts with a shared expert
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8", "--moe-layer-freq", "[0,1]",
        "--moe-shared-expert-intermediate-size", "8", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"]

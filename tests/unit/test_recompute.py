@@ -7,7 +7,7 @@ from megatron.chimera.testing.one_step import forward_backward_once
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
-         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128", "--num-workers", "0",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 

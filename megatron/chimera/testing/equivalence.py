@@ -51,7 +51,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          # one padded vocabulary (128) at TP = 1 and 2: megatron-core 0.19's NullTokenizer has exactly
          # --vocab-size ids, which Megatron pads to a multiple of 128 x TP by default
          "--make-vocab-size-divisible-by", "64",
-         "--attention-dropout", "0", "--lr", "1e-3", "--mock-data", "--train-iters", str(ITERS),
+         "--attention-dropout", "0", "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--train-iters", str(ITERS),
          "--global-batch-size", "8", "--eval-iters", "1", "--eval-interval", "1000", "--seed", "4321",
          # Biases off: the key bias has an exactly-zero true gradient, and AdamW turns its rounding noise
          # (~1e-10, below eps) into layout-dependent updates, in any layout. Losses agree either way. (Its

@@ -56,9 +56,11 @@ def losses(proc: subprocess.CompletedProcess) -> dict[int, str]:
 
 def train_args(corpus: list[str], *extra: str) -> list[str]:
     """pretrain_gpt.py and a tiny GPT on ``corpus`` (its data and tokenizer flags) for 4 iterations,
-    evaluating every 2, with dropout off; ``extra`` flags come last and win."""
+    evaluating every 2, with dropout off, reading in the training process (--num-workers 0: DataLoader workers
+    fork every rank, twice, for a few tiny batches; the README's run and the conventions' keep Megatron-LM's 2);
+    ``extra`` flags come last and win."""
     return ["pretrain_gpt.py", *corpus, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", "4", "--lr", "3e-3", "--lr-decay-style", "cosine", "--min-lr", "3e-4",
             "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--train-iters", "4", *extra]
+            "--attention-dropout", "0", "--train-iters", "4", "--num-workers", "0", *extra]
