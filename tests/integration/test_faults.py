@@ -123,7 +123,8 @@ CHIMERA2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "128", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
             "chimera", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
-            "--lr-decay-style", "constant", "--distributed-timeout-minutes", "2", "--num-workers", "0"]
+            "--lr-decay-style", "constant", "--num-workers", "0",
+            "--distributed-timeout-minutes", "2"]  # its value last: a test replaces it
 
 
 def test_ranks_that_built_different_schedules_fail_in_one_line_before_training():

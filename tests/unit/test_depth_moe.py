@@ -66,15 +66,16 @@ def _follows(got: list[tuple[str, float, float]], timeline: list) -> None:
 
 
 def test_one_pass_alone_and_a_deferred_weight_pass():
-    """A forward alone takes its compute and its all-to-all one after the other, none hidden; an I
-    leaves the weights to its weight pass, which waits W."""
+    """A forward alone takes its compute and its all-to-all one after the other, none hidden (at least their
+    sum: a loaded machine only lengthens it); an I leaves the weights to its weight pass, which waits W."""
     st = _stage(first=True)
     plan = st.schedule_plan(torch.zeros(4, 1, 8, dtype=torch.bfloat16))
     moe.PARTS.clear()
     start = time.perf_counter()
     type(plan).run(plan, None)
-    assert TIMES.forward + TIMES.a2a <= time.perf_counter() - start < TIMES.forward + TIMES.a2a + 4 * SLACK
-    assert moe.a2a_overlap()[1] == 0
+    took = time.perf_counter() - start
+    assert took >= TIMES.forward + TIMES.a2a, f"a forward alone took {took}, less than its compute and all-to-all"
+    assert moe.a2a_overlap()[1] == 0, "a forward alone hid some of its all-to-all"
     wpass = plan.defer_weight_gradients()
     stage.SPANS.clear()
     type(plan).run(None, plan, b_grad=torch.ones(4, 1, 8, dtype=torch.bfloat16))
