@@ -140,13 +140,12 @@ def test_ranks_that_built_different_schedules_fail_in_one_line_before_training()
 
 def test_a_killed_rank_ends_the_other_with_a_clear_message():
     p0, p1 = ranks(*CHIMERA2, "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "kill 1@3"})
-    start = time.time()
-    out0, err0 = p0.communicate(timeout=120)
+    out0, err0 = p0.communicate(timeout=300)
     p1.communicate(timeout=30)
-    assert time.time() - start < 60
     assert p1.returncode == -signal.SIGKILL and p0.returncode != 0
     line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
     assert "rank 0" in line and "iteration 3" in line, line
+    assert "Timed out" not in line, line  # the closed connection ended it, not the 2-minute timeout
     assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1",
                      line) or "a collective failed" in line, line
 
@@ -156,14 +155,14 @@ def test_a_silent_rank_ends_the_other_after_the_distributed_timeout():
     p0, p1 = ranks(*CHIMERA2[:-1], "0.25", "--train-iters", "50", env={"CHIMERA_TEST_FAULT": "hang 1@3"})  # 15 s
     try:
         start = time.time()
-        _, err0 = p0.communicate(timeout=120)
-        assert p0.returncode != 0 and 15 <= time.time() - start < 60
+        _, err0 = p0.communicate(timeout=300)  # far below Megatron-LM's default of 10 minutes
+        assert p0.returncode != 0 and time.time() - start >= 15, (p0.returncode, time.time() - start)
         assert p1.poll() is None  # the hung rank is still there: only the launcher can reap it
     finally:
         p1.kill()
         p1.communicate()
     line = next(x for x in err0.splitlines() if x.startswith("pretrain_gpt.py: error:"))
-    assert "rank 0" in line and "iteration 3" in line and "Timed out" in line, line
+    assert "rank 0" in line and "iteration 3" in line and "Timed out waiting 15000ms" in line, line  # the flag's 0.25
     assert re.search(r"waited for the (activation|gradient) of micro-batch \d+, pipeline \d, stage \d from worker 1",
                      line)
 
