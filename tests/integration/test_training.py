@@ -20,6 +20,7 @@ from megatron.chimera.testing.equivalence import (
     DROPPED_EXPERT,
     EVERY_PAIR,
     HALVES_CASES,
+    ITERS,
     KAPPA_MAX,
     OVERLAPPED_EXPERTS,
     PER_PIPELINE,
@@ -142,9 +143,9 @@ def test_weight_hash_check_passes_everywhere_and_names_a_planted_difference(resu
               if results[case]["weight_hashes"]["trained"] is not None}
     assert failed == {}, f"the weight-hash check failed after these cases: {failed}"
     planted = results[PLANTED_COPY]["weight_hashes"]["planted"]
-    expected = ("weight hashes differ after 3 iterations: stage 0 (tensor-parallel rank 0): the copies on ranks [3] "
-                "differ from the copy on rank 0 (first in embedding.word_embeddings.weight; the stage's copies are on "
-                "ranks [0, 1, 2, 3])")
+    expected = (f"weight hashes differ after {ITERS} iterations: stage 0 (tensor-parallel rank 0): the copies on "
+                "ranks [3] differ from the copy on rank 0 (first in embedding.word_embeddings.weight; the stage's "
+                "copies are on ranks [0, 1, 2, 3])")
     assert planted == expected, f"the planted difference was reported as {planted!r}"
 
 
