@@ -41,6 +41,12 @@ TRAINER_OPTIONS = (
                                            "model, schedule and hardware profile (a JSON path, or a name in "
                                            "profiles/), instead of evenly; prints the layout string it applies, "
                                            "reusable with --pipeline-model-parallel-layout"}),
+    ("--pipeline-profile", {"metavar": "PROFILE",
+                            "help": "with --pipeline-schedule auto: the hardware profile the planner prices the plans "
+                                    "with (a JSON path, or a name in profiles/; default: this device's)"}),
+    ("--pipeline-memory-limit-gb", {"type": float,
+                                    "help": "with --pipeline-schedule auto: drop the plans whose predicted peak per "
+                                            "worker exceeds this many GiB (default: the device's memory less 10%)"}),
     ("--log-memory-per-rank", {"action": "store_true",
                                "help": "print every rank's model-state bytes after setup, not only the largest"}),
 )
@@ -50,8 +56,9 @@ def add_trainer_group(parser, megatron_schedules: tuple[str, ...]):
     """pretrain_gpt.py's Chimera group, added to Megatron-LM's own parser as its extra arguments:
     --pipeline-schedule (ours, or megatron-core's own), the schedule options and the run-time ones."""
     group = parser.add_argument_group("Chimera: pipeline schedules and run-time options")
-    group.add_argument(OPTION["schedule"].trainer, choices=SCHEDULES + megatron_schedules,
-                       help="default: megatron-core's own (1f1b, or interleaved with virtual stages)")
+    group.add_argument(OPTION["schedule"].trainer, choices=SCHEDULES + megatron_schedules + ("auto",),
+                       help="default: megatron-core's own (1f1b, or interleaved with virtual stages); auto: the "
+                            "planner picks the schedule, its options and the micro-batch size, and prints the flags")
     add_arguments(group, "trainer")
     for flag, kwargs in TRAINER_OPTIONS:
         group.add_argument(flag, **kwargs)

@@ -15,6 +15,7 @@ from chimera_schedules import ConfigError
 from chimera_schedules.ir.spec import flags
 
 from .checkpoint.validation_reads import read_checkpoint, take_checkpoint_args
+from .config.auto_plan import asks_auto, check_planning_flags, planned_argv, quietly
 from .config.layer_probes import LayerProbes
 from .config.parser import PROG, fail, parse, say_no_effect
 from .config.validation import validate
@@ -27,11 +28,21 @@ PROBES = LayerProbes(build_tokenizer=build_tokenizer, transformer_engine=chunk,
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate. Exits with code 2 and one line on an impossible configuration."""
-    args, parser = parse(argv)
+    """Parse and validate. Exits with code 2 and one line on an impossible configuration. With
+    --pipeline-schedule auto, the planner's flags replace it first (config/auto_plan.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        ignored = validate(args, parser, sys.argv[1:] if argv is None else argv, world_size, PROBES)
+        check_planning_flags(argv)
+        if asks_auto(argv):
+            argv = planned_argv(argv, lambda given: quietly(lambda: _validated(given, world_size)[0]))
+        args, ignored = _validated(argv, world_size)
     except ConfigError as e:
         fail(f"{PROG}: error: {e.message(flags('trainer'))}")
     say_no_effect(ignored)
     return args
+
+
+def _validated(argv: list[str], world_size: int | None) -> tuple[argparse.Namespace, list[str]]:
+    """The namespace of ``argv`` and its flags with no effect; ConfigError on an impossible one."""
+    args, parser = parse(argv)
+    return args, validate(args, parser, argv, world_size, PROBES)

@@ -255,6 +255,7 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
 
 
 D2, D4 = schedule_cases(2), schedule_cases(4)
+AUTO2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto"]
 CHIMERA2, CHIMERA4 = D2["chimera direct D=2"], D4["chimera direct D=4"]
 
 # Uneven stages (Megatron-LM's layout flags, stages holding only E or only L) and multi-token prediction,
@@ -336,6 +337,8 @@ CASES = {
         "config-fields chimera D=2": ("config-fields", CHIMERA2),
         # the same run as "chimera direct D=2": test_training checks its losses and weights bitwise equal
         DETERMINISTIC: ("tied-learned", CHIMERA2 + ["--deterministic-mode"]),
+        # the planner's pick (schedule, options, micro-batch size) for this model: config/auto_plan.py
+        "auto D=2": ("tied-learned", AUTO2),
     } | LAYOUT_CASES[2],
     4: {name: ("tied-learned", flags) for name, flags in D4.items()} | {
         "chimera direct D=4 emulated NCCL overlapped reduce": ("tied-learned", CHIMERA4 + ["--emulate-nccl"] + OVERLAP),
@@ -400,6 +403,7 @@ CASES = {
         "chimera split llama D=2 CP=2 per-layer comm types": ("llama", D2["chimera split D=2"] + CP2 + [
             "--cp-comm-type", *["p2p", "a2a", "all_gather", "p2p"] * 2]),
         "mixtral alltoall chimera D=2 CP=2 EP=2": ("mixtral", CHIMERA2 + CP2 + EP2 + ALLTOALL),
+        "mixtral alltoall auto D=2 EP=2": ("mixtral", AUTO2 + EP2 + ALLTOALL),
     # --overlap-moe-expert-parallel-comm: every schedule that takes it, each F&B run through megatron-core's
     # schedule plans, the expert all-to-all between the two EP=2 ranks of each stage. At micro-batch size 1
     # the pairs only (1F1B, DualPipe; EVERY_PAIR: 1F1B split with its I passes paired); at 2 or 4 actions in

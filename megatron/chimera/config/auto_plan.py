@@ -1,0 +1,226 @@
+"""--pipeline-schedule auto: the planner (chimera_schedules.tools.planner) picks the schedule, its options and
+the micro-batch size for the model, sizes and batch that the other flags give, under a memory limit.
+
+The pick is a set of flags (` > pipeline plan: ...`). They replace `--pipeline-schedule auto` and the
+planning flags in the command line before it is parsed for real, so an auto run is exactly the run of
+the printed flags: the same namespace, so the same run to the bit. Every rank plans from the same
+command line and profile, so every rank picks the same plan (and the ranks still agree on the
+schedule's hash before iteration 1: distributed/schedule_agreement.py).
+
+Costs: Megatron-LM's FLOP count at a hardware profile's rate (``--pipeline-profile``, a JSON path or
+a name in profiles/; by default the CPU profile on the CPU, the H100 datasheet on a GPU). Memory: the
+planner's peak per worker against ``--pipeline-memory-limit-gb``, by default the profile's memory
+less a tenth (allocator slack and buffers the model does not count).
+
+Candidates: every planned variant of the registry (``PLANNED``; interleaved v=2 where the layers split;
+DualPipeV; the F&B-overlapped ones where experts are spread over EP > 1 with the all-to-all dispatcher)
+at the given pipeline depth, data-parallel width and expert parallelism, at each micro-batch size
+that divides the batch (only the given one with an explicit --micro-batch-size). A candidate the
+trainer's own rules refuse is passed over, by the same validation a run gets.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from chimera_schedules import ConfigError
+from chimera_schedules.ir.errors import require
+from chimera_schedules.ir.spec import OPTION
+from chimera_schedules.registry import VARIANTS
+from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profile, plan
+
+from .balanced_layout import model_shape, profile_path
+
+AUTO = "auto"
+PROFILE_FLAG, LIMIT_FLAG = "--pipeline-profile", "--pipeline-memory-limit-gb"
+HEADROOM = 0.9  # of the device's memory, when no limit is given
+# the flags the plan sets: given with auto, they are refused (the planner chooses them)
+CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split-backward",
+          "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-halves", "--num-layers-per-virtual-pipeline-stage")
+OVERLAPPED = ("1f1b overlap", "chimera direct overlap", "chimera split overlap", "dualpipe overlap",
+              "dualpipev overlap")
+SHOWN = 5  # plans in the startup table
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The plan auto chose: its flags, the ranked candidates and the table that explains the choice."""
+    flags: list[str]
+    ranked: list[Candidate]
+    table: str
+
+
+def asks_auto(argv: list[str]) -> bool:
+    """Whether the command line gives --pipeline-schedule auto (either spelling)."""
+    for i, a in enumerate(argv):
+        if a == "--pipeline-schedule=auto" or (a == "--pipeline-schedule" and argv[i + 1:i + 2] == [AUTO]):
+            return True
+    return False
+
+
+def given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def without(argv: list[str], flags: tuple[str, ...], valued: bool = True) -> list[str]:
+    """``argv`` less ``flags`` (and each one's value when ``valued``, unless given as flag=value)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = valued and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def check_planning_flags(argv: list[str]) -> None:
+    """The planning flags apply with --pipeline-schedule auto only."""
+    if not asks_auto(argv):
+        for flag in (PROFILE_FLAG, LIMIT_FLAG):
+            require(not given(argv, flag), flag, True, "applies with --pipeline-schedule auto only")
+
+
+def base_argv(argv: list[str]) -> list[str]:
+    """The user's command line without auto and the planning flags: the flags the plan adds to."""
+    return without(argv, ("--pipeline-schedule", PROFILE_FLAG, LIMIT_FLAG))
+
+
+def planned_argv(argv: list[str], validated: Callable[[list[str]], argparse.Namespace]) -> list[str]:
+    """The command line with auto replaced by the plan's flags; prints the plan on rank 0.
+    ``validated(argv)`` parses and validates a command line quietly (ConfigError on a refused one)."""
+    for flag in CHOSEN:
+        require(not given(argv, flag), flag, True, "is chosen by --pipeline-schedule auto: give a schedule instead "
+                "to set it")
+    start = time.perf_counter()
+    base = base_argv(argv)
+    micro_batch_given = given(argv, "--micro-batch-size")
+    batch = [] if micro_batch_given else ["--micro-batch-size", "1"]
+    probe = validated(base + ["--pipeline-schedule", "1f1b"] + batch + _planning_flags(argv))  # sizes, model
+    pick = choose(base, probe, micro_batch_given, validated)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(pick.table, flush=True)
+        print(f" > pipeline plan: {' '.join(pick.flags)} (planned in {time.perf_counter() - start:.2f} s)",
+              flush=True)
+    return base + pick.flags
+
+
+def _planning_flags(argv: list[str]) -> list[str]:
+    """The planning flags as given, kept for the probe's parse (where they are read)."""
+    out = []
+    for i, a in enumerate(argv):
+        name = a.split("=", 1)[0]
+        if name in (PROFILE_FLAG, LIMIT_FLAG):
+            out += [a] if "=" in a else [a, argv[i + 1]]
+    return out
+
+
+def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
+    """Rank the candidates by predicted iteration time; the first that fits the memory limit and that the
+    trainer's rules accept wins. Refuses in one line when none fits."""
+    profile, source = _profile(args)
+    limit = _limit(args, profile)
+    ranked = _ranked(args, profile, micro_batch_given)
+    fitting = [c for c in ranked if c.memory <= limit]
+    if not fitting:
+        smallest = min(ranked, key=lambda c: c.memory)
+        flag = LIMIT_FLAG if args.pipeline_memory_limit_gb else PROFILE_FLAG
+        value = args.pipeline_memory_limit_gb or profile.name
+        raise ConfigError(flag, value, f"no pipeline plan fits in {limit / 2**30:.4g} GiB per worker: the smallest, "
+                                       f"{smallest.label}, needs {smallest.memory / 2**30:.4g} GiB")
+    for c in fitting:
+        flags = plan_flags(c, args, micro_batch_given)
+        try:
+            validated(base + flags)
+        except ConfigError:
+            continue  # a rule of the trainer's refuses it (Transformer Engine, recomputation, ...)
+        return Pick(flags, ranked, _table(ranked, c, limit, profile, source, len(ranked) - len(fitting)))
+    raise ConfigError("--pipeline-schedule", AUTO, "the trainer's rules refuse every plan that fits in memory")
+
+
+def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
+    """The trainer's flags for one candidate: its schedule, the options its variant sets, its micro-batch size."""
+    fields = dict(VARIANTS[c.schedule])
+    flags = ["--pipeline-schedule", fields.pop("schedule")]
+    for field, value in fields.items():
+        flag = OPTION[field].trainer
+        if field == "virtual_stages":
+            flags += [flag, str(args.num_layers // (c.depth * value))]
+        elif OPTION[field].type is bool:
+            flags += [flag] if value else []
+        else:
+            flags += [flag, str(value)]
+    return flags + ([] if micro_batch_given else ["--micro-batch-size", str(c.micro_batch)])
+
+
+def _ranked(args, profile: Profile, micro_batch_given: bool) -> list[Candidate]:
+    d, w, ep = args.pipeline_model_parallel_size, args.data_parallel_size, args.expert_model_parallel_size
+    schedules = list(PLANNED) + ["dualpipev"]
+    if args.num_layers % (2 * d) == 0:
+        schedules.append("interleaved v=2")
+    if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall" and not args.mtp_num_layers:
+        schedules += OVERLAPPED
+    sizes = (args.micro_batch_size,) if micro_batch_given else (1, 2, 4, 8)
+    precision = Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon")
+    ep = ep if w % ep == 0 else 1  # the planner spreads experts over the data-parallel ranks only
+    ranked = plan(d * w, args.global_batch_size, model_shape(args), profile, depths=[d], micro_batches=sizes,
+                  precision=precision, schedules=tuple(schedules), expert_parallel=(ep,))
+    require(ranked, "--pipeline-schedule", AUTO, f"no planned schedule takes PP={d} with {args.global_batch_size} "
+            f"samples per batch over DP={w}" + (f" at --micro-batch-size {args.micro_batch_size}"
+                                                if micro_batch_given else ""))
+    return sorted(ranked, key=lambda c: c.seconds)
+
+
+def _profile(args) -> tuple[Profile, str]:
+    """The hardware profile the costs come from, and how it was chosen. Tensor and context parallelism
+    split each stage's work over their ranks: the profile's rate is theirs together."""
+    name = args.pipeline_profile or ("h100-datasheet" if torch.cuda.is_available() else "cpu-this-machine")
+    path = profile_path(name)
+    require(os.path.isfile(path), PROFILE_FLAG, name, "no such profile (a JSON file, or a name in profiles/)")
+    profile = Profile.load(path)
+    ranks = args.tensor_model_parallel_size * args.context_parallel_size
+    how = "given" if args.pipeline_profile else "this device's default"
+    return dataclasses.replace(profile, flops=profile.flops * ranks), f"profile {profile.name} ({how}), " \
+                                                                      "Megatron-LM's FLOP count"
+
+
+def _limit(args, profile: Profile) -> float:
+    if args.pipeline_memory_limit_gb is not None:
+        require(args.pipeline_memory_limit_gb > 0, LIMIT_FLAG, args.pipeline_memory_limit_gb, "must be positive")
+        return args.pipeline_memory_limit_gb * 2**30
+    if torch.cuda.is_available():
+        return HEADROOM * torch.cuda.get_device_properties(0).total_memory
+    return HEADROOM * profile.memory
+
+
+def _table(ranked: list[Candidate], pick: Candidate, limit: float, profile: Profile, source: str,
+           over: int) -> str:
+    """The startup table: the best plans with their predictions, and why the pick won."""
+    lines = [f" > pipeline plans (--pipeline-schedule auto; costs: {source}; memory limit {limit / 2**30:.4g} GiB "
+             "per worker):",
+             f"   {'plan':<44} {'ms/iteration':>12} {'bubble':>7} {'peak GiB/worker':>16}"]
+    for c in ranked[:SHOWN]:
+        mark = "*" if c is pick else " " if c.memory <= limit else "x"
+        lines.append(f" {mark} {c.label:<44} {1e3 * c.seconds:>12.4g} {c.bubble_ratio:>7.1%} "
+                     f"{c.memory / 2**30:>16.4g}")
+    rivals = [c for c in ranked if c is not pick and c.memory <= limit]
+    why = f"fastest predicted of {len(ranked) - over} plans that fit ({over} over the limit, marked x)"
+    if rivals:
+        why += f"; the next, {rivals[0].label}, is {rivals[0].seconds / pick.seconds:.3f}x its time"
+    return "\n".join(lines + [f"   the pick (*): {why}"])
+
+
+def quietly(run: Callable[[], argparse.Namespace]) -> argparse.Namespace:
+    """Run a planning parse without its printing (Megatron-LM's argument table): only the real parse prints."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run()

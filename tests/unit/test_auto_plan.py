@@ -1,0 +1,71 @@
+"""--pipeline-schedule auto (config/auto_plan.py): the planner's flags replace it before the real parse, so an
+auto run is the run of the flags it prints; a limit no plan fits is refused in one line."""
+import re
+
+import pytest
+
+from megatron.chimera.arguments import parse_args
+
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+         "--mock-data", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3"]
+AUTO2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto"]
+ROW = re.compile(r"^ ([*x ]) (.+?) {2,}\s*(\S+) +(\S+)% +(\S+)$", re.M)  # mark, plan, ms, bubble, peak GiB
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "none", "--disable-bias-linear"]
+
+
+def planned(capsys, argv: list[str], world_size: int) -> tuple[dict, list[str], str]:
+    """The namespace auto gives, the flags it printed and what it printed."""
+    args = parse_args(argv, world_size=world_size)
+    out = capsys.readouterr().out
+    line = re.search(r"^ > pipeline plan: (.*) \(planned in \d+\.\d\d s\)$", out, re.M)
+    assert line, f"no plan line in:\n{out}"
+    return vars(args), line.group(1).split(), out
+
+
+@pytest.mark.parametrize("extra,world", [([], 2), (MOE, 4)], ids=["dense D=2", "moe D=2 EP=2"])
+def test_an_auto_run_is_the_run_of_the_flags_it_prints(capsys, extra, world):
+    """Equal namespaces: the same run to the bit, whatever the plan (the trainer is a function of them)."""
+    auto, flags, out = planned(capsys, MODEL + extra + AUTO2, world)
+    assert "--pipeline-schedule" in flags and "--micro-batch-size" in flags, flags  # the batch is the planner's too
+    again = vars(parse_args(MODEL + extra + ["--pipeline-model-parallel-size", "2"] + flags, world_size=world))
+    differing = {k: (auto.get(k), again.get(k)) for k in auto.keys() | again.keys() if auto.get(k) != again.get(k)}
+    assert differing == {}, f"auto and its printed flags {flags} differ in {differing}"
+    rows = ROW.findall(out)
+    assert len(rows) == 5 and rows[0][0] == "*", f"the table's rows, best first, the pick marked:\n{out}"
+
+
+
+
+def test_a_limit_the_pick_exceeds_picks_another_plan_under_it(capsys):
+    """The unconstrained pick's predicted peak less 1% as the limit: the pick changes, to a plan under it."""
+    _, _, out = planned(capsys, MODEL + AUTO2, 2)
+    first = next(r for r in ROW.findall(out) if r[0] == "*")
+    limit = 0.99 * float(first[4])
+    _, flags, out = planned(capsys, MODEL + AUTO2 + ["--pipeline-memory-limit-gb", repr(limit)], 2)
+    rows = ROW.findall(out)
+    pick = next(r for r in rows if r[0] == "*")
+    assert pick[1] != first[1] and float(pick[4]) <= limit * 1.001, f"limit {limit} GiB, picked {pick}:\n{out}"
+    assert all(r[0] == "x" for r in rows[:rows.index(pick)]), f"a faster plan under the limit was passed over:\n{out}"
+
+
+def test_no_plan_within_the_memory_limit_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(MODEL + AUTO2 + ["--pipeline-memory-limit-gb", "1e-6"], world_size=2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1, err
+    assert re.fullmatch(r"pretrain_gpt.py: error: --pipeline-memory-limit-gb=1e-06: no pipeline plan fits in 1e-06 GiB "
+                        r"per worker: the smallest, .*, needs [0-9.e-]+ GiB", err[0]), err[0]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (AUTO2 + ["--chimera-concat", "doubling"], "--chimera-concat=True: is chosen by --pipeline-schedule auto"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--pipeline-memory-limit-gb", "8"],
+     "--pipeline-memory-limit-gb=True: applies with --pipeline-schedule auto only"),
+], ids=["a schedule option", "a planning flag without auto"])
+def test_auto_refuses_what_it_chooses_and_its_flags_need_it(capsys, extra, needle):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(MODEL + extra, world_size=2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and needle in err[0], err
