@@ -46,7 +46,7 @@ TRAINER_OPTIONS = (
                                     "with (a JSON path, or a name in profiles/; default: this device's)"}),
     ("--pipeline-memory-limit-gb", {"type": float,
                                     "help": "with --pipeline-schedule auto: drop the plans whose predicted peak per "
-                                            "worker exceeds this many GiB (default: the device's memory less 10%)"}),
+                                            "worker exceeds this many GiB (default: the device's memory less 10%%)"}),
     ("--log-memory-per-rank", {"action": "store_true",
                                "help": "print every rank's model-state bytes after setup, not only the largest"}),
 )
