@@ -24,18 +24,22 @@ def planned(capsys, argv: list[str], world_size: int) -> tuple[dict, list[str], 
     return vars(args), line.group(1).split(), out
 
 
-@pytest.mark.parametrize("extra,world", [([], 2), (MOE, 4)], ids=["dense D=2", "moe D=2 EP=2"])
-def test_an_auto_run_is_the_run_of_the_flags_it_prints(capsys, extra, world):
+@pytest.mark.parametrize("extra,planning,pp,world", [
+    ([], [], 2, 2), (MOE, [], 2, 4),
+    # a vocabulary worth moving layers for: the balancer's layout wins, and is one of the printed flags
+    (["--vocab-size", "100000"], ["--pipeline-profile", "h100-datasheet"], 4, 4),
+], ids=["dense D=2", "moe D=2 EP=2", "large vocabulary D=4"])
+def test_an_auto_run_is_the_run_of_the_flags_it_prints(capsys, extra, planning, pp, world):
     """Equal namespaces: the same run to the bit, whatever the plan (the trainer is a function of them)."""
-    auto, flags, out = planned(capsys, MODEL + extra + AUTO2, world)
+    sizes = ["--pipeline-model-parallel-size", str(pp)]
+    auto, flags, out = planned(capsys, MODEL + extra + sizes + ["--pipeline-schedule", "auto"] + planning, world)
     assert "--pipeline-schedule" in flags and "--micro-batch-size" in flags, flags  # the batch is the planner's too
-    again = vars(parse_args(MODEL + extra + ["--pipeline-model-parallel-size", "2"] + flags, world_size=world))
+    assert ("--pipeline-model-parallel-layout" in flags) == bool(planning), f"balanced layout expected: {flags}"
+    again = vars(parse_args(MODEL + extra + sizes + flags, world_size=world))
     differing = {k: (auto.get(k), again.get(k)) for k in auto.keys() | again.keys() if auto.get(k) != again.get(k)}
     assert differing == {}, f"auto and its printed flags {flags} differ in {differing}"
     rows = ROW.findall(out)
     assert len(rows) == 5 and rows[0][0] == "*", f"the table's rows, best first, the pick marked:\n{out}"
-
-
 
 
 def test_a_limit_the_pick_exceeds_picks_another_plan_under_it(capsys):

@@ -31,12 +31,14 @@ from collections.abc import Callable
 import torch
 
 from chimera_schedules import ConfigError
+from chimera_schedules.analysis.simulator import simulate
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION
-from chimera_schedules.registry import VARIANTS
-from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profile, plan
+from chimera_schedules.registry import VARIANTS, build_spec, variant
+from chimera_schedules.tools.balancer import Sizes, balance, per_rank
+from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profile, costs, plan
 
-from .balanced_layout import model_shape, profile_path
+from .balanced_layout import HAND_FLAGS, model_shape, profile_path
 
 AUTO = "auto"
 PROFILE_FLAG, LIMIT_FLAG = "--pipeline-profile", "--pipeline-memory-limit-gb"
@@ -47,6 +49,7 @@ CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split
 OVERLAPPED = ("1f1b overlap", "chimera direct overlap", "chimera split overlap", "dualpipe overlap",
               "dualpipev overlap")
 SHOWN = 5  # plans in the startup table
+BALANCED = 1  # the fastest plan that fits, tried again under the balancer's layout (about 30 s at D=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +128,25 @@ def _planning_flags(argv: list[str]) -> list[str]:
     return out
 
 
+@dataclasses.dataclass
+class Balanced(Candidate):
+    """A candidate under the balancer's layout (chimera_schedules/tools/balancer.py) instead of the even split."""
+    layout: str = ""
+
+    @property
+    def label(self) -> str:
+        return super().label + " balanced"
+
+
 def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
     """Rank the candidates by predicted iteration time; the first that fits the memory limit and that the
     trainer's rules accept wins. Refuses in one line when none fits."""
     profile, source = _profile(args)
     limit = _limit(args, profile)
     ranked = _ranked(args, profile, micro_batch_given)
+    if not any(given(base, flag) for flag, _ in HAND_FLAGS):  # the user's layout stays the user's
+        ranked = sorted(ranked + _balanced(args, profile, [c for c in ranked if c.memory <= limit][:BALANCED], limit),
+                        key=lambda c: c.seconds)
     fitting = [c for c in ranked if c.memory <= limit]
     if not fitting:
         smallest = min(ranked, key=lambda c: c.memory)
@@ -160,6 +176,7 @@ def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
             flags += [flag] if value else []
         else:
             flags += [flag, str(value)]
+    flags += ["--pipeline-model-parallel-layout", c.layout] if isinstance(c, Balanced) else []
     return flags + ([] if micro_batch_given else ["--micro-batch-size", str(c.micro_batch)])
 
 
@@ -171,7 +188,7 @@ def _ranked(args, profile: Profile, micro_batch_given: bool) -> list[Candidate]:
     if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall" and not args.mtp_num_layers:
         schedules += OVERLAPPED
     sizes = (args.micro_batch_size,) if micro_batch_given else (1, 2, 4, 8)
-    precision = Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon")
+    precision = _precision(args)
     ep = ep if w % ep == 0 else 1  # the planner spreads experts over the data-parallel ranks only
     ranked = plan(d * w, args.global_batch_size, model_shape(args), profile, depths=[d], micro_batches=sizes,
                   precision=precision, schedules=tuple(schedules), expert_parallel=(ep,))
@@ -179,6 +196,26 @@ def _ranked(args, profile: Profile, micro_batch_given: bool) -> list[Candidate]:
             f"samples per batch over DP={w}" + (f" at --micro-batch-size {args.micro_batch_size}"
                                                 if micro_batch_given else ""))
     return sorted(ranked, key=lambda c: c.seconds)
+
+
+def _balanced(args, profile: Profile, fastest: list[Candidate], limit: float) -> list[Balanced]:
+    """The fastest candidates again under the balancer's layout, where it is predicted faster and fits."""
+    out = []
+    for c in fastest:
+        schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
+        sizes = Sizes(c.micro_batch, c.width, c.expert_parallel, _precision(args), args.context_parallel_size)
+        picked = balance(model_shape(args), profile, schedule, sizes, per_rank(schedule))
+        if picked.seconds < c.seconds and picked.memory <= limit:
+            priced = costs(model_shape(args), profile, c.depth, c.micro_batch, c.width, c.expert_parallel,
+                           schedule.virtual_stages, picked.layout)
+            out.append(Balanced(**{**dataclasses.asdict(c), "seconds": picked.seconds, "memory": picked.memory,
+                                   "bubble_ratio": simulate(schedule, priced).bubble_ratio},
+                                layout=str(picked.layout)))
+    return out
+
+
+def _precision(args) -> Precision:
+    return Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon")
 
 
 def _profile(args) -> tuple[Profile, str]:
@@ -208,10 +245,10 @@ def _table(ranked: list[Candidate], pick: Candidate, limit: float, profile: Prof
     """The startup table: the best plans with their predictions, and why the pick won."""
     lines = [f" > pipeline plans (--pipeline-schedule auto; costs: {source}; memory limit {limit / 2**30:.4g} GiB "
              "per worker):",
-             f"   {'plan':<44} {'ms/iteration':>12} {'bubble':>7} {'peak GiB/worker':>16}"]
+             f"   {'plan':<52} {'ms/iteration':>12} {'bubble':>7} {'peak GiB/worker':>16}"]
     for c in ranked[:SHOWN]:
         mark = "*" if c is pick else " " if c.memory <= limit else "x"
-        lines.append(f" {mark} {c.label:<44} {1e3 * c.seconds:>12.4g} {c.bubble_ratio:>7.1%} "
+        lines.append(f" {mark} {c.label:<52} {1e3 * c.seconds:>12.4g} {c.bubble_ratio:>7.1%} "
                      f"{c.memory / 2**30:>16.4g}")
     rivals = [c for c in ranked if c is not pick and c.memory <= limit]
     why = f"fastest predicted of {len(ranked) - over} plans that fit ({over} over the limit, marked x)"
