@@ -9,6 +9,11 @@ import pytest
 
 # one intra-op thread per process, as every launch here runs (launch.py's ENV): two pytest workers share two cores
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# megatron-core's jit_fuser is torch.compile: on the CPU every process that first runs a fused function (squared
+# ReLU, quick GELU, the output gate, L2 norm) builds C++ with inductor, about 17 s of the one-process harness
+# launch alone. The suite's runs and their references all run those functions eagerly instead (torch.compile
+# returns them unchanged): a comparison never mixes the two, and the compiled kernels are torch's, not ours.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # megatron-core and the trainer are imported by the fixtures that use them, never here: the schedule library's
 # tests (tests/schedules) import neither (tests/unit/test_layers.py checks it)

@@ -773,6 +773,7 @@ def main() -> None:
     options = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     read_field_docstrings_once()
+    gc.freeze()  # what the imports made lives for the launch: free_groups' collections then skip it (0.37 s each)
     try:
         results = run_cases(world, options.out, options.only)
     except BaseException:
@@ -816,7 +817,8 @@ def free_groups() -> None:
     """Free a closed trainer's process groups now, once nothing refers to the trainer. Its modules refer to
     their groups from reference cycles, and each gloo group keeps threads that wake every 10 ms until the group
     is freed: without a collection they outlive the case, and over a launch's cases thousands of threads
-    wake (most of the harness's system time) until Python's rare full collection."""
+    wake (most of the harness's system time) until Python's rare full collection. main froze the imports'
+    objects, so a collection reads only what the cases made."""
     gc.collect()
 
 
