@@ -47,6 +47,9 @@ TRAINER_OPTIONS = (
     ("--pipeline-memory-limit-gb", {"type": float,
                                     "help": "with --pipeline-schedule auto: drop the plans whose predicted peak per "
                                             "worker exceeds this many GiB (default: the device's memory less 10%%)"}),
+    ("--pipeline-replan", {"action": "store_true",
+                           "help": "with --pipeline-schedule auto and --load: plan again instead of keeping the plan "
+                                   "the checkpoint was trained with"}),
     ("--log-memory-per-rank", {"action": "store_true",
                                "help": "print every rank's model-state bytes after setup, not only the largest"}),
 )

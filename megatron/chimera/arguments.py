@@ -14,7 +14,7 @@ import sys
 from chimera_schedules import ConfigError
 from chimera_schedules.ir.spec import flags
 
-from .checkpoint.validation_reads import read_checkpoint, take_checkpoint_args
+from .checkpoint.validation_reads import read_checkpoint, saved_plan, take_checkpoint_args
 from .config.auto_plan import asks_auto, check_planning_flags, planned_argv, quietly
 from .config.layer_probes import LayerProbes
 from .config.parser import PROG, fail, parse, say_no_effect
@@ -33,12 +33,15 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         check_planning_flags(argv)
+        plan = None
         if asks_auto(argv):
-            argv = planned_argv(argv, lambda given: quietly(lambda: _validated(given, world_size)[0]))
+            argv, plan = planned_argv(argv, lambda given: quietly(lambda: _validated(given, world_size)[0]), saved_plan)
         args, ignored = _validated(argv, world_size)
     except ConfigError as e:
         fail(f"{PROG}: error: {e.message(flags('trainer'))}")
     say_no_effect(ignored)
+    if plan is not None:
+        args.pipeline_plan = plan  # saved with the checkpoint's args: a resumed auto run keeps it
     return args
 
 

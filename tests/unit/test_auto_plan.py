@@ -1,8 +1,11 @@
 """--pipeline-schedule auto (config/auto_plan.py): the planner's flags replace it before the real parse, so an
 auto run is the run of the flags it prints; a limit no plan fits is refused in one line."""
+import argparse
+import json
 import re
 
 import pytest
+import torch
 
 from megatron.chimera.arguments import parse_args
 
@@ -36,6 +39,7 @@ def test_an_auto_run_is_the_run_of_the_flags_it_prints(capsys, extra, planning, 
     assert "--pipeline-schedule" in flags and "--micro-batch-size" in flags, flags  # the batch is the planner's too
     assert ("--pipeline-model-parallel-layout" in flags) == bool(planning), f"balanced layout expected: {flags}"
     again = vars(parse_args(MODEL + extra + sizes + flags, world_size=world))
+    assert auto.pop("pipeline_plan") == flags, "the plan kept for the checkpoint is not the printed one"
     differing = {k: (auto.get(k), again.get(k)) for k in auto.keys() | again.keys() if auto.get(k) != again.get(k)}
     assert differing == {}, f"auto and its printed flags {flags} differ in {differing}"
     rows = ROW.findall(out)
@@ -73,3 +77,44 @@ def test_auto_refuses_what_it_chooses_and_its_flags_need_it(capsys, extra, needl
         parse_args(MODEL + extra, world_size=2)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def saved_checkpoint(root, plan: list[str] | None) -> str:
+    """A torch_dist checkpoint folder at iteration 1 of this model, its args holding ``plan`` as an auto run
+    saves it (the common state only: what parsing reads of a checkpoint)."""
+    folder = root / "iter_0000001"
+    folder.mkdir(parents=True)
+    saved = vars(parse_args(MODEL + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"], world_size=2))
+    torch.save({"iteration": 1, "args": argparse.Namespace(**saved, **({"pipeline_plan": plan} if plan else {}))},
+               folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    return str(root)
+
+
+KEPT = ["--pipeline-schedule", "1f1b", "--micro-batch-size", "2"]  # not what auto picks for MODEL at D=2
+
+
+@pytest.mark.parametrize("plan,extra,said,reason", [
+    (KEPT, [], r"kept from the checkpoint at iteration 1 in \S+; --pipeline-replan plans again", None),
+    (KEPT, ["--pipeline-replan"], r"planned in \S+ s",
+     "planned again (--pipeline-replan), not kept from the checkpoint"),
+    (["--pipeline-schedule", "1f1b", "--micro-batch-size", "3"], [], r"planned in \S+ s",
+     "the plan of the checkpoint at iteration 1 is refused now (--global-batch-size=8: must be a multiple"),
+    (None, [], r"planned in \S+ s", None),
+], ids=["kept", "--pipeline-replan", "refused now", "a checkpoint without a plan"])
+def test_a_resumed_auto_run_keeps_the_checkpoints_plan_unless_told_or_refused(capsys, tmp_path, plan, extra, said,
+                                                                             reason):
+    load = saved_checkpoint(tmp_path / "ckpt", plan)
+    capsys.readouterr()
+    args = parse_args(MODEL + AUTO2 + ["--load", load, "--no-load-optim", "--no-load-rng"] + extra, world_size=2)
+    out = capsys.readouterr().out
+    line = re.search(r"^ > pipeline plan: (.*) \((.*)\)$", out, re.M)
+    assert line and re.fullmatch(said, line.group(2)), f"plan line {line and line.group(0)!r}, expected {said!r}"
+    assert args.pipeline_plan == line.group(1).split(), f"saved plan {args.pipeline_plan}, printed {line.group(1)}"
+    if plan == KEPT and not reason:
+        assert (args.pipeline_schedule, args.micro_batch_size) == ("1f1b", 2), "the kept plan was not the run's"
+    else:
+        assert args.pipeline_plan != plan, f"the checkpoint's plan {plan} was kept"
+    assert reason is None or f"   {reason}" in out, f"no line saying {reason!r}:\n{out}"

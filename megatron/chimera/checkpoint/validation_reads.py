@@ -23,6 +23,18 @@ def take_checkpoint_args(load: str, megatron_args: argparse.Namespace) -> None:
     load_args_from_checkpoint(megatron_args)  # torch.load's allow-list is megatron-core's (format.py)
 
 
+def saved_plan(load: str) -> tuple[list[str], int] | None:
+    """The flags --pipeline-schedule auto chose for the run that saved the checkpoint at ``load``, with its
+    iteration; None without a checkpoint there (a first launch), or for one saved by a run that did not plan."""
+    if not os.path.isfile(os.path.join(load, LATEST)):
+        return None
+    folder, fmt = find_checkpoint(load)
+    check_sizes(folder, load)
+    common = read_common(folder, fmt, load)
+    plan = getattr(common.get("args"), "pipeline_plan", None)
+    return (list(plan), common.get("iteration")) if plan else None
+
+
 def read_checkpoint(load: str, megatron_args: argparse.Namespace, verify_integrity: bool) -> SavedCheckpoint:
     """The whole checkpoint at ``load`` (sizes and common state only), of the model shape ``megatron_args``
     gives (CheckpointError otherwise); with ``verify_integrity``, why megatron-core's manifest cannot check it."""

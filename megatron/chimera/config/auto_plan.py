@@ -17,6 +17,10 @@ DualPipeV; the F&B-overlapped ones where experts are spread over EP > 1 with the
 at the given pipeline depth, data-parallel width and expert parallelism, at each micro-batch size
 that divides the batch (only the given one with an explicit --micro-batch-size). A candidate the
 trainer's own rules refuse is passed over, by the same validation a run gets.
+
+Resume: the plan's flags are saved with the checkpoint's args (``pipeline_plan``). A run resumed from it
+(``--load``) keeps them, unless ``--pipeline-replan`` asks for a new plan or the trainer's rules now refuse
+them (another world size, say): then it plans again and says why.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from chimera_schedules import ConfigError
 from chimera_schedules.analysis.simulator import simulate
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION
+from chimera_schedules.ir.spec import flags as spelled
 from chimera_schedules.registry import VARIANTS, build_spec, variant
 from chimera_schedules.tools.balancer import Sizes, balance, per_rank
 from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profile, costs, plan
@@ -41,7 +46,8 @@ from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profi
 from .balanced_layout import HAND_FLAGS, model_shape, profile_path
 
 AUTO = "auto"
-PROFILE_FLAG, LIMIT_FLAG = "--pipeline-profile", "--pipeline-memory-limit-gb"
+PROFILE_FLAG, LIMIT_FLAG, REPLAN_FLAG = "--pipeline-profile", "--pipeline-memory-limit-gb", "--pipeline-replan"
+PLANNING = (PROFILE_FLAG, LIMIT_FLAG, REPLAN_FLAG)
 HEADROOM = 0.9  # of the device's memory, when no limit is given
 # the flags the plan sets: given with auto, they are refused (the planner chooses them)
 CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split-backward",
@@ -87,35 +93,75 @@ def without(argv: list[str], flags: tuple[str, ...], valued: bool = True) -> lis
     return out
 
 
+def value(argv: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (as argparse keeps it), or None."""
+    found = None
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
+
+
 def check_planning_flags(argv: list[str]) -> None:
     """The planning flags apply with --pipeline-schedule auto only."""
     if not asks_auto(argv):
-        for flag in (PROFILE_FLAG, LIMIT_FLAG):
+        for flag in PLANNING:
             require(not given(argv, flag), flag, True, "applies with --pipeline-schedule auto only")
 
 
 def base_argv(argv: list[str]) -> list[str]:
     """The user's command line without auto and the planning flags: the flags the plan adds to."""
-    return without(argv, ("--pipeline-schedule", PROFILE_FLAG, LIMIT_FLAG))
+    return without(without(argv, ("--pipeline-schedule", PROFILE_FLAG, LIMIT_FLAG)), (REPLAN_FLAG,), valued=False)
 
 
-def planned_argv(argv: list[str], validated: Callable[[list[str]], argparse.Namespace]) -> list[str]:
-    """The command line with auto replaced by the plan's flags; prints the plan on rank 0.
-    ``validated(argv)`` parses and validates a command line quietly (ConfigError on a refused one)."""
+def planned_argv(argv: list[str], validated: Callable[[list[str]], argparse.Namespace],
+                 saved_plan: Callable[[str], tuple[list[str], int] | None]) -> tuple[list[str], list[str]]:
+    """The command line with auto replaced by the plan's flags, and those flags; prints the plan on rank 0.
+    ``validated(argv)`` parses and validates a command line quietly (ConfigError on a refused one);
+    ``saved_plan(load)`` is the plan the checkpoint at ``load`` was trained with and its iteration, if any."""
     for flag in CHOSEN:
         require(not given(argv, flag), flag, True, "is chosen by --pipeline-schedule auto: give a schedule instead "
                 "to set it")
     start = time.perf_counter()
     base = base_argv(argv)
+    kept, why = _kept_plan(argv, base, validated, saved_plan)
+    if kept is not None:
+        _say(f" > pipeline plan: {' '.join(kept)} ({why})")
+        return base + kept, kept
     micro_batch_given = given(argv, "--micro-batch-size")
     batch = [] if micro_batch_given else ["--micro-batch-size", "1"]
     probe = validated(base + ["--pipeline-schedule", "1f1b"] + batch + _planning_flags(argv))  # sizes, model
     pick = choose(base, probe, micro_batch_given, validated)
+    _say(pick.table + (f"\n   {why}" if why else ""))
+    _say(f" > pipeline plan: {' '.join(pick.flags)} (planned in {time.perf_counter() - start:.2f} s)")
+    return base + pick.flags, pick.flags
+
+
+def _kept_plan(argv: list[str], base: list[str], validated, saved_plan) -> tuple[list[str] | None, str]:
+    """The plan of the checkpoint at --load and the words that say so; or None, and why a plan it held is
+    not kept ('' when there is none to keep)."""
+    load = value(argv, "--load")
+    saved = saved_plan(load) if load else None
+    if saved is None:
+        return None, ""
+    flags, iteration = saved
+    if given(argv, REPLAN_FLAG):
+        return None, f"planned again ({REPLAN_FLAG}), not kept from the checkpoint at iteration {iteration}"
+    if given(argv, "--micro-batch-size"):  # the user's own batch size wins over the saved plan's
+        flags = without(flags, ("--micro-batch-size",))
+    try:
+        validated(base + flags)
+    except ConfigError as e:
+        refused = e.message(spelled("trainer"))
+        return None, f"the plan of the checkpoint at iteration {iteration} is refused now ({refused}); planned again"
+    return flags, f"kept from the checkpoint at iteration {iteration} in {load}; {REPLAN_FLAG} plans again"
+
+
+def _say(text: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(pick.table, flush=True)
-        print(f" > pipeline plan: {' '.join(pick.flags)} (planned in {time.perf_counter() - start:.2f} s)",
-              flush=True)
-    return base + pick.flags
+        print(text, flush=True)
 
 
 def _planning_flags(argv: list[str]) -> list[str]:
