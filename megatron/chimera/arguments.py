@@ -45,6 +45,16 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     return args
 
 
+def plan_only(argv: list[str], world_size: int) -> list[str]:
+    """The flags --pipeline-schedule auto would choose for ``argv`` over ``world_size`` processes, with the
+    table that explains them, and nothing else (no checkpoint is read: megatron/chimera/plan.py)."""
+    try:
+        check_planning_flags(argv)
+        return planned_argv(argv, lambda given: quietly(lambda: _validated(given, world_size)[0]), lambda _: None)[1]
+    except ConfigError as e:
+        fail(f"{PROG}: error: {e.message(flags('trainer'))}")
+
+
 def _validated(argv: list[str], world_size: int | None) -> tuple[argparse.Namespace, list[str]]:
     """The namespace of ``argv`` and its flags with no effect; ConfigError on an impossible one."""
     args, parser = parse(argv)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.chimera.arguments import parse_args
+from megatron.chimera.plan import main as plan_main
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
@@ -118,3 +119,26 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_plan_unless_told_or_refused(ca
     else:
         assert args.pipeline_plan != plan, f"the checkpoint's plan {plan} was kept"
     assert reason is None or f"   {reason}" in out, f"no line saying {reason!r}:\n{out}"
+
+
+def test_the_offline_plan_prints_the_table_and_flags_the_run_would(capsys, tmp_path):
+    """python -m megatron.chimera.plan: a launch script's flags in a file (continuations, a comment), more after
+    --; the same ranked table and the same pick as the run's own startup."""
+    script = tmp_path / "model.flags"
+    script.write_text("# the model, as a launch script has it\n" + " \\\n".join(" ".join(MODEL[i:i + 2])
+                                                                               for i in range(0, len(MODEL), 2)))
+    picked = plan_main(["--world-size", "2", "--flags-file", str(script), "--", "--pipeline-model-parallel-size", "2"])
+    offline = capsys.readouterr().out
+    run, flags, out = planned(capsys, MODEL + AUTO2, 2)
+    assert picked == flags == run["pipeline_plan"], f"offline {picked}, the run {flags}"
+    assert ROW.findall(offline) == ROW.findall(out) and len(ROW.findall(offline)) == 5, f"tables differ:\n{offline}"
+    assert "------------------------ arguments" not in offline, "the offline plan printed Megatron-LM's arguments"
+
+
+def test_without_pipelining_auto_plans_over_the_data_parallel_ranks(capsys):
+    """PP=1 over DP=2: interleaving needs PP > 1 (Megatron-LM's validate_args refuses it), so it is no candidate,
+    and a candidate Megatron-LM refuses would be passed over as one of ours is, never the run's end."""
+    args, flags, out = planned(capsys, MODEL + ["--pipeline-schedule", "auto"], 2)
+    plans = [row[1] for row in ROW.findall(out)]
+    assert args["pipeline_model_parallel_size"] == 1 and plans, f"picked {flags}:\n{out}"
+    assert not [p for p in plans if "interleaved" in p or "balanced" in p], f"one stage, yet planned as more:\n{out}"

@@ -190,7 +190,8 @@ def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
     profile, source = _profile(args)
     limit = _limit(args, profile)
     ranked = _ranked(args, profile, micro_batch_given)
-    if not any(given(base, flag) for flag, _ in HAND_FLAGS):  # the user's layout stays the user's
+    balance_layers = args.pipeline_model_parallel_size > 1  # one stage: nothing to move
+    if balance_layers and not any(given(base, flag) for flag, _ in HAND_FLAGS):  # the user's layout stays theirs
         ranked = sorted(ranked + _balanced(args, profile, [c for c in ranked if c.memory <= limit][:BALANCED], limit),
                         key=lambda c: c.seconds)
     fitting = [c for c in ranked if c.memory <= limit]
@@ -229,7 +230,7 @@ def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
 def _ranked(args, profile: Profile, micro_batch_given: bool) -> list[Candidate]:
     d, w, ep = args.pipeline_model_parallel_size, args.data_parallel_size, args.expert_model_parallel_size
     schedules = list(PLANNED) + ["dualpipev"]
-    if args.num_layers % (2 * d) == 0:
+    if d > 1 and args.num_layers % (2 * d) == 0:
         schedules.append("interleaved v=2")
     if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall" and not args.mtp_num_layers:
         schedules += OVERLAPPED

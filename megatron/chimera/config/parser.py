@@ -16,6 +16,7 @@ import traceback
 import torch
 from megatron.training import arguments as megatron_arguments
 
+from chimera_schedules import ConfigError
 from chimera_schedules.tools.options import add_trainer_group
 
 from .flag_classes import VALUES, flag_class
@@ -141,6 +142,17 @@ def _show(value) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+class MegatronRefusal(ConfigError):
+    """A check of Megatron-LM's validate_args, in its own words (it names no flag of its own): a ConfigError,
+    so that --pipeline-schedule auto passes over a candidate it refuses, as over one our rules refuse."""
+
+    def __init__(self, said: str):
+        super().__init__("validate_args", said, "")
+
+    def message(self, names) -> str:
+        return f"{self.value} (Megatron-LM's validate_args)"
+
+
 def megatron_validate(args) -> None:
     """Megatron-LM's validate_args: its derived settings (FFN width, kv channels, data-parallel size,
     virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
@@ -156,6 +168,6 @@ def megatron_validate(args) -> None:
         megatron_arguments.validate_args(args)
     except (AssertionError, ValueError, RuntimeError, TypeError) as e:
         said = " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line  # a bare assert
-        fail(f"{PROG}: error: {said} (Megatron-LM's validate_args)")
+        raise MegatronRefusal(said) from None
     finally:
         megatron_arguments.get_device_arch_version, args.moe_grouped_gemm = asked, grouped
