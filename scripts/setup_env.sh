@@ -50,5 +50,9 @@ fi
 # Python 3.12 PyPI's torch is the CUDA build, which also runs on the CPU.
 spec="."
 [[ -n "$extras" ]] && spec=".[$extras]"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 -e "$spec"
+# pip compiles every installed module to bytecode on one core (about a minute: torch, transformers, ...);
+# compileall does the same on every core. Done here, not left to the first import: with PYTHONDONTWRITEBYTECODE
+# set (as on this project's machines) nothing would ever be cached, and each process would compile its imports.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e "$spec"
+"$VENV/bin/python" -W ignore -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
 echo "installed into $VENV ($("$VENV/bin/python" --version)); activate with: . $VENV/bin/activate"
