@@ -62,7 +62,8 @@ def _check_chimera(spec: ScheduleSpec) -> None:
 
 def _generate_chimera(spec: ScheduleSpec, costs: CostModel) -> Schedule:
     if spec.order == "best":
-        return best_order(spec.depth, spec.microbatches, costs, spec.pipelines, split=bool(spec.split_backward))
+        return best_order(spec.depth, spec.microbatches, costs, spec.pipelines, split=bool(spec.split_backward),
+                          overlap=bool(spec.overlap), halves=spec.halves is not False)
     return chimera(spec.depth, spec.microbatches, spec.pipelines, spec.concat, costs)
 
 
@@ -84,7 +85,8 @@ ENTRIES = (
                     "chimera split best": {"split_backward": True, "order": "best"},
                     "chimera direct overlap": {"concat": "direct", "overlap": True},
                     "chimera doubling overlap": {"concat": "doubling", "overlap": True},
-                    "chimera split overlap": {"split_backward": True, "overlap": True}}),
+                    "chimera split overlap": {"split_backward": True, "overlap": True},
+                    "chimera split best overlap": {"split_backward": True, "order": "best", "overlap": True}}),
     Entry("dualpipe", lambda spec, costs: dualpipe(spec.depth, spec.microbatches),
           lambda spec: check_dualpipe(spec.depth, spec.microbatches), options=("overlap", "halves"),
           pipelines=lambda spec: 2,
@@ -148,7 +150,7 @@ def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     if spec.split_backward and not result.split_backward:  # a generator may split its own backward
         # never more live micro-batches than the unsplit schedule's most loaded worker holds
         result = split_backward(result, costs, [max(peak_activations(result))] * spec.depth)
-    if spec.overlap:
+    if spec.overlap and not result.meta.get("overlap"):  # a generator may overlap its own order
         result = overlap_forward_backward(result, costs, halves=spec.halves)
     validate(result)
     return result

@@ -7,6 +7,7 @@ torch.distributed.pipelining's runtimes, each at the layouts a user would run it
     python -m benchmarks.depth --stages 8 --model gpt2-1.3b --selection fair --out FILE
     python -m benchmarks.depth --stages 8 --model llama3-8b --selection full  # every runtime, schedule and N
     python -m benchmarks.depth --stages 8 --model deepseek-v3 --a2a-fraction 0.5 --out FILE  # issue 35
+    python -m benchmarks.depth --stages 8 --model-flags my_model.flags --out FILE  # a launch script's model
 
 One launch of D gloo processes per depth; every rank holds stage modules that wait their stage's time
 (benchmarks/depth/stage.py) instead of computing, with real parameters, activations and messages. It
@@ -42,7 +43,7 @@ from chimera_schedules.tools.planner import MODELS, Profile
 from megatron.chimera.distributed.ports import free_port
 from megatron.chimera.model import cpu_compat
 
-from . import layouts, moe, runtimes, stage
+from . import auto_row, layouts, models, moe, runtimes, stage
 from .costs import a2a_critical_ms, default_profile, message_target_ms, predict, unscaled_forward
 from .layouts import KINDS
 from .moe import stage_parts
@@ -63,11 +64,12 @@ def default_microbatches(depth: int) -> list[int]:
 
 
 OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best", "chimera split",
-        "dualpipe", "dualpipev", "gpipe", "1f1b split")
+        "chimera split best", "dualpipe", "dualpipev", "gpipe", "1f1b split")
 
 
 # --a2a-fraction: these of our schedules, each with and without overlap, and megatron-core's two
-A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera doubling", "chimera split", "dualpipe", "dualpipev")
+A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera doubling", "chimera split", "chimera split best", "dualpipe",
+                 "dualpipev")
 CONTENTIONS = (0.0, 0.15)  # --a2a-fraction's default --contention: none, and DeepEP's share of an H100's SMs
 
 
@@ -115,6 +117,8 @@ def plan(setup, args, microbatches: list[int]) -> tuple[list, list[str]]:
             for runtime, name, contention, order in _references(setup, n, args, skipped):
                 for chosen in layouts.choose(setup, order, args.layouts, skipped, f"{runtime} {name} N={n}"):
                     entries.append((runtime, name, n, contention, order, chosen))
+            if "ours" in args.runtimes and _selected([auto_row.AUTO], args):
+                entries.append(auto_row.entry(setup, n))
     box = [(entries, skipped)]
     dist.broadcast_object_list(box, 0)
     return box[0]
@@ -270,14 +274,15 @@ def worker(args) -> None:
     d = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, d)
     profile = Profile.load(args.profile)
-    setup = runtimes.Setup(d, forward_ms(args, profile, d), args.model, profile, a2a_fraction=args.a2a_fraction or 0.0)
+    setup = runtimes.Setup(d, forward_ms(args, profile, d), args.name, profile, args.shape,
+                           a2a_fraction=args.a2a_fraction or 0.0)
     message = size_messages(setup)
     microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, args, microbatches)
     samples = measure(cases, args.rounds, args.iters)
     if dist.get_rank() == 0:
         rows = [row(setup, c, s) for c, s in zip(cases, samples)]
-        doc = {"D": d, "model": args.model, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
+        doc = {"D": d, "model": args.name, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
                ROOT)}, "forward_ms": setup.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
                "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters, "skipped": skipped, "rows": rows}
         if setup.a2a_fraction:
@@ -298,7 +303,7 @@ def forward_ms(args, profile, depth: int) -> float:
     if args.forward_ms:
         return args.forward_ms
     own = args.selection != "full"
-    return round(unscaled_forward(MODELS[args.model], profile, depth) * 1e3, 1) if own else 20.0
+    return round(unscaled_forward(args.shape, profile, depth) * 1e3, 1) if own else 20.0
 
 
 def launch(depth: int, args, out: str) -> dict:
@@ -308,11 +313,12 @@ def launch(depth: int, args, out: str) -> dict:
     extra = ["--microbatches", *map(str, microbatches)] if microbatches else []
     extra += ["--schedules", *args.schedules] if args.schedules else []
     extra += ["--forward-ms", str(args.forward_ms)] if args.forward_ms else []
+    extra += ["--model-flags", os.path.abspath(args.model_flags)] if args.model_flags else ["--model", args.model]
     extra += (["--a2a-fraction", str(args.a2a_fraction), "--contention", *map(str, args.contention)]
               if args.a2a_fraction else ["--selection", args.selection])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out,
-           "--rounds", str(args.rounds), "--iters", str(args.iters), "--model", args.model, "--profile", args.profile,
+           "--rounds", str(args.rounds), "--iters", str(args.iters), "--profile", args.profile,
            "--layouts", *args.layouts, "--runtimes", *args.runtimes, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
@@ -325,9 +331,10 @@ def launch(depth: int, args, out: str) -> dict:
 # --selection fair: our Chimera variants without split backward against our and megatron-core's 1F1B,
 # each at its three layouts, at N = D and 2D
 FAIRNESS = {"runtimes": ["ours", "megatron-core"], "schedules": ["1f1b", "chimera direct", "chimera doubling",
-                                                                  "chimera best"], "rounds": 2}
+                                                                  "chimera best", auto_row.AUTO], "rounds": 2}
 # --a2a-fraction: our schedules with overlap and without, megatron-core's, at the even layout and N = 2D (launch)
-A2A = {"runtimes": ["ours", "megatron-core"], "schedules": [*A2A_SCHEDULES, "interleaved v=2", COMBINED], "rounds": 2,
+A2A = {"runtimes": ["ours", "megatron-core"], "schedules": [*A2A_SCHEDULES, "interleaved v=2", COMBINED, auto_row.AUTO],
+       "rounds": 2,
        "layouts": ["even"], "contention": list(CONTENTIONS)}
 FULL = {"runtimes": list(RUNTIMES), "schedules": None, "rounds": 3}
 
@@ -337,7 +344,7 @@ def _selection(args) -> None:
     historical run); every layout kind but with --a2a-fraction."""
     if args.a2a_fraction:
         args.selection = "a2a"
-    args.selection = args.selection or ("full" if args.model == "gpt2-1.3b" else "fair")
+    args.selection = args.selection or ("full" if args.name == "gpt2-1.3b" else "fair")
     defaults = {"fair": FAIRNESS, "a2a": A2A, "full": FULL}[args.selection]
     for option, value in defaults.items():
         if getattr(args, option) is None:
@@ -352,12 +359,15 @@ def arguments() -> argparse.Namespace:
                    help="pipeline depths D (one launch each)")
     p.add_argument("--microbatches", type=int, nargs="+", help="N values (default: D, 2D and 4D; D and 2D at D=16)")
     p.add_argument("--model", choices=list(MODELS), default="gpt2-1.3b", help="whose stage times the stages wait")
+    p.add_argument("--model-flags", metavar="FILE",
+                   help="instead of --model: a file of Megatron-LM model flags as a launch script has them (the "
+                        "trainer's parser reads it); profiles/h100-datasheet.json unless --profile")
     p.add_argument("--profile", help="hardware profile JSON (default: Piz Daint's P100 for gpt2-1.3b, "
                    "profiles/h100-datasheet.json for the others)")
     p.add_argument("--layouts", nargs="+", choices=KINDS, help="layout kinds to run at (default: all; even with "
                    "--a2a-fraction)")
     p.add_argument("--runtimes", nargs="+", choices=RUNTIMES, help=f"default: {', '.join(RUNTIMES)}")
-    names = list(dict.fromkeys([*OURS, *MEGATRON, COMBINED, *(name for name, _, _ in TORCH.values())]))
+    names = list(dict.fromkeys([*OURS, auto_row.AUTO, *MEGATRON, COMBINED, *(name for name, _, _ in TORCH.values())]))
     p.add_argument("--schedules", nargs="+", choices=names, metavar="NAME",
                    help=f"schedules to run, in whichever runtimes have them (default: all of {', '.join(names)})")
     p.add_argument("--forward-ms", type=float,
@@ -381,14 +391,16 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.a2a_fraction and (args.selection or MODELS[args.model].experts is None):
+    args.name, args.shape = models.name_of(args.model, args.model_flags), models.shape_of(args.model, args.model_flags)
+    if args.a2a_fraction and (args.selection or args.shape.experts is None):
         p.error("--a2a-fraction: a model with experts (deepseek-v3), without --selection")
     if args.a2a_fraction and not set(args.runtimes or ["ours"]) <= {"ours", "megatron-core"}:
         p.error("--a2a-fraction runs our executor and megatron-core's schedules")
     if args.contention and not args.a2a_fraction:
         p.error("--contention: with --a2a-fraction only")
     _selection(args)
-    args.profile = os.path.abspath(args.profile or default_profile(args.model))
+    args.profile = os.path.abspath(args.profile or (os.path.join(ROOT, "profiles", models.FLAGS_PROFILE)
+                                                    if args.model_flags else default_profile(args.model)))
     if not os.path.exists(args.profile):
         p.error(f"--profile {args.profile}: no such file")
     return args

@@ -9,7 +9,8 @@ Megatron-LM's best, Chimera at its balanced layout against megatron-core's 1F1B 
 issues 35 and 43, the expert all-to-all hidden (``--a2a-fraction``: ``hidden_fractions``, ``overlap_table``,
 ``overlap_ratios``, ``overlap_targets``), compare each of our schedules with overlap (pairs and halves)
 against the same schedule without, at each contention, and the best Chimera against DualPipe and
-megatron-core; a document of such rows has those targets only.
+megatron-core; a document of such rows has those targets only. Those of issue 52 (``auto_targets``) hold the
+``auto: <variant>`` row, the plan ``--pipeline-schedule auto`` picks, against the best row of the same run.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ OVER_DUALPIPE = 1.0  # the best Chimera with overlap over DualPipe with overlap 
 OVER_MEGATRON = 1.3  # the best Chimera with overlap over megatron-core's best row at N = D
 TOLERANCE_OVERLAP = 0.05  # every row's measured makespan against the simulator's
 OVERLAP_CASE = (8, 0.5)  # D and a2a fraction of issue 43's targets (at N = D and 2D)
+AUTO = "auto: "  # auto_row.PREFIX: the name of the row --pipeline-schedule auto's pick runs as
+AUTO_BEST = 0.03  # auto's measured iteration over the best measured row of the same run, at most
+AUTO_PREDICTED = 0.05  # auto's measured iteration against its prediction
 COMBINED = "combined 1f1b v=2"  # runtimes.COMBINED: megatron-core's order, which our IR does not generate (its
 # extra warm-up forward), is priced as its interleaved schedule's without pairs, so it is left out of the accuracy
 
@@ -100,6 +104,25 @@ def targets(rows: list[dict], ratio_rows: list[dict], overhead_rows: list[dict])
                 "value": mega[0]["value"] if mega else None},
             "chimera split >= 1.0x torch zbv and dualpipev": {"met": not split, "misses": split},
             "our overhead no worse than the best peer's": {"met": not worse, "misses": worse}}
+
+
+def auto_targets(rows: list[dict]) -> dict:
+    """Per model, D and N: the auto row within 3% of the best measured row of the run (every runtime, schedule,
+    layout and contention), and within 5% of its own prediction."""
+    out = {}
+    for r in (r for r in rows if r["schedule"].startswith(AUTO)):
+        here = [o for o in rows if (model(o), o["D"], o["N"]) == (model(r), r["D"], r["N"]) and o is not r]
+        best = min(here, key=lambda o: o["ms"], default=None)
+        case = f"{model(r)} D={r['D']} N={r['N']}"
+        over = r["ms"] / best["ms"] if best else None
+        out[f"auto within {AUTO_BEST:.0%} of the best row, {case}"] = {
+            "met": over is not None and over <= 1 + AUTO_BEST, "value": over, "rows": [r, best] if best else [r],
+            "note": best and f"{r['schedule']} ({kind(r)}) {r['ms']:.0f} ms; best {best['runtime']} {best['schedule']} "
+                             f"({kind(best)}) {best['ms']:.0f} ms: {over:.3f}x"}
+        out[f"auto within {AUTO_PREDICTED:.0%} of its prediction, {case}"] = {
+            "met": abs(r["measured_over_predicted"] - 1) <= AUTO_PREDICTED, "value": r["measured_over_predicted"],
+            "rows": [r], "note": f"measured / predicted {r['measured_over_predicted']:.3f}"}
+    return out
 
 
 def layout_wins(rows: list[dict]) -> list[dict]:
@@ -179,7 +202,8 @@ def document(per_depth: list[dict], command: str) -> dict:
             "message": {str(doc["D"]): doc["message"] for doc in per_depth if "message" in doc},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "ratios": ratio_rows,
             "overheads": overhead_rows, "layout_wins": wins, "fair_ratios": fair,
-            "targets": {**targets(even, ratio_rows, overhead_rows), **fairness_targets(rows, wins, fair)}}
+            "targets": {**targets(even, ratio_rows, overhead_rows), **fairness_targets(rows, wins, fair),
+                        **auto_targets(rows)}}
 
 
 def _overlap_document(per_depth: list[dict], command: str, rows: list[dict]) -> dict:
@@ -195,7 +219,8 @@ def _overlap_document(per_depth: list[dict], command: str, rows: list[dict]) -> 
             "message": {str(doc["D"]): doc["message"] for doc in per_depth},
             "overlap_timeline": {str(doc["D"]): doc["overlap_timeline"] for doc in per_depth},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "overlap": table_rows,
-            "overlap_ratios": ratio_rows, "targets": overlap_targets(table_rows, ratio_rows, rows)}
+            "overlap_ratios": ratio_rows, "targets": {**overlap_targets(table_rows, ratio_rows, rows),
+                                                      **auto_targets(rows)}}
 
 
 def _control_key(r: dict) -> tuple:

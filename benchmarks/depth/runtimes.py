@@ -36,7 +36,7 @@ from chimera_schedules.registry import REGISTRY
 from chimera_schedules.runtime.executor import make_forward_backward
 from chimera_schedules.runtime.messages import Transport
 from chimera_schedules.runtime.p2p import TorchP2P
-from chimera_schedules.tools.planner import MODELS, Profile
+from chimera_schedules.tools.planner import ModelShape, Profile
 
 from .costs import cost_model, from_torch, stage_times
 from .layouts import Chosen, even
@@ -77,17 +77,14 @@ class Setup:
     the messages' rows and what one costs, process groups."""
     depth: int
     forward_ms: float
-    model: str  # a name in planner.MODELS
+    model: str  # a name in planner.MODELS, or a --model-flags file's
     profile: Profile
+    shape: ModelShape  # the model's (benchmarks/depth/models.py)
     seq: int = SEQ  # rows of a message
     p2p_ms: float = 0.0
     timeout: timedelta = timedelta(minutes=5)
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
     a2a_fraction: float = 0.0  # of a MoE layer's forward compute, its all-to-all (0: none, no MoE stages)
-
-    @property
-    def shape(self):
-        return MODELS[self.model]
 
     def times(self, virtual_stages: int, held=None):
         """Per model stage, its times under layout ``held`` (the even split by default)."""

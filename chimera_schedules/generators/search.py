@@ -5,13 +5,18 @@ them at twice the activation memory. This finds an order that keeps every worker
 (D, the basic unit's budget) live micro-batches and gets as close as it can to the optimal
 makespan under the given costs:
 
-1. candidates: the paper's direct concatenation, and a capped list schedule;
+1. candidates: the paper's direct concatenation, and capped list schedules at the run's costs
+   (``listsched.py``: non-delay, and with a slot kept per idle stage copy, without and with patience);
 2. a constraint model (OR-Tools CP-SAT): one interval per action, no overlap per worker, data
    dependencies with p2p delays, a cumulative live-activation cap per worker, each pipeline's
    micro-batches in FIFO order at every stage (the paper's convention, and a strong symmetry break),
    seeded with the best candidate and run single-threaded with a deterministic time budget, so every
    rank that builds the schedule builds the same one;
-3. the best of all, by simulated makespan, so ``best`` is never worse than ``paper``.
+3. with ``overlap``, each candidate overlapped (``passes/overlap.py``), so that what follows orders the
+   actions as they will run (the solver is skipped there: it prices every action whole);
+4. each candidate reordered by the local search at the run's stage costs (``order_search.py``), which
+   closes the waits of the worker whose stages cost most (DeepSeek-V3's output layer and MTP);
+5. the best of all, by simulated makespan, so ``best`` is never worse than ``paper``.
 
 With F = 1, B = 2 and no communication cost this reaches the proven optima 28 (D=4, N=8) and 52
 (D=4, N=16), and 60 (D=8, N=16).
@@ -25,41 +30,73 @@ from __future__ import annotations
 import math
 
 from ..analysis.simulator import peak_activations, simulate
-from ..ir.actions import Action, Op
+from ..ir.actions import HALVABLE_OPS, Action, Halved, Op
 from ..ir.costs import CostModel
 from ..ir.dataflow import dependencies, producer
 from ..ir.schedule import Schedule
 from ..passes.grad_sync import with_grad_sync
+from ..passes.overlap import overlap_forward_backward
 from ..passes.zero_bubble import split_backward
 from .chimera import check, chimera
-from .listsched import Shape, list_schedule
+from .listsched import Greed, Shape, list_schedule
+from .order_search import improve
 from .placement import mb_pipelines, placement
+
+SEARCH_BUDGET = 20_000  # orders the local search replays per unit of effort (about 7 s at D=8, N=16)
+PATIENCE = 0.5  # of the ranked-first action's time: how long a worker may wait for a higher-ranked one
 
 
 def best_order(depth: int, microbatches: int, costs: CostModel | None = None, pipelines: int = 2,
-               effort: float = 5.0, split: bool = False) -> Schedule:
+               effort: float = 5.0, split: bool = False, overlap: bool = False, halves: bool = True) -> Schedule:
     """At most D live micro-batches per worker. ``effort`` is the solver's deterministic time budget
-    (roughly three wall seconds per unit on a 2-core machine)."""
+    (roughly three wall seconds per unit on a 2-core machine) and the local search's
+    (``SEARCH_BUDGET`` orders per unit). With ``overlap`` the result is already overlapped
+    (``passes/overlap.py``, with ``halves``): the search orders the actions as they will run."""
     check(depth, microbatches, pipelines, "direct")
     costs = costs or CostModel()
     cap = depth
-    paper = chimera(depth, microbatches, pipelines, "direct", costs)
     shape = Shape(depth, microbatches, placement(depth, pipelines), mb_pipelines(microbatches, pipelines))
-    candidates = [paper]
-    listed = None if split else list_schedule(shape, costs, cap=cap)
-    if listed is not None:
-        candidates.append(_as_schedule(shape, listed))
-    if split:
-        candidates = [split_backward(paper, costs, [cap] * depth)]
+    paper = chimera(depth, microbatches, pipelines, "direct", costs)
+    candidates = [split_backward(paper, costs, [cap] * depth) if split else paper]
+    candidates += [_as_schedule(shape, listed) for listed in _listed(shape, costs, cap, split, overlap and halves)]
     candidates = [c for c in candidates if max(peak_activations(c)) <= cap + 1e-9]
-    seed = min(candidates, key=lambda c: simulate(c, costs).makespan)
-    solved = _solve(shape, costs, cap, seed, effort, split)
-    if solved is not None:
-        candidates.append(solved)
+    if not overlap:  # the solver prices actions whole: with overlap it would order for other costs
+        seed = min(candidates, key=lambda c: simulate(c, costs).makespan)
+        solved = _solve(shape, costs, cap, seed, effort, split)
+        candidates += [solved] if solved is not None else []
+    if overlap:
+        candidates = [overlap_forward_backward(c, costs, halves) for c in candidates]
+    candidates += _improved(candidates, costs, cap, int(effort * SEARCH_BUDGET))
     best = min(candidates, key=lambda c: simulate(c, costs).makespan)  # min keeps the first of equals
     name = "chimera-split-best" if split else "chimera-best"
     return Schedule(name, depth, microbatches, best.placement, best.workers,
-                    meta={"concat": "direct", "order": "best", "cap": cap})
+                    meta={"concat": "direct", "order": "best", "cap": cap, **({"overlap": True} if overlap else {})})
+
+
+def _improved(candidates: list[Schedule], costs: CostModel, cap: float, budget: int) -> list[Schedule]:
+    """The candidates reordered by the local search, the shortest first, until one reaches the floor."""
+    out = []
+    for c in sorted(candidates, key=lambda c: simulate(c, costs).makespan):
+        better, floored = improve(c, costs, cap, budget)
+        out.append(better)
+        if floored:
+            break
+    return out
+
+
+def _listed(shape: Shape, costs: CostModel, cap: float, split: bool, halved: bool) -> list[list[list[Action]]]:
+    """The list scheduler's orders at these costs (each action priced as it will run: in halves where that is
+    shorter, with ``halved``): the classic non-delay greedy, and with a slot reserved per idle stage copy,
+    without and with patience. Those the cap starves are left out."""
+    probe = shape.empty("probe")
+
+    def duration(a: Action) -> float:
+        whole = costs.compute_time(probe, a)
+        return min(whole, costs.compute_time(probe, Halved(a))) if halved and a.op in HALVABLE_OPS else whole
+
+    greeds = [Greed(split, duration, reserve, patience) for reserve, patience in ((False, 0.0), (True, 0.0),
+                                                                                   (True, PATIENCE))]
+    return [o for o in (list_schedule(shape, costs, cap=cap, greed=g) for g in greeds) if o is not None]
 
 
 def _as_schedule(shape: Shape, orders: list[list[Action]]) -> Schedule:

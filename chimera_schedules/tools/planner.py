@@ -15,6 +15,7 @@ The formulas, and what experts add (``ModelShape.experts``): docs/notes/planner-
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..analysis.simulator import peak_activations, simulate
@@ -22,7 +23,7 @@ from ..ir import layout
 from ..ir.costs import CostModel
 from ..ir.errors import ConfigError
 from ..ir.layout import Layout
-from ..registry import VARIANTS, build_spec, variant
+from ..registry import REGISTRY, VARIANTS, build_spec, variant
 
 
 @dataclass(frozen=True)
@@ -324,14 +325,26 @@ def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int,
     return most
 
 
+# What a caller prices a candidate at instead of the FLOP count (the depth benchmark: its emulated stages' times):
+# (virtual stages per worker, layout, micro-batch size) -> costs
+StageCosts = Callable[[int, Layout, int], CostModel]
+
+
+def virtual_stages(name: str, depth: int, microbatches: int) -> int:
+    """Model stages per worker and pipeline of the named variant, known before it is built."""
+    return REGISTRY[VARIANTS[name]["schedule"]].virtual_stages(variant(name, depth, microbatches))
+
+
 def evaluate(shape: ModelShape, profile: Profile, global_batch: int, c: Candidate,
-             precision: Precision = Precision()) -> Candidate:
-    ep = c.expert_parallel
-    schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
-    v = schedule.virtual_stages
-    result = simulate(schedule, costs(shape, profile, c.depth, c.micro_batch, c.width, ep, v))
-    c.memory = worker_memory(shape, schedule, even_layout(shape, c.depth * v), c.micro_batch, c.width, ep,
-                             precision)
+             precision: Precision = Precision(), priced: StageCosts | None = None) -> Candidate:
+    """The candidate's predicted iteration, bubble and memory; its schedule built at the same costs (an
+    overlapped order's pairs, a split backward's W placement depend on them)."""
+    ep, v = c.expert_parallel, virtual_stages(c.schedule, c.depth, c.microbatches)
+    held = even_layout(shape, c.depth * v)
+    model = priced(v, held, c.micro_batch) if priced else costs(shape, profile, c.depth, c.micro_batch, c.width, ep, v)
+    schedule = build_spec(variant(c.schedule, c.depth, c.microbatches), model)
+    result = simulate(schedule, model)
+    c.memory = worker_memory(shape, schedule, held, c.micro_batch, c.width, ep, precision)
     c.seconds, c.bubble_ratio = result.makespan, result.bubble_ratio
     c.fits = c.memory <= profile.memory
     c.tokens_per_s = global_batch * shape.seq / c.seconds
@@ -359,12 +372,12 @@ def candidates(workers: int, global_batch: int, shape: ModelShape, depths=None, 
 
 def plan(workers: int, global_batch: int, shape: ModelShape, profile: Profile, depths=None,
          micro_batches=(1, 2, 4, 8), precision: Precision = Precision(), schedules=PLANNED,
-         expert_parallel=(1,)) -> list[Candidate]:
+         expert_parallel=(1,), priced: StageCosts | None = None) -> list[Candidate]:
     """All layouts, fastest first; those that do not fit in memory last."""
     ranked = []
     for c in candidates(workers, global_batch, shape, depths, micro_batches, schedules, expert_parallel):
         try:
-            ranked.append(evaluate(shape, profile, global_batch, c, precision))
+            ranked.append(evaluate(shape, profile, global_batch, c, precision, priced))
         except ConfigError:
             continue  # the schedule's rules exclude this layout
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds))

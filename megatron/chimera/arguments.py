@@ -15,7 +15,7 @@ from chimera_schedules import ConfigError
 from chimera_schedules.ir.spec import flags
 
 from .checkpoint.validation_reads import read_checkpoint, saved_plan, take_checkpoint_args
-from .config.auto_plan import asks_auto, check_planning_flags, planned_argv, quietly
+from .config.auto_plan import asks_auto, base_argv, check_planning_flags, given, planned_argv, quietly
 from .config.layer_probes import LayerProbes
 from .config.parser import PROG, fail, parse, say_no_effect
 from .config.validation import validate
@@ -51,6 +51,26 @@ def plan_only(argv: list[str], world_size: int) -> list[str]:
     try:
         check_planning_flags(argv)
         return planned_argv(argv, lambda given: quietly(lambda: _validated(given, world_size)[0]), lambda _: None)[1]
+    except ConfigError as e:
+        fail(f"{PROG}: error: {e.message(flags('trainer'))}")
+
+
+DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-data-args-path", "--data-args-path")
+ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--context-parallel-size",
+               "1", "--expert-model-parallel-size", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
+
+
+def model_namespace(argv: list[str]) -> argparse.Namespace:
+    """The validated namespace of a launch script's model flags on one process (its parallel and batch sizes
+    set to one; the schedule a plain 1F1B; a learning rate, an iteration count and mock data where the
+    flags give none), quietly: what a benchmark needs to know of the model. One line naming the flag on an
+    impossible model."""
+    training = [] if given(argv, "--lr") else ["--lr", "1e-4"]  # required, and no part of the model
+    training += [] if given(argv, "--train-iters") or given(argv, "--train-samples") else ["--train-iters", "1"]
+    training += [] if any(given(argv, f) for f in DATA_FLAGS) else ["--mock-data"]
+    try:
+        return quietly(lambda: _validated(base_argv(argv) + training + ONE_PROCESS + ["--pipeline-schedule", "1f1b"],
+                                          1)[0])
     except ConfigError as e:
         fail(f"{PROG}: error: {e.message(flags('trainer'))}")
 

@@ -11,12 +11,20 @@ COLUMNS = {"runtime", "schedule", "D", "N", "ms", "ms_min", "ms_max", "predicted
            "model", "layout", "layout_kind"}
 
 
+SCHEDULES = ["1f1b", "interleaved v=2", "chimera split", "dualpipev", "zbv", "interleaved zero bubble v=2", "auto"]
+
+
 def test_every_runtime_completes_on_the_emulated_device(tmp_path):
-    out = tmp_path / "depth.json"
+    """Each runtime's schedules (a few of ours: every one is tests/schedules'), and the auto row: the plan
+    --pipeline-schedule auto picks for a launch script's model flags, run beside them."""
+    out, flags = tmp_path / "depth.json", tmp_path / "tiny-llama.flags"
+    flags.write_text("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\\n"
+                     "  --max-position-embeddings 1024 --swiglu  # a launch script's model\n"
+                     "--tokenizer-type NullTokenizer --vocab-size 32000\n")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.depth", "--stages", "4", "--microbatches", "8",
-                           "--forward-ms", "2", "--rounds", "1", "--layouts", "even",
-                           "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                           "--forward-ms", "2", "--rounds", "1", "--layouts", "even", "--model-flags", str(flags),
+                           "--schedules", *SCHEDULES, "--runtimes", "ours", "megatron-core", "torch",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
@@ -27,6 +35,9 @@ def test_every_runtime_completes_on_the_emulated_device(tmp_path):
             ("torch", "dualpipev"), ("torch", "interleaved zero bubble v=2"), ("ours", "chimera split"),
             ("ours", "dualpipev")} <= cases
     assert not doc["skipped"]  # N = 2D: every schedule's rules allow it
+    auto = [r for r in rows if r["schedule"].startswith("auto: ")]
+    assert len(auto) == 1 and auto[0]["model"] == "tiny-llama", f"the auto rows: {auto}"
+    assert any(name.startswith("auto within") for name in doc["targets"]), f"targets: {sorted(doc['targets'])}"
     assert set(doc["targets"]) and (tmp_path / "depth.png").exists() and (tmp_path / "depth.md").exists()
 
 

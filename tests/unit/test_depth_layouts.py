@@ -1,11 +1,12 @@
 """The depth benchmark's layouts, clock and fairness targets, without launching it: every layout of a
 model runs on one clock, each schedule's layouts are found for its own placement, and the report reads
 issue 32's targets off the rows."""
+import dataclasses
 import statistics
 
 import pytest
 
-from benchmarks.depth import layouts, report, runtimes
+from benchmarks.depth import layouts, models, report, runtimes
 from benchmarks.depth.costs import default_profile, message_target_ms, stage_times
 from chimera_schedules.ir import layout
 from chimera_schedules.tools import balancer
@@ -33,7 +34,8 @@ def test_a_message_costs_the_profiles_share_of_a_stage():
 
 
 def test_each_kind_is_found_for_the_schedule():
-    setup = runtimes.Setup(4, 20.0, "llama3-8b", Profile.load(default_profile("llama3-8b")), p2p_ms=0.5)
+    setup = runtimes.Setup(4, 20.0, "llama3-8b", Profile.load(default_profile("llama3-8b")), MODELS["llama3-8b"],
+                           p2p_ms=0.5)
     skipped = []
     found = {c.kind: c for c in layouts.choose(setup, runtimes.megatron_order(4, 8, "1f1b"), layouts.KINDS,
                                                skipped, "1f1b")}
@@ -62,3 +64,26 @@ def test_fairness_targets_read_off_the_rows():
     targets = report.fairness_targets(rows, report.layout_wins(rows), fair)
     met = {name.split(" ")[0]: t["met"] for name, t in targets.items()}
     assert met == {"balanced": True, "best": True, "executor": False}  # 850 / 800 is 6% off at N = D
+
+
+def test_a_launch_scripts_model_flags_give_the_planners_shape(tmp_path):
+    """--model-flags: the trainer's parser reads the file as a shell would (continuations, comments), and
+    the shape is Llama 3 8B's, as planner.MODELS has it."""
+    flags = tmp_path / "llama3-8b.flags"
+    flags.write_text("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 8192 \\\n"
+                     "  --max-position-embeddings 8192 --ffn-hidden-size 14336 --swiglu  # Llama 3 8B\n"
+                     "--tokenizer-type NullTokenizer --vocab-size 128256\n")
+    shape, want = models.shape_of("gpt2-1.3b", str(flags)), MODELS["llama3-8b"]
+    assert dataclasses.replace(shape, stores_attention_scores=False) == want, f"{shape} against {want}"
+    assert models.name_of("gpt2-1.3b", str(flags)) == "llama3-8b"
+
+
+@pytest.mark.parametrize("auto_ms,met", [(102.9, True), (103.1, False)])
+def test_the_auto_row_is_held_to_the_best_row_of_its_run(auto_ms, met):
+    def row(runtime, schedule, ms, kind="even", n=8):
+        return {"runtime": runtime, "schedule": schedule, "D": 8, "N": n, "ms": ms, "layout_kind": kind,
+                "model": "llama3-8b", "measured_over_predicted": 1.0}
+    rows = [row("ours", "chimera direct", 110.0), row("megatron-core", "1f1b", 100.0, "megatron"),
+            row("ours", "1f1b", 90.0, n=16), row("ours", "auto: chimera direct", auto_ms, "balanced")]
+    got = report.auto_targets(rows)["auto within 3% of the best row, llama3-8b D=8 N=8"]
+    assert got["met"] is met and got["value"] == pytest.approx(auto_ms / 100.0), got

@@ -1,5 +1,6 @@
-"""--pipeline-schedule auto: the planner (chimera_schedules.tools.planner) picks the schedule, its options and
-the micro-batch size for the model, sizes and batch that the other flags give, under a memory limit.
+"""--pipeline-schedule auto: the planning layer (chimera_schedules.tools.auto) picks the schedule, its options,
+the layout and the micro-batch size for the model, sizes and batch that the other flags give, under a memory
+limit; this module turns the run's flags into its request and its pick into flags.
 
 The pick is a set of flags (` > pipeline plan: ...`). They replace `--pipeline-schedule auto` and the
 planning flags in the command line before it is parsed for real, so an auto run is exactly the run of
@@ -12,11 +13,10 @@ a name in profiles/; by default the CPU profile on the CPU, the H100 datasheet o
 planner's peak per worker against ``--pipeline-memory-limit-gb``, by default the profile's memory
 less a tenth (allocator slack and buffers the model does not count).
 
-Candidates: every planned variant of the registry (``PLANNED``; interleaved v=2 where the layers split;
-DualPipeV; the F&B-overlapped ones where experts are spread over EP > 1 with the all-to-all dispatcher)
-at the given pipeline depth, data-parallel width and expert parallelism, at each micro-batch size
-that divides the batch (only the given one with an explicit --micro-batch-size). A candidate the
-trainer's own rules refuse is passed over, by the same validation a run gets.
+Candidates (tools/auto.py): every planned variant of the registry, at the given pipeline depth, data-parallel
+width and expert parallelism, at each micro-batch size that divides the batch (only the given one with an
+explicit --micro-batch-size), and the fastest under the balancer's layout unless the user gave a layout. A
+candidate the trainer's own rules refuse is passed over, by the same validation a run gets.
 
 Resume: the plan's flags are saved with the checkpoint's args (``pipeline_plan``). A run resumed from it
 (``--load``) keeps them, unless ``--pipeline-replan`` asks for a new plan or the trainer's rules now refuse
@@ -35,13 +35,12 @@ from collections.abc import Callable
 import torch
 
 from chimera_schedules import ConfigError
-from chimera_schedules.analysis.simulator import simulate
 from chimera_schedules.ir.errors import require
 from chimera_schedules.ir.spec import OPTION
 from chimera_schedules.ir.spec import flags as spelled
-from chimera_schedules.registry import VARIANTS, build_spec, variant
-from chimera_schedules.tools.balancer import Sizes, balance, per_rank
-from chimera_schedules.tools.planner import PLANNED, Candidate, Precision, Profile, costs, plan
+from chimera_schedules.registry import VARIANTS
+from chimera_schedules.tools import auto
+from chimera_schedules.tools.planner import Candidate, Precision, Profile
 
 from .balanced_layout import HAND_FLAGS, model_shape, profile_path
 
@@ -174,41 +173,42 @@ def _planning_flags(argv: list[str]) -> list[str]:
     return out
 
 
-@dataclasses.dataclass
-class Balanced(Candidate):
-    """A candidate under the balancer's layout (chimera_schedules/tools/balancer.py) instead of the even split."""
-    layout: str = ""
-
-    @property
-    def label(self) -> str:
-        return super().label + " balanced"
-
-
 def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
     """Rank the candidates by predicted iteration time; the first that fits the memory limit and that the
     trainer's rules accept wins. Refuses in one line when none fits."""
     profile, source = _profile(args)
-    limit = _limit(args, profile)
-    ranked = _ranked(args, profile, micro_batch_given)
-    balance_layers = args.pipeline_model_parallel_size > 1  # one stage: nothing to move
-    if balance_layers and not any(given(base, flag) for flag, _ in HAND_FLAGS):  # the user's layout stays theirs
-        ranked = sorted(ranked + _balanced(args, profile, [c for c in ranked if c.memory <= limit][:BALANCED], limit),
-                        key=lambda c: c.seconds)
-    fitting = [c for c in ranked if c.memory <= limit]
+    request = _request(args, profile, micro_batch_given, balance=not any(given(base, flag) for flag, _ in HAND_FLAGS))
+    ranked = auto.ranked(request)
+    fitting = [c for c in ranked if auto.fits_in(c, request)]
     if not fitting:
         smallest = min(ranked, key=lambda c: c.memory)
         flag = LIMIT_FLAG if args.pipeline_memory_limit_gb else PROFILE_FLAG
         value = args.pipeline_memory_limit_gb or profile.name
-        raise ConfigError(flag, value, f"no pipeline plan fits in {limit / 2**30:.4g} GiB per worker: the smallest, "
-                                       f"{smallest.label}, needs {smallest.memory / 2**30:.4g} GiB")
+        raise ConfigError(flag, value, f"no pipeline plan fits in {request.limit / 2**30:.4g} GiB per worker: the "
+                                       f"smallest, {smallest.label}, needs {smallest.memory / 2**30:.4g} GiB")
     for c in fitting:
         flags = plan_flags(c, args, micro_batch_given)
         try:
             validated(base + flags)
         except ConfigError:
             continue  # a rule of the trainer's refuses it (Transformer Engine, recomputation, ...)
-        return Pick(flags, ranked, _table(ranked, c, limit, profile, source, len(ranked) - len(fitting)))
+        return Pick(flags, ranked, _table(ranked, c, request.limit, source, len(ranked) - len(fitting)))
     raise ConfigError("--pipeline-schedule", AUTO, "the trainer's rules refuse every plan that fits in memory")
+
+
+def _request(args, profile: Profile, micro_batch_given: bool, balance: bool) -> auto.Request:
+    """The planning layer's request for this run: its sizes, precision and experts as the flags give them (the
+    user's layout stays theirs: no balancing when they gave one)."""
+    w, ep = args.data_parallel_size, args.expert_model_parallel_size
+    return auto.Request(
+        model_shape(args), profile, args.pipeline_model_parallel_size, w, args.global_batch_size,
+        (args.micro_batch_size,) if micro_batch_given else (1, 2, 4, 8), _limit(args, profile),
+        Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon"),
+        expert_parallel=ep if w % ep == 0 else 1,  # the planner spreads experts over the data-parallel ranks only
+        context_parallel=args.context_parallel_size,
+        overlap=bool(args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall"
+                     and not args.mtp_num_layers),
+        balance=balance)
 
 
 def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
@@ -223,46 +223,8 @@ def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
             flags += [flag] if value else []
         else:
             flags += [flag, str(value)]
-    flags += ["--pipeline-model-parallel-layout", c.layout] if isinstance(c, Balanced) else []
+    flags += ["--pipeline-model-parallel-layout", c.layout] if isinstance(c, auto.Balanced) else []
     return flags + ([] if micro_batch_given else ["--micro-batch-size", str(c.micro_batch)])
-
-
-def _ranked(args, profile: Profile, micro_batch_given: bool) -> list[Candidate]:
-    d, w, ep = args.pipeline_model_parallel_size, args.data_parallel_size, args.expert_model_parallel_size
-    schedules = list(PLANNED) + ["dualpipev"]
-    if d > 1 and args.num_layers % (2 * d) == 0:
-        schedules.append("interleaved v=2")
-    if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall" and not args.mtp_num_layers:
-        schedules += OVERLAPPED
-    sizes = (args.micro_batch_size,) if micro_batch_given else (1, 2, 4, 8)
-    precision = _precision(args)
-    ep = ep if w % ep == 0 else 1  # the planner spreads experts over the data-parallel ranks only
-    ranked = plan(d * w, args.global_batch_size, model_shape(args), profile, depths=[d], micro_batches=sizes,
-                  precision=precision, schedules=tuple(schedules), expert_parallel=(ep,))
-    require(ranked, "--pipeline-schedule", AUTO, f"no planned schedule takes PP={d} with {args.global_batch_size} "
-            f"samples per batch over DP={w}" + (f" at --micro-batch-size {args.micro_batch_size}"
-                                                if micro_batch_given else ""))
-    return sorted(ranked, key=lambda c: c.seconds)
-
-
-def _balanced(args, profile: Profile, fastest: list[Candidate], limit: float) -> list[Balanced]:
-    """The fastest candidates again under the balancer's layout, where it is predicted faster and fits."""
-    out = []
-    for c in fastest:
-        schedule = build_spec(variant(c.schedule, c.depth, c.microbatches))
-        sizes = Sizes(c.micro_batch, c.width, c.expert_parallel, _precision(args), args.context_parallel_size)
-        picked = balance(model_shape(args), profile, schedule, sizes, per_rank(schedule))
-        if picked.seconds < c.seconds and picked.memory <= limit:
-            priced = costs(model_shape(args), profile, c.depth, c.micro_batch, c.width, c.expert_parallel,
-                           schedule.virtual_stages, picked.layout)
-            out.append(Balanced(**{**dataclasses.asdict(c), "seconds": picked.seconds, "memory": picked.memory,
-                                   "bubble_ratio": simulate(schedule, priced).bubble_ratio},
-                                layout=str(picked.layout)))
-    return out
-
-
-def _precision(args) -> Precision:
-    return Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon")
 
 
 def _profile(args) -> tuple[Profile, str]:
@@ -287,8 +249,7 @@ def _limit(args, profile: Profile) -> float:
     return HEADROOM * profile.memory
 
 
-def _table(ranked: list[Candidate], pick: Candidate, limit: float, profile: Profile, source: str,
-           over: int) -> str:
+def _table(ranked: list[Candidate], pick: Candidate, limit: float, source: str, over: int) -> str:
     """The startup table: the best plans with their predictions, and why the pick won."""
     lines = [f" > pipeline plans (--pipeline-schedule auto; costs: {source}; memory limit {limit / 2**30:.4g} GiB "
              "per worker):",
