@@ -173,6 +173,15 @@ def size_messages(setup) -> dict:
             "full_shape_ms": full, "full_shape": [SEQ, 1, HIDDEN]}
 
 
+def measured_host_ms(setup) -> float:
+    """What each part a MoE stage issues adds (moe.host_ms), measured on every rank at once at the middle
+    stage's times: the median over ranks, so every rank prices with the same number."""
+    dist.barrier()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, moe.host_ms(setup.times(1)[setup.depth // 2]))
+    return statistics.median(every)
+
+
 def iteration(case) -> tuple[float, float, float, float]:
     """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits
     (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
@@ -277,14 +286,17 @@ def worker(args) -> None:
     setup = runtimes.Setup(d, forward_ms(args, profile, d), args.name, profile, args.shape,
                            a2a_fraction=args.a2a_fraction or 0.0)
     message = size_messages(setup)
+    if setup.a2a_fraction:
+        setup.host_ms = measured_host_ms(setup)
     microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, args, microbatches)
     samples = measure(cases, args.rounds, args.iters)
     if dist.get_rank() == 0:
         rows = [row(setup, c, s) for c, s in zip(cases, samples)]
         doc = {"D": d, "model": args.name, "profile": {"name": profile.name, "path": os.path.relpath(args.profile,
-               ROOT)}, "forward_ms": setup.forward_ms, "p2p_ms": setup.p2p_ms, "message": message,
-               "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters, "skipped": skipped, "rows": rows}
+               ROOT)}, "forward_ms": setup.forward_ms, "p2p_ms": setup.p2p_ms, "host_ms": setup.host_ms,
+               "message": message, "layouts": args.layouts, "rounds": args.rounds, "iters": args.iters,
+               "skipped": skipped, "rows": rows}
         if setup.a2a_fraction:
             add_a2a_critical(setup, cases, rows)
             doc.update(a2a_fraction=setup.a2a_fraction, overlap_timeline=overlap_timeline(setup))

@@ -80,18 +80,19 @@ def message_target_ms(shape: ModelShape, profile: Profile, depth: int, forward_m
 
 
 def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False,
-               contention: float = 0.0) -> CostModel:
+               contention: float = 0.0, host_ms: float = 0.0) -> CostModel:
     """The simulator's costs in milliseconds. ``first_input_in_weight``: the runtime does a first
     stage's whole backward in its W and nothing in its I (torch.distributed.pipelining does: its
     first stage has no input gradient to send). A stage without MoE layers is priced as one layer
-    whose all-to-all takes no time, as its emulated stage runs (``moe.stage_parts``)."""
+    whose all-to-all takes no time, as its emulated stage runs (``moe.stage_parts``). ``host_ms``: what
+    each part a MoE stage issues adds (``moe.host_ms``, measured at startup)."""
     forward = [t.forward * 1e3 for t in times]
     backward = [(t.input + t.weight) * 1e3 for t in times]
     weight = [t.weight * 1e3 for t in times]
     if first_input_in_weight:
         weight[0] = backward[0]
     moe = {"a2a": [t.a2a * 1e3 for t in times], "moe_layers": [max(1, t.moe_layers) for t in times],
-           "attention_share": ATTENTION_SHARE} if any(t.a2a for t in times) else {}
+           "attention_share": ATTENTION_SHARE, "host": host_ms} if any(t.a2a for t in times) else {}
     return CostModel(forward=forward, backward=backward, weight=weight, p2p_latency=p2p_ms, contention=contention,
                      **moe)
 

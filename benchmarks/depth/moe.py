@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import queue
+import statistics
 import sys
 import threading
 import time
@@ -151,6 +152,22 @@ def issue(order: list[parts.Part], labels: dict[str, str]) -> None:
     for job in last.values():
         if job is not None:
             job.done.wait()
+
+
+def host_ms(times: StageTimes, rounds: int = 5) -> float:
+    """What each issued part adds on this emulated device, in ms: one stage's halved forward issued
+    ``rounds`` times, its time over ``parts.span`` of its parts divided by how many it issues (the median
+    round). Every rank measures at once, as the cases run (late wake-ups grow with the threads sharing the
+    cores); nothing it runs is recorded."""
+    order = parts.halves(stage_parts(times, "F", times.forward))
+    issued, over = sum(p.time > 0 for p in order), []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        issue(order, {"F": "F"})
+        over.append((time.perf_counter() - start - parts.span(order)) / issued * 1e3)
+    stage.SPANS.clear()
+    PARTS.clear()
+    return statistics.median(over)
 
 
 def a2a_overlap() -> tuple[float, float]:

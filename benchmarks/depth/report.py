@@ -216,6 +216,7 @@ def _overlap_document(per_depth: list[dict], command: str, rows: list[dict]) -> 
             "model": first["model"], "profile": first["profile"], "layouts": first["layouts"],
             "forward_ms": first["forward_ms"], "rounds": first["rounds"], "iters": first["iters"],
             "a2a_fraction": first["a2a_fraction"], "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "host_ms": {str(doc["D"]): doc.get("host_ms", 0.0) for doc in per_depth},
             "message": {str(doc["D"]): doc["message"] for doc in per_depth},
             "overlap_timeline": {str(doc["D"]): doc["overlap_timeline"] for doc in per_depth},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "overlap": table_rows,

@@ -85,6 +85,7 @@ class Setup:
     timeout: timedelta = timedelta(minutes=5)
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
     a2a_fraction: float = 0.0  # of a MoE layer's forward compute, its all-to-all (0: none, no MoE stages)
+    host_ms: float = 0.0  # what each part a MoE stage issues adds, measured (moe.host_ms)
 
     def times(self, virtual_stages: int, held=None):
         """Per model stage, its times under layout ``held`` (the even split by default)."""
@@ -92,7 +93,8 @@ class Setup:
                            self.a2a_fraction)
 
     def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False, contention: float = 0.0):
-        return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight, contention)
+        return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight, contention,
+                          self.host_ms)
 
     def config(self, virtual_stages: int = 1, combined: bool = False):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without

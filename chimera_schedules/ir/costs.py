@@ -35,7 +35,12 @@ class CostModel:
     it costs F + B. A halved action (``Halved``) runs its pass as two halves of its micro-batch the same
     way (``parts.halves``), each half's compute half the whole's divided by ``halves_efficiency``.
     ``contention``: how much slower compute runs while an all-to-all is in flight beside it (0: not at
-    all; 0.15: 15% slower), in overlapped and halved actions (``parts.timeline``)."""
+    all; 0.15: 15% slower), in overlapped and halved actions (``parts.timeline``).
+
+    Host: ``host`` is what issuing one piece of work adds to it, measured (a kernel launch and its
+    hand-off on a GPU; on the depth benchmark's emulated device a timed wait's late wake-up and a
+    thread's hand-off, which it measures at startup): each part of a pass through MoE layers, each of a
+    plain stage's passes (a whole backward is two: I and W). Default 0."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] = 2.0
@@ -53,17 +58,28 @@ class CostModel:
     attention_share: float = 0.5
     halves_efficiency: float = 1.0
     contention: float = 0.0
+    host: float = 0.0
 
     def compute_time(self, schedule: Schedule, action: Action | Overlapped) -> float:
         """How long the action holds its worker: compute and all-to-all one after the other when alone,
         interleaved when overlapped; scaled by the schedule's micro-batch size."""
         if action.op is Op.OVERLAPPED:
             return self._overlapped_time(schedule, action) * schedule.microbatch_scale
+        scale = schedule.microbatch_scale
         if action.op is Op.HALVED:
             return moe.span(moe.halves(self._parts(schedule, action.action), self.halves_efficiency),
-                            self.contention) * schedule.microbatch_scale
+                            self.contention, self.host / scale) * scale
         compute, a2a = self._alone(schedule, action)
-        return (compute + a2a) * schedule.microbatch_scale
+        return (compute + a2a) * scale + self.host * self._issued(schedule, action)
+
+    def _issued(self, schedule: Schedule, action: Action) -> int:
+        """How many pieces of work a plain action issues: its parts that take time through MoE layers,
+        else one per pass (a whole backward two: its I and its W); a W one."""
+        if action.op is Op.BACKWARD_WEIGHT or not self.host:
+            return 1
+        if has_a2a(self):
+            return sum(part.time > 0 for part in self._parts(schedule, action))
+        return 2 if action.op is Op.BACKWARD else 1
 
     def _alone(self, schedule: Schedule, action: Action) -> tuple[float, float]:
         """(compute, all-to-all) of one full-size plain compute action."""
@@ -90,7 +106,7 @@ class CostModel:
         forward, backward = action.parts
         order = moe.interleave(self._parts(schedule, forward), self._parts(schedule, backward))
         scale = schedule.microbatch_scale
-        events = moe.timeline(order, self.contention, {"F": f_ready / scale, "B": b_ready / scale})
+        events = moe.timeline(order, self.contention, {"F": f_ready / scale, "B": b_ready / scale}, self.host / scale)
         ends = {role: max((end for part, _, end in events if part.role == role), default=0.0) for role in "FB"}
         return ends["F"] * scale, ends["B"] * scale
 
@@ -162,3 +178,8 @@ def activation_units(schedule: Schedule, action: Action) -> float:
     """Activation memory of one action's micro-batch in one model stage, in units of one full
     micro-batch through one 1F1B stage (M_a in the paper)."""
     return schedule.microbatch_scale / schedule.virtual_stages
+
+
+def has_a2a(costs: CostModel) -> bool:
+    """Whether any stage spends time in an all-to-all (its passes then run as parts)."""
+    return any(costs.a2a) if not isinstance(costs.a2a, (int, float)) else costs.a2a != 0

@@ -131,30 +131,32 @@ def halves(whole: list[Part], efficiency: float = 1.0) -> list[Part]:
     return order
 
 
-def timeline(order: list[Part], contention: float = 0.0,
-             ready: dict[str, float] | None = None) -> list[tuple[Part, float, float]]:
+def timeline(order: list[Part], contention: float = 0.0, ready: dict[str, float] | None = None,
+             host: float = 0.0) -> list[tuple[Part, float, float]]:
     """(part, start, end) of each part issued in ``order``: a part starts when its stream is free and the
     previous part of its chain has ended (the first of a role's chain when its input is there:
     ``ready[role]``, default 0); under ``contention`` a compute part also takes that much longer per
-    unit of time an all-to-all runs beside it (the module's docstring)."""
+    unit of time an all-to-all runs beside it (the module's docstring); each part that takes time takes
+    ``host`` longer (what issuing it costs: ``CostModel.host``)."""
     stretch, ready = [0.0] * len(order), ready or {}
-    events = _issue(order, stretch, ready)
+    events = _issue(order, stretch, ready, host)
     for _ in range(_CONTENTION_ROUNDS if contention > 0 else 0):
         comm = [(start, end) for part, start, end in events if part.stream == COMM and end > start]
         # work w done over d with an all-to-all in flight for t of it: w = d - t + t / (1 + c)
         stretch = [contention / (1 + contention) * _beside(start, end, comm) if part.stream == COMPUTE else 0.0
                    for part, start, end in events]
-        events = _issue(order, stretch, ready)
+        events = _issue(order, stretch, ready, host)
     return events
 
 
-def _issue(order: list[Part], stretch: list[float], ready: dict[str, float]) -> list[tuple[Part, float, float]]:
+def _issue(order: list[Part], stretch: list[float], ready: dict[str, float],
+           host: float) -> list[tuple[Part, float, float]]:
     stream_free = {COMPUTE: 0.0, COMM: 0.0}
     chain_end: dict[tuple[str, int], float] = {}
     out = []
     for part, extra in zip(order, stretch):
         start = max(stream_free[part.stream], chain_end.get(part.chain, ready.get(part.role, 0.0)))
-        end = start + part.time + extra
+        end = start + part.time + extra + (host if part.time > 0 else 0.0)
         stream_free[part.stream] = chain_end[part.chain] = end
         out.append((part, start, end))
     return out
@@ -165,9 +167,9 @@ def _beside(start: float, end: float, busy: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
 
 
-def span(order: list[Part], contention: float = 0.0) -> float:
+def span(order: list[Part], contention: float = 0.0, host: float = 0.0) -> float:
     """How long the parts issued in ``order`` take, from the first start to the last end."""
-    return max((end for _, _, end in timeline(order, contention)), default=0.0)
+    return max((end for _, _, end in timeline(order, contention, host=host)), default=0.0)
 
 
 def ascii_timeline(order: list[Part], width: int = 72) -> str:

@@ -22,7 +22,7 @@ from functools import partial
 from ..analysis.replay import replay
 from ..analysis.simulator import reduce_windows, simulate
 from ..ir.actions import HALVABLE_OPS, Action, Halved, Op, Overlapped
-from ..ir.costs import CostModel
+from ..ir.costs import CostModel, has_a2a
 from ..ir.dataflow import dependencies, products
 from ..ir.schedule import Schedule
 
@@ -42,7 +42,7 @@ def overlap_forward_backward(schedule: Schedule, costs: CostModel | None = None,
     set."""
     if schedule.lowered:
         raise ValueError("overlap a compute schedule: lowering places messages around the fused actions")
-    judge = costs if costs is not None and _has_a2a(costs) else REFERENCE
+    judge = costs if costs is not None and has_a2a(costs) else REFERENCE
     paired = _fuse_pairs(schedule, judge)
     if halves:
         orders = [halve(paired, judge), halve(schedule, judge)]
@@ -71,10 +71,6 @@ def halve(schedule: Schedule, costs: CostModel) -> Schedule:
               and sum(map(time, map(Halved, both))) < sum(map(time, both)) - _TOLERANCE for a in both}
     return replace(schedule, workers=tuple(tuple(Halved(a) if a in halved else a for a in actions)
                                            for actions in schedule.workers))
-
-
-def _has_a2a(costs: CostModel) -> bool:
-    return any(costs.a2a) if not isinstance(costs.a2a, (int, float)) else costs.a2a != 0
 
 
 class _Timed:

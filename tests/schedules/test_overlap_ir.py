@@ -234,6 +234,22 @@ def test_halved_actions_round_trip_and_price_below_the_whole():
     assert CostModel().compute_time(s, Halved(F(0, 0, 0))) == pytest.approx(1.0)
 
 
+def test_the_host_cost_is_charged_per_issued_part():
+    """``CostModel.host``: a plain stage's F one piece of work, its whole B two (I and W); through 4 MoE
+    layers an F issues 16 parts (attention, dispatch, experts, combine per layer), a halved F 32 (some of
+    their cost hidden beside the other stream's), and an overlapped pair pays for its parts too."""
+    s, h = build("chimera", 8, 8), 0.01
+    plain, moe = CostModel(1.0, 2.0, host=h), CostModel(1.0, 2.0, a2a=0.5, moe_layers=4)
+    priced = dataclasses.replace(moe, host=h)
+    assert plain.compute_time(s, F(0, 0, 0)) == pytest.approx(1.0 + h)
+    assert plain.compute_time(s, B(0, 0, 0)) == pytest.approx(2.0 + 2 * h)
+    assert priced.compute_time(s, F(0, 0, 0)) == pytest.approx(1.5 + 16 * h)
+    halved = priced.compute_time(s, Halved(F(0, 0, 0))) - moe.compute_time(s, Halved(F(0, 0, 0)))
+    assert 16 * h <= halved <= 32 * h + 1e-9, f"a halved F's 32 parts added {halved}"
+    pair = Overlapped(F(0, 0, 0), B(1, 0, 0))
+    assert priced.compute_time(s, pair) > moe.compute_time(s, pair)
+
+
 @pytest.mark.parametrize("name", OVERLAPPED)
 def test_halves_never_slow_the_pairs_down(name):
     """At the caller's costs the chosen order is never slower than the pairs alone (--no-halves), and
