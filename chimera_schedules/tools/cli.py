@@ -20,11 +20,13 @@ from ..ir.schedule import Schedule
 from ..ir.spec import OPTION, SHARED, ScheduleSpec
 from ..passes.lowering import lower
 from ..registry import SCHEDULES, VARIANTS, build_spec, variant
+from . import auto
 from .balancer import Sizes, balance, best_megatron, score
 from .balancer import per_rank as balancer_per_rank
 from .options import add_arguments
-from .planner import MODELS, ModelShape, Precision, Profile, as_json, even_layout, explain, plan
+from .planner import MODELS, Candidate, ModelShape, Precision, Profile, as_json, even_layout, explain
 from .render import ascii_timeline, png_streams, write_picture
+from .stage_profile import StageProfile
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +53,9 @@ def _options() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", parents=[common], help="every schedule side by side for D and N")
     compare.add_argument("--json", action="store_true")
     _planner_options(sub.add_parser("plan", help="rank layouts (D, W, B, N, schedule) by predicted iteration time"))
+    profile = sub.add_parser("profile", help="what a stage-cost profile holds (python -m megatron.chimera.profile "
+                             "writes one), by micro-batch size")
+    profile.add_argument("path", metavar="FILE")
     return parser
 
 
@@ -106,6 +111,9 @@ def _planner_options(planner) -> None:
     planner.add_argument("--vocab", type=int, help="default 50257 without --model")
     planner.add_argument("--mtp-layers", type=int, help="multi-token-prediction layers after the last layer")
     planner.add_argument("--profile", required=True, help="hardware profile JSON (see profiles/)")
+    planner.add_argument("--stage-costs", metavar="FILE",
+                         help="stage costs measured on the devices (python -m megatron.chimera.profile writes them) "
+                              "in place of the FLOP count at the profile's rate")
     planner.add_argument("--memory-gb", type=float, help="override the profile's memory per device")
     planner.add_argument("--depths", type=int, nargs="+", help="only these pipeline depths")
     planner.add_argument("--bf16", action="store_true", help="bf16 weights with fp32 main weights (as training's)")
@@ -221,7 +229,7 @@ def _plan(args) -> int:
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 2**30)
     precision = Precision(args.bf16, args.use_distributed_optimizer)
-    ranked = plan(args.workers, args.global_batch, shape, profile, depths=args.depths, precision=precision)
+    ranked = _ranked(args, shape, profile, precision)
     layout = _balanced_pick(ranked, shape, profile, precision)
     if args.json:
         print(json.dumps({"ranked": as_json(ranked), "layout": layout}, indent=1))
@@ -233,6 +241,41 @@ def _plan(args) -> int:
     for c in ranked[:args.top]:
         print(f"{c.label:<46}{c.seconds:9.3f}{c.tokens_per_s:12,.0f}{c.bubble_ratio:9.1%}"
               f"{c.memory / 2**30:7.1f}{'' if c.fits else '  (does not fit)'}")
+    return 0
+
+
+def _ranked(args, shape: ModelShape, profile: Profile, precision: Precision) -> list[Candidate]:
+    """Every depth's plans from the planning layer (tools/auto.py, as --pipeline-schedule auto ranks them), fastest
+    first, those over the profile's memory last."""
+    measured = _stage_costs(args.stage_costs) if args.stage_costs else None
+    found = []
+    for d in args.depths or [d for d in range(2, args.workers + 1) if args.workers % d == 0]:
+        w = args.workers // d
+        request = auto.Request(shape, profile, d, w, args.global_batch, (1, 2, 4, 8), profile.memory, precision,
+                               balance=False, priced=measured.priced(shape, profile, d, w) if measured else None)
+        try:
+            found += auto.ranked(request)
+        except ConfigError:
+            continue  # no planned schedule takes this depth and batch
+    return sorted(found, key=lambda c: (not c.fits, c.seconds))
+
+
+def _stage_costs(path: str) -> StageProfile:
+    try:
+        return StageProfile.load(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError("--stage-costs", path, f"not a readable stage-cost profile: {e}") from None
+
+
+def _profile(args) -> int:
+    """The parts a stage-cost profile holds, in ms, by micro-batch size."""
+    try:
+        measured = StageProfile.load(args.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError("profile", args.path, f"not a readable stage-cost profile: {e}") from None
+    print(f"{measured.name}: {measured.source}")
+    for b in sorted(measured.times):
+        print(f"  micro-batch size {b} (ms forward/backward): {measured.describe(b)}")
     return 0
 
 
@@ -284,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "profile":
+            return _profile(args)
         if args.command == "compare":
             rows = _compare(args)
             print(json.dumps(rows, indent=1) if args.json else _table(rows))

@@ -221,14 +221,14 @@ def family(name: str) -> str:
     return v["schedule"] + (" split" if v.get("split_backward") else "")
 
 
-def _stage_layers(shape: ModelShape, layout: Layout, stage: int) -> tuple[int, int]:
+def stage_layers(shape: ModelShape, layout: Layout, stage: int) -> tuple[int, int]:
     """(dense, MoE) transformer layers of model stage ``stage`` of the layout."""
     first = layout.first_layer(stage)
     moe = sum(shape.is_moe(i) for i in range(first, first + layout.stages[stage].layers))
     return layout.stages[stage].layers - moe, moe
 
 
-def _all_to_all(shape: ModelShape, profile: Profile, b: int, ep: int) -> float:
+def all_to_all(shape: ModelShape, profile: Profile, b: int, ep: int) -> float:
     """One MoE layer's dispatch and combine in one direction of the pass."""
     if ep <= 1:
         return 0.0
@@ -243,12 +243,12 @@ def even_layout(shape: ModelShape, stages: int) -> Layout:
 def stage_forward(shape: ModelShape, profile: Profile, held: Layout, stage: int, b: int, ep: int = 1) -> float:
     """Seconds of one micro-batch's forward through model stage ``stage``: its layers, its MTP layers
     and its output layer (the embedding's lookup is negligible; its weights count in memory)."""
-    dense, moe = _stage_layers(shape, held, stage)
+    dense, moe = stage_layers(shape, held, stage)
     st = held.stages[stage]
     flops = dense * shape.layer_forward_flops(b) + (moe * shape.moe_layer_forward_flops(b) if moe else 0)
     flops += st.mtp * shape.mtp_layer_forward_flops(b) + st.loss * shape.logits_flops(b)
     moe_layers = moe + (st.mtp if shape.is_moe(shape.layers) else 0)
-    return flops / profile.flops + (moe_layers * _all_to_all(shape, profile, b, ep) if moe_layers else 0)
+    return flops / profile.flops + (moe_layers * all_to_all(shape, profile, b, ep) if moe_layers else 0)
 
 
 def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int, ep: int = 1,
@@ -270,7 +270,7 @@ def _stage_matrices(shape: ModelShape, held: Layout, stage: int, ep: int) -> flo
     not the word embedding or output layer): all but the vocabulary matrices and the layers' norms and
     biases (13 h in a dense GPT layer, the two norms' 2 h in an MoE layer)."""
     params, experts = _stage_params(shape, held, stage, ep)
-    dense, moe = _stage_layers(shape, held, stage)
+    dense, moe = stage_layers(shape, held, stage)
     st = held.stages[stage]
     mtp_moe = shape.is_moe(shape.layers)
     vectors = shape.hidden * (13 * (dense + st.mtp * (not mtp_moe)) + 2 * (moe + st.mtp * mtp_moe))
@@ -281,7 +281,7 @@ def _stage_params(shape: ModelShape, held: Layout, stage: int, ep: int) -> tuple
     """(all parameters a rank holds of the model stage, the routed experts' among them): its layers,
     its MTP layers (a layer shaped like the last, plus the 2h -> h projection) and a copy of the
     vocabulary matrix for each of the embedding, the output layer and MTP's embedding."""
-    dense, moe = _stage_layers(shape, held, stage)
+    dense, moe = stage_layers(shape, held, stage)
     st = held.stages[stage]
     mtp_moe = shape.is_moe(shape.layers)
     shared, experts = shape.moe_layer_params(ep) if shape.experts else (0, 0)
@@ -293,7 +293,7 @@ def _stage_params(shape: ModelShape, held: Layout, stage: int, ep: int) -> tuple
 
 def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int) -> float:
     """Activations one micro-batch leaves in model stage ``stage`` until its backward."""
-    dense, moe = _stage_layers(shape, held, stage)
+    dense, moe = stage_layers(shape, held, stage)
     st = held.stages[stage]
     per_moe = shape.moe_layer_activation_bytes(b) if shape.experts else 0
     mtp = st.mtp * (per_moe if shape.is_moe(shape.layers) else shape.layer_activation_bytes(b))

@@ -42,7 +42,7 @@ from .config.train_spec import ExitSpec, OptimizerSpec, TrainSpec
 from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
 from .data.tokenizer import build_tokenizer
 from .distributed.group_guard import guard_communicators
-from .distributed.process_groups import init_distributed, release_groups, setup_parallel
+from .distributed.process_groups import init_distributed, made_here, release_groups, setup_parallel
 from .distributed.schedule_agreement import ScheduleMismatch, agree_on_schedule
 from .distributed.warmup import warm_up_communicators
 from .distributed.weight_hashes import WeightHashMismatch, check_weight_hashes
@@ -307,7 +307,7 @@ def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     Returns the stats of the iterations this launch ran. A fault (dead peer, timeout, corrupted
     checkpoint, too many NaN iterations) ends this rank with one clear line and a non-zero exit.
     A caller that created the default process group keeps it: only the group made here is destroyed."""
-    owns_process_group = not dist.is_initialized()
+    owns_process_group = not dist.is_initialized() or made_here()
     try:
         return _pretrain(job_config(args), forward_step_func, hooks, owns_process_group)
     except (PipelineFault, ConfigError, TrainingStopped, WeightHashMismatch) as e:

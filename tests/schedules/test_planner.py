@@ -113,3 +113,26 @@ def test_muon_keeps_one_momentum_per_matrix_element_and_adamw_two_moments_for_th
     # its layer-wise distributed optimizer divides the moments over the 4 replicas, not the fp32 main weights
     state = model_state_bytes(100, 1, 4, Precision(half=True, distributed_optimizer=True, muon=True), matrices=60)
     assert (state["main parameters"], state["optimizer"]) == (400, (8 * 40 + 4 * 60) / 4), state
+
+
+def test_measured_stage_costs_sum_a_stages_parts_over_its_shards_with_the_all_to_all(tmp_path):
+    """A stage-cost profile prices each stage as its parts add up: layers by kind, the loss where the layout
+    puts L, MTP where it puts m; divided over TP x CP; each MoE layer's all-to-all from the hardware profile; a
+    size it lacks from the nearest, in proportion; and a file round-trips."""
+    from chimera_schedules.ir.layout import parse
+    from chimera_schedules.tools.stage_profile import PassTimes, StageProfile
+
+    parts = {"layer": PassTimes(1.0, 2.0), "moe_layer": PassTimes(3.0, 5.0), "output": PassTimes(7.0, 11.0),
+             "mtp": PassTimes(13.0, 17.0)}
+    measured = StageProfile("test", "by hand", {2: parts})
+    measured.save(tmp_path / "p.json")
+    assert StageProfile.load(tmp_path / "p.json") == measured, "the file did not round-trip"
+    shape = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=0, mtp=1,
+                       experts=Experts(count=4, topk=1, ffn=64, moe_layers=2))  # layers 2 and 3 MoE, MTP too
+    hardware = Profile("hw", flops=1e9, p2p_latency=0.5, p2p_bandwidth=float("inf"), allreduce_latency=0.0,
+                       allreduce_bandwidth=float("inf"), memory=1e12)
+    held = parse("Ett|ttmL")
+    model = measured.priced(shape, hardware, 2, 1, ep=2, shards=2)(1, held, 4)  # size 4: twice size 2's times
+    a2a = 2 * 0.5  # dispatch and combine, each one latency
+    assert model.forward == [2 * 2 * 1.0 / 2, 2 * (2 * 3.0 + 13.0 + 7.0) / 2 + 3 * a2a], model.forward
+    assert model.backward == [2 * 2 * 2.0 / 2, 2 * (2 * 5.0 + 17.0 + 11.0) / 2 + 3 * a2a], model.backward

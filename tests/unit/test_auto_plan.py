@@ -13,7 +13,9 @@ from megatron.chimera.plan import main as plan_main
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
          "--mock-data", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3"]
-AUTO2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto"]
+# the FLOP count at this machine's profile: the same plan at every call (a measurement's may differ between two)
+FLOPS = ["--pipeline-profile", "cpu-this-machine"]
+AUTO2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto"] + FLOPS
 ROW = re.compile(r"^ ([*x ]) (.+?) {2,}\s*(\S+) +(\S+)% +(\S+)$", re.M)  # mark, plan, ms, bubble, peak GiB
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
        "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "none", "--disable-bias-linear"]
@@ -29,7 +31,7 @@ def planned(capsys, argv: list[str], world_size: int) -> tuple[dict, list[str], 
 
 
 @pytest.mark.parametrize("extra,planning,pp,world", [
-    ([], [], 2, 2), (MOE, [], 2, 4),
+    ([], FLOPS, 2, 2), (MOE, FLOPS, 2, 4),
     # a vocabulary worth moving layers for: the balancer's layout wins, and is one of the printed flags
     (["--vocab-size", "100000"], ["--pipeline-profile", "h100-datasheet"], 4, 4),
 ], ids=["dense D=2", "moe D=2 EP=2", "large vocabulary D=4"])
@@ -38,7 +40,7 @@ def test_an_auto_run_is_the_run_of_the_flags_it_prints(capsys, extra, planning, 
     sizes = ["--pipeline-model-parallel-size", str(pp)]
     auto, flags, out = planned(capsys, MODEL + extra + sizes + ["--pipeline-schedule", "auto"] + planning, world)
     assert "--pipeline-schedule" in flags and "--micro-batch-size" in flags, flags  # the batch is the planner's too
-    assert ("--pipeline-model-parallel-layout" in flags) == bool(planning), f"balanced layout expected: {flags}"
+    assert ("--pipeline-model-parallel-layout" in flags) == (planning != FLOPS), f"balanced layout expected: {flags}"
     again = vars(parse_args(MODEL + extra + sizes + flags, world_size=world))
     assert auto.pop("pipeline_plan") == flags, "the plan kept for the checkpoint is not the printed one"
     differing = {k: (auto.get(k), again.get(k)) for k in auto.keys() | again.keys() if auto.get(k) != again.get(k)}
@@ -127,7 +129,8 @@ def test_the_offline_plan_prints_the_table_and_flags_the_run_would(capsys, tmp_p
     script = tmp_path / "model.flags"
     script.write_text("# the model, as a launch script has it\n" + " \\\n".join(" ".join(MODEL[i:i + 2])
                                                                                for i in range(0, len(MODEL), 2)))
-    picked = plan_main(["--world-size", "2", "--flags-file", str(script), "--", "--pipeline-model-parallel-size", "2"])
+    picked = plan_main(["--world-size", "2", "--flags-file", str(script), "--", "--pipeline-model-parallel-size", "2",
+                        *FLOPS])
     offline = capsys.readouterr().out
     run, flags, out = planned(capsys, MODEL + AUTO2, 2)
     assert picked == flags == run["pipeline_plan"], f"offline {picked}, the run {flags}"
@@ -138,7 +141,23 @@ def test_the_offline_plan_prints_the_table_and_flags_the_run_would(capsys, tmp_p
 def test_without_pipelining_auto_plans_over_the_data_parallel_ranks(capsys):
     """PP=1 over DP=2: interleaving needs PP > 1 (Megatron-LM's validate_args refuses it), so it is no candidate,
     and a candidate Megatron-LM refuses would be passed over as one of ours is, never the run's end."""
-    args, flags, out = planned(capsys, MODEL + ["--pipeline-schedule", "auto"], 2)
+    args, flags, out = planned(capsys, MODEL + ["--pipeline-schedule", "auto"] + FLOPS, 2)
     plans = [row[1] for row in ROW.findall(out)]
     assert args["pipeline_model_parallel_size"] == 1 and plans, f"picked {flags}:\n{out}"
     assert not [p for p in plans if "interleaved" in p or "balanced" in p], f"one stage, yet planned as more:\n{out}"
+
+
+def test_without_a_profile_auto_plans_from_stage_costs_measured_at_startup_and_saves_them(capsys, tmp_path):
+    """No --pipeline-profile: the parts are timed on this device (stage_costs.py) and the table says so; the
+    numbers land in --save, and a run given that file plans from them, to the same plan (the file prices every
+    stage as the measurement did). An MoE model with MTP: every kind of part is measured."""
+    model = MODEL + MOE + ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
+                           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto"]
+    measured, flags, out = planned(capsys, model + ["--save", str(tmp_path), "--save-interval", "1"], 4)
+    assert "costs: stage costs measured at startup on 1 rank(s)" in out, f"not planned from a measurement:\n{out}"
+    parts = re.search(r"stage parts \(ms forward/backward, micro-batch size \d+, one device\): (.*)", out)
+    assert parts and [p.split()[0] for p in parts.group(1).split(", ")] == ["layer", "output", "moe_layer", "mtp"], out
+    saved = tmp_path / "pipeline_profile.json"
+    _, again, out = planned(capsys, model + ["--pipeline-profile", str(saved)], 4)
+    assert f"costs: stage costs from {saved} (measured on 1 rank(s)" in out, f"not planned from the file:\n{out}"
+    assert again == flags, f"the measured run picked {flags}, the run given its measurement {again}"

@@ -15,7 +15,8 @@ LAYERS = (
     ("optim",),  # precision, gradient reductions, optimizers
     ("checkpoint",),  # named states, formats, the reads validation asks for
     ("observability",),  # log lines, timers, the startup banner, hooks
-    ("arguments", "schedule_runner", "loop", "plan", ""),  # parse_args, the step, the loop, offline plans, the package
+    # parse_args, the step, the loop, offline plans, stage costs measured at startup, the package
+    ("arguments", "schedule_runner", "loop", "plan", "stage_costs", "profile", ""),
     ("testing",),  # the harness and probes the tests share
 )
 # the schedule library's runtime runs the step (its executor, transport, faults): the top layer's to call,

@@ -41,6 +41,7 @@ from chimera_schedules.ir.spec import flags as spelled
 from chimera_schedules.registry import VARIANTS
 from chimera_schedules.tools import auto
 from chimera_schedules.tools.planner import Candidate, Precision, Profile
+from chimera_schedules.tools.stage_profile import StageProfile
 
 from .balanced_layout import HAND_FLAGS, model_shape, profile_path
 
@@ -51,10 +52,9 @@ HEADROOM = 0.9  # of the device's memory, when no limit is given
 # the flags the plan sets: given with auto, they are refused (the planner chooses them)
 CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split-backward",
           "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-halves", "--num-layers-per-virtual-pipeline-stage")
-OVERLAPPED = ("1f1b overlap", "chimera direct overlap", "chimera split overlap", "dualpipe overlap",
-              "dualpipev overlap")
 SHOWN = 5  # plans in the startup table
-BALANCED = 1  # the fastest plan that fits, tried again under the balancer's layout (about 30 s at D=16)
+PROFILE_FILE = "pipeline_profile.json"  # the startup measurement, written into --save: --pipeline-profile reads it
+Measure = Callable[[argparse.Namespace, list[int]], StageProfile]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,13 @@ def base_argv(argv: list[str]) -> list[str]:
 
 
 def planned_argv(argv: list[str], validated: Callable[[list[str]], argparse.Namespace],
-                 saved_plan: Callable[[str], tuple[list[str], int] | None]) -> tuple[list[str], list[str]]:
+                 saved_plan: Callable[[str], tuple[list[str], int] | None],
+                 measure: Measure | None = None) -> tuple[list[str], list[str]]:
     """The command line with auto replaced by the plan's flags, and those flags; prints the plan on rank 0.
     ``validated(argv)`` parses and validates a command line quietly (ConfigError on a refused one);
-    ``saved_plan(load)`` is the plan the checkpoint at ``load`` was trained with and its iteration, if any."""
+    ``saved_plan(load)`` is the plan the checkpoint at ``load`` was trained with and its iteration, if any;
+    ``measure(run, sizes)`` measures the stage costs on this run's devices (stage_costs.py), when no
+    --pipeline-profile is given."""
     for flag in CHOSEN:
         require(not given(argv, flag), flag, True, "is chosen by --pipeline-schedule auto: give a schedule instead "
                 "to set it")
@@ -132,7 +135,7 @@ def planned_argv(argv: list[str], validated: Callable[[list[str]], argparse.Name
     micro_batch_given = given(argv, "--micro-batch-size")
     batch = [] if micro_batch_given else ["--micro-batch-size", "1"]
     probe = validated(base + ["--pipeline-schedule", "1f1b"] + batch + _planning_flags(argv))  # sizes, model
-    pick = choose(base, probe, micro_batch_given, validated)
+    pick = choose(base, probe, micro_batch_given, validated, measure)
     _say(pick.table + (f"\n   {why}" if why else ""))
     _say(f" > pipeline plan: {' '.join(pick.flags)} (planned in {time.perf_counter() - start:.2f} s)")
     return base + pick.flags, pick.flags
@@ -173,11 +176,16 @@ def _planning_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
+def choose(base: list[str], args, micro_batch_given: bool, validated, measure: Measure | None = None) -> Pick:
     """Rank the candidates by predicted iteration time; the first that fits the memory limit and that the
     trainer's rules accept wins. Refuses in one line when none fits."""
     profile, source = _profile(args)
     request = _request(args, profile, micro_batch_given, balance=not any(given(base, flag) for flag, _ in HAND_FLAGS))
+    stages, source = _stage_costs(args, request, measure, source)
+    if stages is not None:
+        shards = args.tensor_model_parallel_size * args.context_parallel_size
+        request = dataclasses.replace(request, priced=stages.priced(
+            request.shape, profile, request.depth, request.width, request.expert_parallel, shards))
     ranked = auto.ranked(request)
     fitting = [c for c in ranked if auto.fits_in(c, request)]
     if not fitting:
@@ -192,7 +200,8 @@ def choose(base: list[str], args, micro_batch_given: bool, validated) -> Pick:
             validated(base + flags)
         except ConfigError:
             continue  # a rule of the trainer's refuses it (Transformer Engine, recomputation, ...)
-        return Pick(flags, ranked, _table(ranked, c, request.limit, source, len(ranked) - len(fitting)))
+        parts = f"\n   {_parts_line(stages, c.micro_batch)}" if stages is not None else ""
+        return Pick(flags, ranked, _table(ranked, c, request.limit, source, len(ranked) - len(fitting)) + parts)
     raise ConfigError("--pipeline-schedule", AUTO, "the trainer's rules refuse every plan that fits in memory")
 
 
@@ -227,15 +236,49 @@ def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
     return flags + ([] if micro_batch_given else ["--micro-batch-size", str(c.micro_batch)])
 
 
+def _stage_costs(args, request: auto.Request, measure: Measure | None, source: str) -> tuple[StageProfile | None, str]:
+    """The measured stage costs to plan with, and the words for the table: a stage-cost file given as
+    --pipeline-profile, else a measurement on this run's devices (when ``measure`` is given and no hardware
+    profile was named); None where the FLOP count prices the stages."""
+    if args.pipeline_profile and _holds_stage_costs(args.pipeline_profile):
+        path = profile_path(args.pipeline_profile)
+        try:
+            stages = StageProfile.load(path)
+        except ValueError as e:
+            raise ConfigError(PROFILE_FLAG, args.pipeline_profile, str(e)) from None
+        return stages, f"stage costs from {path} (measured on {stages.source}); communication: {source.split(',')[0]}"
+    if args.pipeline_profile or measure is None:
+        return None, source
+    sizes = [b for b in request.micro_batches if request.global_batch % (request.width * b) == 0]
+    stages = measure(args, sizes)
+    if args.save and int(os.environ.get("RANK", "0")) == 0:  # a later run may plan from it: --pipeline-profile
+        os.makedirs(args.save, exist_ok=True)
+        stages.save(os.path.join(args.save, PROFILE_FILE))
+    return stages, f"stage costs measured at startup on {stages.source}; communication: {source.split(',')[0]}"
+
+
+def _holds_stage_costs(name: str) -> bool:
+    path = profile_path(name)
+    require(os.path.isfile(path), PROFILE_FLAG, name, "no such profile (a JSON file, or a name in profiles/)")
+    return StageProfile.holds(path)
+
+
+def _parts_line(stages: StageProfile, b: int) -> str:
+    return f"stage parts (ms forward/backward, micro-batch size {b}, one device): {stages.describe(b)}"
+
+
 def _profile(args) -> tuple[Profile, str]:
     """The hardware profile the costs come from, and how it was chosen. Tensor and context parallelism
-    split each stage's work over their ranks: the profile's rate is theirs together."""
-    name = args.pipeline_profile or ("h100-datasheet" if torch.cuda.is_available() else "cpu-this-machine")
+    split each stage's work over their ranks: the profile's rate is theirs together. A stage-cost file
+    given as --pipeline-profile leaves this device's default for the rest (communication, memory)."""
+    name = args.pipeline_profile or ""
+    if not name or _holds_stage_costs(name):
+        name = "h100-datasheet" if torch.cuda.is_available() else "cpu-this-machine"
     path = profile_path(name)
     require(os.path.isfile(path), PROFILE_FLAG, name, "no such profile (a JSON file, or a name in profiles/)")
     profile = Profile.load(path)
     ranks = args.tensor_model_parallel_size * args.context_parallel_size
-    how = "given" if args.pipeline_profile else "this device's default"
+    how = "given" if name == args.pipeline_profile else "this device's default"
     return dataclasses.replace(profile, flops=profile.flops * ranks), f"profile {profile.name} ({how}), " \
                                                                       "Megatron-LM's FLOP count"
 

@@ -150,7 +150,17 @@ def init_distributed(backend: str | None, timeout_minutes: float,
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "0"))
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        _MADE.add(dist.group.WORLD)
     return backend, device
+
+
+_MADE = set()  # the default process group, once init_distributed made it
+
+
+def made_here() -> bool:
+    """Whether init_distributed made the default process group (the run's to destroy at its end): the startup
+    measurement of stage costs (stage_costs.py) makes it before the trainer, which keeps it."""
+    return dist.is_initialized() and dist.group.WORLD in _MADE
 
 
 def setup_parallel(dims: ParallelDims, plan, backend: str, device: torch.device) -> Runtime:
