@@ -26,9 +26,9 @@ from .generators.dualpipe import check_v as check_dualpipev
 from .generators.dualpipe import dualpipe, dualpipev
 from .generators.search import best_order
 from .ir.costs import CostModel
-from .ir.errors import require
+from .ir.errors import ConfigError, require
 from .ir.schedule import Schedule
-from .ir.spec import OPTION, ScheduleSpec
+from .ir.spec import ANY, OPTION, ScheduleSpec, parse_stage_costs
 from .passes.overlap import overlap_forward_backward
 from .passes.zero_bubble import split_backward
 
@@ -102,7 +102,7 @@ VARIANTS = {name: {"schedule": e.name, **fields} for e in ENTRIES for name, fiel
 
 def takers(option: str) -> tuple[str, ...]:
     """The schedules that take ``option`` (a ScheduleSpec field beyond schedule, depth and micro-batches)."""
-    return tuple(e.name for e in ENTRIES if option in e.options)
+    return tuple(e.name for e in ENTRIES if option in e.options + ANY)
 
 
 def variant(name: str, depth: int, microbatches: int) -> ScheduleSpec:
@@ -114,7 +114,7 @@ def check_options(schedule: str, given: dict) -> None:
     """Each option in ``given`` (field -> value, None if not given) is one of its choices and applies to
     ``schedule``. The trainer asks this on its own for the schedules that build nothing (megatron-core's,
     or depth 1)."""
-    taken = REGISTRY[schedule].options if schedule in REGISTRY else ()
+    taken = REGISTRY[schedule].options + ANY if schedule in REGISTRY else ()
     for name, value in given.items():
         o = OPTION[name]
         if value is None or name in ("schedule", "depth", "microbatches"):
@@ -138,7 +138,21 @@ def check(spec: ScheduleSpec) -> ScheduleSpec:
     if not spec.overlap:
         spec = dataclasses.replace(spec, halves=None)  # a choice among overlapped orders: none without overlap
     entry.check(spec)
+    if spec.stage_costs is not None:
+        _stage_costs(spec, entry)
     return spec
+
+
+def _stage_costs(spec: ScheduleSpec, entry: Entry) -> CostModel:
+    """The request's stage costs as a cost model's forward and backward, one per model stage."""
+    try:
+        forward, backward = parse_stage_costs(spec.stage_costs)
+    except ValueError as e:
+        raise ConfigError("stage_costs", spec.stage_costs, str(e)) from None
+    stages = spec.depth * entry.virtual_stages(spec)
+    require(len(forward) in (1, stages), "stage_costs", spec.stage_costs,
+            f"gives {len(forward)} stages' costs: give one F/B, or one per model stage ({stages})")
+    return CostModel(forward=forward * (stages // len(forward)), backward=backward * (stages // len(backward)))
 
 
 def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
@@ -146,6 +160,9 @@ def build_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> Schedule:
     (``--order best``, more than two Chimera pipelines, where a split backward places its W passes).
     Overlapping forwards and backwards comes last: it pairs the actions of the final order."""
     spec, costs = check(spec), costs or CostModel()
+    if spec.stage_costs is not None:  # the order is built at the request's own stage times
+        given = _stage_costs(spec, REGISTRY[spec.schedule])
+        costs = dataclasses.replace(costs, forward=given.forward, backward=given.backward, weight=None)
     result = REGISTRY[spec.schedule].generate(spec, costs)
     if spec.split_backward and not result.split_backward:  # a generator may split its own backward
         # never more live micro-batches than the unsplit schedule's most loaded worker holds

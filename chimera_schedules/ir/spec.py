@@ -29,6 +29,7 @@ class ScheduleSpec:
     split_backward: bool | None = None
     overlap: bool | None = None
     halves: bool | None = None
+    stage_costs: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,35 @@ OPTIONS = (
            "with overlap, never run a forward or backward as two interleaved halves of its micro-batch "
            "(where no other micro-batch pairs with it, the halves hide each other's all-to-all); halves "
            "are on by default", bool, default=True),
+    Option("stage_costs", "--stage-costs", "--pipeline-stage-costs",
+           "each model stage's forward and backward time as F/B, comma-separated, in one unit (ms, say): the "
+           "costs the orders that depend on them are built at (--chimera-order best, where a split backward "
+           "places its W passes, which pairs overlap, more than two pipelines); one F/B for every stage, or one "
+           "per model stage. --pipeline-schedule auto prints the ones it planned with. Default 1/2", str),
 )
 OPTION = {o.field: o for o in OPTIONS}
 # options both front ends take as they are, added from this table (not ``overlap``: the trainer reads
 # Megatron-LM's own flag of that name)
-SHARED = ("pipelines", "concat", "order", "split_backward", "halves")
+SHARED = ("pipelines", "concat", "order", "split_backward", "halves", "stage_costs")
+ANY = ("stage_costs",)  # options every schedule of the library takes
+
+
+def parse_stage_costs(text: str) -> tuple[list[float], list[float]]:
+    """``stage_costs``' forward and backward lists: ValueError naming the form where ``text`` is not 'F/B,...'
+    of times, none below zero and not all zero (a stage of the embedding alone may cost nothing worth counting)."""
+    try:
+        pairs = [tuple(float(t) for t in item.split("/")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 0 for p in pairs) or not sum(map(sum, pairs)):
+        raise ValueError("must be F/B (forward and backward time, 0 or more, not all 0) per model stage, "
+                         "comma-separated")
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def spell_stage_costs(forward: list[float], backward: list[float]) -> str:
+    """``stage_costs``' text of these times, four significant digits each."""
+    return ",".join(f"{f:.4g}/{b:.4g}" for f, b in zip(forward, backward))
 
 
 def flags(front_end: str) -> dict[str, str]:

@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..analysis.simulator import simulate
+from ..ir import layout
+from ..ir.costs import CostModel
 from ..ir.errors import require
 from ..registry import build_spec, variant
 from .balancer import Pricing, Sizes, balance, per_rank
@@ -106,6 +108,14 @@ def _balanced(request: Request, fastest: list[Candidate]) -> list[Balanced]:
                                    "bubble_ratio": simulate(schedule, pricing(picked.layout)).bubble_ratio},
                                 layout=str(picked.layout)))
     return out
+
+
+def stage_costs(request: Request, c: Candidate) -> CostModel:
+    """The stage costs the candidate was predicted at (the trainer builds its order at their forward and
+    backward times: --pipeline-stage-costs)."""
+    v = virtual_stages(c.schedule, c.depth, c.microbatches)
+    held = layout.parse(c.layout) if isinstance(c, Balanced) else even_layout(request.shape, c.depth * v)
+    return _pricing(request, c, v)(held)
 
 
 def _pricing(request: Request, c: Candidate, v: int) -> Pricing:

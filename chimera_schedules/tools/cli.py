@@ -17,7 +17,7 @@ from ..analysis.validator import validate
 from ..ir.costs import CostModel
 from ..ir.errors import ConfigError, InvalidSchedule, require
 from ..ir.schedule import Schedule
-from ..ir.spec import OPTION, SHARED, ScheduleSpec
+from ..ir.spec import OPTION, SHARED, ScheduleSpec, parse_stage_costs
 from ..passes.lowering import lower
 from ..registry import SCHEDULES, VARIANTS, build_spec, variant
 from . import auto
@@ -111,7 +111,7 @@ def _planner_options(planner) -> None:
     planner.add_argument("--vocab", type=int, help="default 50257 without --model")
     planner.add_argument("--mtp-layers", type=int, help="multi-token-prediction layers after the last layer")
     planner.add_argument("--profile", required=True, help="hardware profile JSON (see profiles/)")
-    planner.add_argument("--stage-costs", metavar="FILE",
+    planner.add_argument("--stage-profile", metavar="FILE",
                          help="stage costs measured on the devices (python -m megatron.chimera.profile writes them) "
                               "in place of the FLOP count at the profile's rate")
     planner.add_argument("--memory-gb", type=float, help="override the profile's memory per device")
@@ -150,7 +150,14 @@ def _costs(args) -> CostModel:
     require(args.moe_layers >= 1, "--moe-layers", args.moe_layers, "must be at least 1")
     require(0 < args.halves_efficiency <= 1, "--halves-efficiency", args.halves_efficiency, "must be in (0, 1]")
     require(args.contention >= 0, "--contention", args.contention, "must not be negative")
-    return CostModel(args.forward_time, args.backward_time, args.p2p_latency, args.p2p_bandwidth,
+    forward, backward = args.forward_time, args.backward_time
+    if args.stage_costs:  # per model stage, in place of the two above
+        try:
+            forward, backward = parse_stage_costs(args.stage_costs)
+        except ValueError as e:
+            raise ConfigError("--stage-costs", args.stage_costs, str(e)) from None
+        forward, backward = (forward[0], backward[0]) if len(forward) == 1 else (forward, backward)
+    return CostModel(forward, backward, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
                      args.grad_bytes, args.data_parallel, weight=args.weight_time, a2a=args.a2a,
                      moe_layers=args.moe_layers, halves_efficiency=args.halves_efficiency,
@@ -178,7 +185,7 @@ def _schedule(args) -> Schedule:
     spec = ScheduleSpec(args.schedule, args.depth, args.microbatches or args.depth, virtual_stages=args.chunks,
                         pipelines=args.pipelines, concat=args.concat, order=args.order,
                         split_backward=args.split_backward, overlap=args.overlap,
-                        halves=args.no_halves)  # --no-halves stores False
+                        halves=args.no_halves, stage_costs=args.stage_costs)  # --no-halves stores False
     return build_spec(spec, _costs(args))
 
 
@@ -247,7 +254,7 @@ def _plan(args) -> int:
 def _ranked(args, shape: ModelShape, profile: Profile, precision: Precision) -> list[Candidate]:
     """Every depth's plans from the planning layer (tools/auto.py, as --pipeline-schedule auto ranks them), fastest
     first, those over the profile's memory last."""
-    measured = _stage_costs(args.stage_costs) if args.stage_costs else None
+    measured = _stage_profile(args.stage_profile) if args.stage_profile else None
     found = []
     for d in args.depths or [d for d in range(2, args.workers + 1) if args.workers % d == 0]:
         w = args.workers // d
@@ -260,11 +267,11 @@ def _ranked(args, shape: ModelShape, profile: Profile, precision: Precision) -> 
     return sorted(found, key=lambda c: (not c.fits, c.seconds))
 
 
-def _stage_costs(path: str) -> StageProfile:
+def _stage_profile(path: str) -> StageProfile:
     try:
         return StageProfile.load(path)
     except (OSError, ValueError) as e:
-        raise ConfigError("--stage-costs", path, f"not a readable stage-cost profile: {e}") from None
+        raise ConfigError("--stage-profile", path, f"not a readable stage-cost profile: {e}") from None
 
 
 def _profile(args) -> int:

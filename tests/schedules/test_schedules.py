@@ -256,3 +256,16 @@ def test_every_chimera_variant_splits_within_its_own_memory(options):
     split = simulate(build("chimera", 8, 16, split_backward=True, **options), PAPER)
     assert split.makespan < plain.makespan
     assert max(split.peak_activations) <= max(plain.peak_activations)
+
+
+def test_a_requests_stage_costs_are_what_its_cost_dependent_order_is_built_at():
+    """--stage-costs (the trainer's --pipeline-stage-costs, which auto prints) builds the order a cost model of
+    those forward and backward times builds, and another than unit costs' where the order depends on them."""
+    costly_last = "1/2,1/2,1/2,3/6"
+    given = build("chimera", 4, 8, split_backward=True, stage_costs=costly_last)
+    priced = build("chimera", 4, 8, split_backward=True, costs=CostModel(forward=[1, 1, 1, 3], backward=[2, 2, 2, 6]))
+    unit = build("chimera", 4, 8, split_backward=True)
+    assert given.workers == priced.workers, "the stage costs given are not the ones the W passes were placed at"
+    assert given.workers != unit.workers, "W placement ignores the stage costs: this test cannot tell them apart"
+    with pytest.raises(ConfigError, match="gives 2 stages' costs: give one F/B, or one per model stage"):
+        build("chimera", 4, 8, stage_costs="1/2,1/2")

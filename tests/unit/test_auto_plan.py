@@ -161,3 +161,13 @@ def test_without_a_profile_auto_plans_from_stage_costs_measured_at_startup_and_s
     _, again, out = planned(capsys, model + ["--pipeline-profile", str(saved)], 4)
     assert f"costs: stage costs from {saved} (measured on 1 rank(s)" in out, f"not planned from the file:\n{out}"
     assert again == flags, f"the measured run picked {flags}, the run given its measurement {again}"
+
+
+def test_the_printed_stage_costs_are_the_ones_the_trainers_schedule_is_built_at(capsys):
+    """The plan's --pipeline-stage-costs reach the request the run plan generates its schedule from (the schedule
+    library builds the cost-dependent orders at them: tests/schedules/test_schedules.py)."""
+    from megatron.chimera.config.schedule_request import schedule_request
+
+    args, flags, _ = planned(capsys, MODEL + AUTO2, 2)
+    given = flags[flags.index("--pipeline-stage-costs") + 1]
+    assert schedule_request(argparse.Namespace(**args)).stage_costs == given, f"{given} did not reach the request"

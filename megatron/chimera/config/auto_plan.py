@@ -35,8 +35,9 @@ from collections.abc import Callable
 import torch
 
 from chimera_schedules import ConfigError
+from chimera_schedules.ir.costs import CostModel
 from chimera_schedules.ir.errors import require
-from chimera_schedules.ir.spec import OPTION
+from chimera_schedules.ir.spec import OPTION, spell_stage_costs
 from chimera_schedules.ir.spec import flags as spelled
 from chimera_schedules.registry import VARIANTS
 from chimera_schedules.tools import auto
@@ -51,7 +52,8 @@ PLANNING = (PROFILE_FLAG, LIMIT_FLAG, REPLAN_FLAG)
 HEADROOM = 0.9  # of the device's memory, when no limit is given
 # the flags the plan sets: given with auto, they are refused (the planner chooses them)
 CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split-backward",
-          "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-halves", "--num-layers-per-virtual-pipeline-stage")
+          "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-halves", "--num-layers-per-virtual-pipeline-stage",
+          "--pipeline-stage-costs")
 SHOWN = 5  # plans in the startup table
 PROFILE_FILE = "pipeline_profile.json"  # the startup measurement, written into --save: --pipeline-profile reads it
 Measure = Callable[[argparse.Namespace, list[int]], StageProfile]
@@ -195,7 +197,7 @@ def choose(base: list[str], args, micro_batch_given: bool, validated, measure: M
         raise ConfigError(flag, value, f"no pipeline plan fits in {request.limit / 2**30:.4g} GiB per worker: the "
                                        f"smallest, {smallest.label}, needs {smallest.memory / 2**30:.4g} GiB")
     for c in fitting:
-        flags = plan_flags(c, args, micro_batch_given)
+        flags = plan_flags(c, args, micro_batch_given, auto.stage_costs(request, c))
         try:
             validated(base + flags)
         except ConfigError:
@@ -220,8 +222,9 @@ def _request(args, profile: Profile, micro_batch_given: bool, balance: bool) -> 
         balance=balance)
 
 
-def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
-    """The trainer's flags for one candidate: its schedule, the options its variant sets, its micro-batch size."""
+def plan_flags(c: Candidate, args, micro_batch_given: bool, priced: CostModel) -> list[str]:
+    """The trainer's flags for one candidate: its schedule, the options its variant sets, the stage costs it was
+    predicted at (in ms: the trainer builds the orders that depend on them at these), its micro-batch size."""
     fields = dict(VARIANTS[c.schedule])
     flags = ["--pipeline-schedule", fields.pop("schedule")]
     for field, value in fields.items():
@@ -233,6 +236,9 @@ def plan_flags(c: Candidate, args, micro_batch_given: bool) -> list[str]:
         else:
             flags += [flag, str(value)]
     flags += ["--pipeline-model-parallel-layout", c.layout] if isinstance(c, auto.Balanced) else []
+    if c.depth > 1:
+        ms = [[1e3 * t for t in times] for times in (priced.forward, priced.backward)]
+        flags += [OPTION["stage_costs"].trainer, spell_stage_costs(*ms)]
     return flags + ([] if micro_batch_given else ["--micro-batch-size", str(c.micro_batch)])
 
 
