@@ -55,7 +55,7 @@ def _storage(t) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
-def _tracker(forward_step):
+def activation_tracker(forward_step):
     """The measurement, through the training loop's hooks protocol and a forward step that records
     what autograd saves."""
     class Tracker(Hooks):
@@ -106,7 +106,7 @@ def measure(name: str) -> dict:
     """Two iterations of one schedule on this rank; its measured and predicted peaks."""
     flags = schedule_flags(variant(name, DEPTH, MICROBATCHES), int(MODEL[MODEL.index("--num-layers") + 1]))
     args = parse_args(MODEL + ["--global-batch-size", str(MICROBATCHES)] + flags, world_size=DEPTH)
-    tracker = _tracker(forward_step)
+    tracker = activation_tracker(forward_step)
     job = job_config(args)
     trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), tracker.forward_step, tracker)
     for i in range(2):

@@ -25,6 +25,7 @@ plot (.png) beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -182,6 +183,25 @@ def measured_host_ms(setup) -> float:
     return statistics.median(every)
 
 
+def executor_host_ms(setup, iters: int = 3) -> float:
+    """What each pass our executor runs adds to a plain stage's time beyond the simulator's model (its
+    Python around the pass, posting and waiting for the pass's messages, the timed wait's late wake-up;
+    CostModel.host), in ms: 1F1B at N = D at the even split, the median of ``iters`` iterations after a
+    warm-up (the slowest rank's each), over its prediction without it, the difference divided by what one
+    ms per pass adds to that prediction. Every rank gets the same number (the iterations are gathered)."""
+    schedule = runtimes.ours_schedule(setup, "1f1b", setup.depth)
+    chosen = layouts.choose(setup, schedule, ["even"], [], "1f1b")[0]
+    setup.create_groups([schedule])
+    case = runtimes.ours(setup, "1f1b", setup.depth, schedule, chosen)
+    iteration(case)
+    ms = statistics.median(_timed(case, dist.get_world_size())[0] for _ in range(iters))
+    case.release()
+    model = setup.costs(1, chosen.layout)
+    without = predict(schedule, dataclasses.replace(model, host=0.0), True)["predicted_ms"]
+    per_ms = predict(schedule, dataclasses.replace(model, host=1.0), True)["predicted_ms"] - without
+    return max(0.0, (ms - without) / per_ms)
+
+
 def iteration(case) -> tuple[float, float, float, float]:
     """One timed iteration on this rank: (seconds from the barrier to return, seconds of stage waits
     (compute), seconds of all-to-all, seconds of it inside the other micro-batch's compute)."""
@@ -236,6 +256,8 @@ def row(setup, case, samples) -> dict:
     bubble = statistics.median(b for _, b, _ in samples)
     chosen = case.chosen
     model = setup.costs(case.schedule.virtual_stages, chosen.layout, case.first_input_in_weight, case.contention)
+    if case.runtime != "ours" and not setup.a2a_fraction:  # the host cost per pass was measured on our executor
+        model = dataclasses.replace(model, host=0.0)
     pred = predict(case.schedule, model, case.lowered)
     layout = {"layout": str(chosen.layout), "layout_kind": chosen.kind,
               "layout_memory_gib": None if chosen.memory is None else chosen.memory / 2 ** 30,
@@ -286,8 +308,7 @@ def worker(args) -> None:
     setup = runtimes.Setup(d, forward_ms(args, profile, d), args.name, profile, args.shape,
                            a2a_fraction=args.a2a_fraction or 0.0)
     message = size_messages(setup)
-    if setup.a2a_fraction:
-        setup.host_ms = measured_host_ms(setup)
+    setup.host_ms = measured_host_ms(setup) if setup.a2a_fraction else executor_host_ms(setup)
     microbatches = args.microbatches or default_microbatches(d)
     cases, skipped = build_cases(setup, args, microbatches)
     samples = measure(cases, args.rounds, args.iters)

@@ -85,16 +85,17 @@ def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bo
     stage's whole backward in its W and nothing in its I (torch.distributed.pipelining does: its
     first stage has no input gradient to send). A stage without MoE layers is priced as one layer
     whose all-to-all takes no time, as its emulated stage runs (``moe.stage_parts``). ``host_ms``: what
-    each part a MoE stage issues adds (``moe.host_ms``, measured at startup)."""
+    each part a MoE stage issues adds (``moe.host_ms``), or without MoE what each pass our executor runs
+    adds (``executor_host_ms``), both measured at startup."""
     forward = [t.forward * 1e3 for t in times]
     backward = [(t.input + t.weight) * 1e3 for t in times]
     weight = [t.weight * 1e3 for t in times]
     if first_input_in_weight:
         weight[0] = backward[0]
     moe = {"a2a": [t.a2a * 1e3 for t in times], "moe_layers": [max(1, t.moe_layers) for t in times],
-           "attention_share": ATTENTION_SHARE, "host": host_ms} if any(t.a2a for t in times) else {}
+           "attention_share": ATTENTION_SHARE} if any(t.a2a for t in times) else {}
     return CostModel(forward=forward, backward=backward, weight=weight, p2p_latency=p2p_ms, contention=contention,
-                     **moe)
+                     host=host_ms, **moe)
 
 
 def a2a_critical_ms(schedule: Schedule, model: CostModel) -> float:

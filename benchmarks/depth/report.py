@@ -199,6 +199,7 @@ def document(per_depth: list[dict], command: str) -> dict:
             "profile": first.get("profile"), "layouts": first.get("layouts", ["even"]),
             "forward_ms": first["forward_ms"], "rounds": first["rounds"], "iters": first["iters"],
             "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "host_ms": {str(doc["D"]): doc.get("host_ms", 0.0) for doc in per_depth},
             "message": {str(doc["D"]): doc["message"] for doc in per_depth if "message" in doc},
             "skipped": [s for doc in per_depth for s in doc["skipped"]], "rows": rows, "ratios": ratio_rows,
             "overheads": overhead_rows, "layout_wins": wins, "fair_ratios": fair,

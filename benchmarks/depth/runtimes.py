@@ -85,7 +85,7 @@ class Setup:
     timeout: timedelta = timedelta(minutes=5)
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
     a2a_fraction: float = 0.0  # of a MoE layer's forward compute, its all-to-all (0: none, no MoE stages)
-    host_ms: float = 0.0  # what each part a MoE stage issues adds, measured (moe.host_ms)
+    host_ms: float = 0.0  # what each part a MoE stage issues adds, or each pass of a plain one, measured at startup
 
     def times(self, virtual_stages: int, held=None):
         """Per model stage, its times under layout ``held`` (the even split by default)."""

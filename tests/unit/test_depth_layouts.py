@@ -87,3 +87,16 @@ def test_the_auto_row_is_held_to_the_best_row_of_its_run(auto_ms, met):
             row("ours", "1f1b", 90.0, n=16), row("ours", "auto: chimera direct", auto_ms, "balanced")]
     got = report.auto_targets(rows)["auto within 3% of the best row, llama3-8b D=8 N=8"]
     assert got["met"] is met and got["value"] == pytest.approx(auto_ms / 100.0), got
+
+
+def test_a_plain_stages_passes_are_priced_at_the_executor_host_cost_measured():
+    """Without all-to-all the launch's measured host cost is each pass's (executor_host_ms): 1F1B at D=2, N=2
+    predicted with 1 ms per pass is longer by what the passes on its critical path add: worker 0's F0, worker
+    1's F0, B0, F1 and B1, worker 0's B1; one pass each forward, two each whole backward (its I and its W)."""
+    from benchmarks.depth.costs import cost_model, predict
+    from chimera_schedules import build
+
+    times = stage_times(MODELS["gpt2-1.3b"], 2, 1, 20.0, Profile.load(default_profile("gpt2-1.3b")))
+    schedule = build("1f1b", 2, 2)
+    plain, priced = (predict(schedule, cost_model(times, 0.0, host_ms=h), True)["predicted_ms"] for h in (0.0, 1.0))
+    assert priced - plain == pytest.approx(1 + 1 + 2 + 1 + 2 + 2), f"1 ms per pass added {priced - plain} ms"

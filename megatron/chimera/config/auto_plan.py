@@ -207,6 +207,13 @@ def choose(base: list[str], args, micro_batch_given: bool, validated, measure: M
     raise ConfigError("--pipeline-schedule", AUTO, "the trainer's rules refuse every plan that fits in memory")
 
 
+def ranking(args) -> list[Candidate]:
+    """Every plan for the run the namespace ``args`` describes, fastest predicted first, priced by the FLOP count
+    at its hardware profile, at the even split: what a startup table shows the top of (benchmarks read it)."""
+    profile, _ = _profile(args)
+    return auto.ranked(_request(args, profile, micro_batch_given=False, balance=False))
+
+
 def _request(args, profile: Profile, micro_batch_given: bool, balance: bool) -> auto.Request:
     """The planning layer's request for this run: its sizes, precision and experts as the flags give them (the
     user's layout stays theirs: no balancing when they gave one)."""
