@@ -66,12 +66,14 @@ class ModelShape:
         """A dense layer's: attention 8 b s h^2 + 4 b s^2 h, MLP 2 b s h x its matrices' widths."""
         return self._attention_flops(b) + 2 * b * self.seq * self.hidden * self._matrices * self._ffn
 
-    def layer_activation_bytes(self, b: int) -> float:
-        return self.seq * b * self.hidden * (34 + self._scores)
+    def layer_activation_bytes(self, b: int, element: int = 2) -> float:
+        """What one micro-batch leaves in a dense layer for its backward, with activations of ``element`` bytes
+        (2: bf16 or fp16, 4: fp32): Korthikanti et al.'s s b h (34 + 5 a s / h) in half precision, 16 values
+        and 2 one-byte dropout masks per s b h, 2 values and a mask per attention score."""
+        return self.seq * b * self.hidden * (16 * element + 2 + self._scores(element))
 
-    @property
-    def _scores(self) -> float:
-        return 5 * self.heads * self.seq / self.hidden if self.stores_attention_scores else 0.0
+    def _scores(self, element: int) -> float:
+        return (2 * element + 1) * self.heads * self.seq / self.hidden if self.stores_attention_scores else 0.0
 
     @property
     def _ffn(self) -> int:
@@ -110,10 +112,10 @@ class ModelShape:
         dense = 4 * self.hidden ** 2 + 2 * self.hidden + self.hidden * e.count + mats * self.hidden * e.shared_ffn
         return dense, e.count // expert_parallel * mats * self.hidden * e.ffn
 
-    def moe_layer_activation_bytes(self, b: int) -> float:
+    def moe_layer_activation_bytes(self, b: int, element: int = 2) -> float:
         e = self.experts
         mlp = 19 * (e.topk * e.ffn + e.shared_ffn) / (4 * self.hidden)
-        return self.seq * b * self.hidden * (15 + mlp + self._scores)
+        return self.seq * b * self.hidden * ((15 + mlp) * element / 2 + self._scores(element))
 
 
 # The Chimera paper's GPT-2 (64 layers, 1.3B parameters, sequence 632): the projections' and the depth
@@ -291,14 +293,15 @@ def _stage_params(shape: ModelShape, held: Layout, stage: int, ep: int) -> tuple
     return total, (moe + st.mtp * mtp_moe) * experts
 
 
-def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int) -> float:
-    """Activations one micro-batch leaves in model stage ``stage`` until its backward."""
+def stage_activation_bytes(shape: ModelShape, held: Layout, stage: int, b: int, element: int = 2) -> float:
+    """Activations one micro-batch leaves in model stage ``stage`` until its backward, its layers' of
+    ``element`` bytes (2 in half precision, 4 in fp32)."""
     dense, moe = stage_layers(shape, held, stage)
     st = held.stages[stage]
-    per_moe = shape.moe_layer_activation_bytes(b) if shape.experts else 0
-    mtp = st.mtp * (per_moe if shape.is_moe(shape.layers) else shape.layer_activation_bytes(b))
+    per_moe = shape.moe_layer_activation_bytes(b, element) if shape.experts else 0
+    mtp = st.mtp * (per_moe if shape.is_moe(shape.layers) else shape.layer_activation_bytes(b, element))
     logits = (st.loss + st.mtp) * 4 * b * shape.seq * shape.vocab  # fp32 logits kept for the loss
-    return dense * shape.layer_activation_bytes(b) + moe * per_moe + mtp + logits
+    return dense * shape.layer_activation_bytes(b, element) + moe * per_moe + mtp + logits
 
 
 def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int, ep: int = 1,
@@ -309,7 +312,8 @@ def worker_memory(shape: ModelShape, schedule, held: Layout, b: int, width: int,
     context parallelism (``cp``) each rank keeps 1/cp of every micro-batch's activations (its part of the
     sequence: the attention scores too, its queries' rows) and a copy's replicas are DP x CP."""
     replicas, scale = schedule.pipelines * width * cp, schedule.microbatch_scale / cp
-    stage_bytes = [scale * stage_activation_bytes(shape, held, s, b) for s in range(len(held.stages))]
+    element = 2 if precision.half else 4
+    stage_bytes = [scale * stage_activation_bytes(shape, held, s, b, element) for s in range(len(held.stages))]
     live = peak_activations(schedule, stage_bytes)
     most = 0.0
     for worker, act in enumerate(live):

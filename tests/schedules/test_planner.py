@@ -29,12 +29,16 @@ def profile(memory: float, flops: float = 1e9) -> Profile:
 
 def test_memory_is_weights_of_every_copy_plus_peak_activations():
     # params per layer 12 h^2 + 13 h = 49,984; no vocabulary, so no embedding or output matrix.
-    # A stage: 2 layers = 99,968 params, x 16 bytes = 1,599,488. Activations: s b h (34 + 5 a s / h)
-    # = 32 x 64 x 44 = 90,112 bytes per layer per micro-batch; 2 layers x peak 2 micro-batches = 360,448.
+    # A stage: 2 layers = 99,968 params, x 16 bytes = 1,599,488. Activations in fp32: s b h (66 + 9 a s / h)
+    # (half precision's 34 + 5 a s / h with every value of 4 bytes, the dropout masks of 1)
+    # = 32 x 64 x 84 = 172,032 bytes per layer per micro-batch; 2 layers x peak 2 micro-batches = 688,128.
     one = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2))
     chimera = evaluate(SHAPE, profile(3e6), 2, Candidate("chimera direct", 2, 1, 1, 2))
-    assert one.memory == 1_599_488 + 360_448 and one.fits
-    assert chimera.memory == 2 * 1_599_488 + 360_448 and not chimera.fits  # two stage copies per worker
+    assert one.memory == 1_599_488 + 688_128 and one.fits
+    assert chimera.memory == 2 * 1_599_488 + 688_128 and not chimera.fits  # two stage copies per worker
+    half = evaluate(SHAPE, profile(3e6), 2, Candidate("1f1b", 2, 1, 1, 2), Precision(half=True))
+    # bf16 with fp32 main weights: 18 bytes per parameter; s b h (34 + 5 a s / h) = 90,112 bytes per layer
+    assert half.memory == 99_968 * 18 + 2 * 2 * 90_112, "half precision's activations are Korthikanti's"
 
 
 def test_ranking_matches_hand_computed_makespans():
@@ -93,13 +97,13 @@ def test_planner_counts_expert_memory_per_expert_parallel_rank():
 
 def test_context_parallelism_divides_activations_and_widens_the_optimizers_shards():
     # the first test's 1F1B D=2: a stage's weights 1,599,488 bytes (fp32, 16 bytes per parameter), peak
-    # activations 360,448; at CP=2 each rank keeps half of every micro-batch's sequence, and with the
+    # activations 688,128; at CP=2 each rank keeps half of every micro-batch's sequence, and with the
     # distributed optimizer its main weights' moments (8 of the 16 bytes) split over DP x CP = 2 replicas
     schedule = build("1f1b", 2, 2)
     held = even_layout(SHAPE, 2)
-    assert worker_memory(SHAPE, schedule, held, 1, 1, cp=2) == 1_599_488 + 360_448 / 2
+    assert worker_memory(SHAPE, schedule, held, 1, 1, cp=2) == 1_599_488 + 688_128 / 2
     sharded = Precision(distributed_optimizer=True)
-    assert worker_memory(SHAPE, schedule, held, 1, 1, precision=sharded, cp=2) == 1_599_488 - 99_968 * 4 + 360_448 / 2
+    assert worker_memory(SHAPE, schedule, held, 1, 1, precision=sharded, cp=2) == 1_599_488 - 99_968 * 4 + 688_128 / 2
 
 
 def test_muon_keeps_one_momentum_per_matrix_element_and_adamw_two_moments_for_the_rest():

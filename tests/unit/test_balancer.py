@@ -9,7 +9,7 @@ from chimera_schedules import ConfigError, build_spec, check, variant
 from chimera_schedules.ir import layout
 from chimera_schedules.tools.balancer import Sizes, balance, best_megatron, megatron_options, score
 from chimera_schedules.tools.cli import main
-from chimera_schedules.tools.planner import GPT2_1_3B, LLAMA3_8B, MODELS, Profile, even_layout
+from chimera_schedules.tools.planner import GPT2_1_3B, LLAMA3_8B, MODELS, Precision, Profile, even_layout
 
 H100 = Profile.load("profiles/h100-datasheet.json")
 
@@ -48,7 +48,7 @@ def test_chimera_moves_layers_off_both_edge_workers():
     """Worker 0 and worker D-1 each hold the embedding's stage and the output layer's: under Chimera both
     shed layers, where 1F1B takes them off the last stage only."""
     schedule = build_spec(check(variant("chimera direct", 8, 8)))
-    counts = balance(LLAMA3_8B, H100, schedule, Sizes(1, 1, 1)).layout.layer_counts()
+    counts = balance(LLAMA3_8B, H100, schedule, Sizes(1, 1, 1, Precision(half=True))).layout.layer_counts()  # bf16
     assert counts[-1] < 4 and sum(counts) == 32
 
 
