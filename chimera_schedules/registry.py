@@ -19,12 +19,18 @@ from dataclasses import dataclass, field
 from .analysis.simulator import peak_activations
 from .analysis.validator import validate
 from .generators.baselines import check_interleaved, gpipe, interleaved, one_f_one_b
+from .generators.bitpipe import bitpipe
+from .generators.bitpipe import check as check_bitpipe
 from .generators.chimera import check as check_chimera
 from .generators.chimera import chimera
 from .generators.dualpipe import check as check_dualpipe
 from .generators.dualpipe import check_v as check_dualpipev
 from .generators.dualpipe import dualpipe, dualpipev
+from .generators.hanayo import check as check_hanayo
+from .generators.hanayo import hanayo
 from .generators.search import best_order
+from .generators.vshape import check as check_v
+from .generators.vshape import v_schedule
 from .ir.costs import CostModel
 from .ir.errors import ConfigError, require
 from .ir.schedule import Schedule
@@ -94,6 +100,19 @@ ENTRIES = (
     Entry("dualpipev", lambda spec, costs: dualpipev(spec.depth, spec.microbatches),
           lambda spec: check_dualpipev(spec.depth, spec.microbatches), options=("overlap", "halves"),
           virtual_stages=lambda spec: 2, variants={"dualpipev": {}, "dualpipev overlap": {"overlap": True}}),
+    *(Entry(f"v-{memory}", lambda spec, costs, memory=memory: v_schedule(spec.depth, spec.microbatches, memory, costs),
+            lambda spec: check_v(spec.depth, spec.microbatches), options=("overlap", "halves"),
+            virtual_stages=lambda spec: 2, variants={f"v-{memory}": {}, f"v-{memory} overlap": {"overlap": True}})
+      for memory in ("min", "half", "zb")),
+    Entry("hanayo", lambda spec, costs: hanayo(spec.depth, spec.microbatches, spec.waves, costs),
+          lambda spec: check_hanayo(spec.depth, spec.microbatches, spec.waves),
+          options=("waves", "split_backward", "overlap", "halves"),
+          virtual_stages=lambda spec: 2 * (spec.waves or OPTION["waves"].default),
+          variants={"hanayo": {}, "hanayo 2 waves": {"waves": 2}}),
+    Entry("bitpipe", lambda spec, costs: bitpipe(spec.depth, spec.microbatches),
+          lambda spec: check_bitpipe(spec.depth, spec.microbatches),
+          options=("split_backward", "overlap", "halves"), pipelines=lambda spec: 2, virtual_stages=lambda spec: 2,
+          variants={"bitpipe": {}, "bitpipe split": {"split_backward": True}, "bitpipe overlap": {"overlap": True}}),
 )
 REGISTRY = {e.name: e for e in ENTRIES}
 SCHEDULES = tuple(REGISTRY)

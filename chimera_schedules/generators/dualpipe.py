@@ -14,7 +14,7 @@ from ..ir.actions import Action, Op
 from ..ir.errors import require
 from ..ir.schedule import Schedule
 from ..passes.grad_sync import with_grad_sync
-from .placement import mb_pipelines, placement
+from .placement import mb_pipelines, placement, v_placement
 
 
 def check(depth: int, microbatches: int) -> None:
@@ -79,7 +79,7 @@ def dualpipe(depth: int, microbatches: int) -> Schedule:
 def dualpipev(depth: int, microbatches: int) -> Schedule:
     """``depth`` workers, 2 x ``depth`` model stages in a V."""
     check_v(depth, microbatches)
-    place = (tuple(range(depth)) + tuple(reversed(range(depth))),)
+    place = v_placement(depth)
     every = list(range(microbatches))
     orders = tuple(tuple(_resolve(_slots(depth, w, microbatches), {"E": (0, w), "L": (0, 2 * depth - 1 - w)},
                                   {"E": every, "L": every})) for w in range(depth))

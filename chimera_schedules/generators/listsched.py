@@ -60,12 +60,15 @@ def deepest_first(a: Action, ready: float) -> tuple:
 @dataclass(frozen=True)
 class Greed:
     """How the greedy simulation decides: ``split`` schedules I and W instead of B; ``duration`` prices an
-    action (``costs.compute_time`` by default); ``reserve`` and ``patience`` as the module says."""
+    action (``costs.compute_time`` by default); ``reserve`` and ``patience`` as the module says;
+    ``stage_limit``: each stage copy keeps 1F1B's limit on live micro-batches (without it only the
+    worker's cap bounds them, as a V's stages need: their depth is not a worker's)."""
 
     split: bool = False
     duration: Callable[[Action], float] | None = None
     reserve: bool = False
     patience: float = 0.0
+    stage_limit: bool = True
 
 
 def list_schedule(shape: Shape, costs: CostModel, rule: Rule = deepest_first,
@@ -138,7 +141,8 @@ class _ListScheduler:
         copy = (a.pipeline, a.stage)
         if a.op is not Op.FORWARD:
             return True
-        if self.stage_live.get(copy, 0) >= self.shape.depth - a.stage // self.shape.virtual_stages:
+        if self.greed.stage_limit and \
+                self.stage_live.get(copy, 0) >= self.shape.depth - a.stage // self.shape.virtual_stages:
             return False
         if self.cap is None:
             return True

@@ -17,6 +17,12 @@ def placement(depth: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
     return tuple(rows)
 
 
+def v_placement(depth: int) -> tuple[tuple[int, ...], ...]:
+    """One pipeline of 2D model stages folded into a V over D workers: worker i holds stage i and stage
+    2D-1-i (DualPipeV's and the controllable-memory V schedules' placement)."""
+    return (tuple(range(depth)) + tuple(reversed(range(depth))),)
+
+
 def mb_pipelines(microbatches: int, pipelines: int) -> tuple[int, ...]:
     per = microbatches // pipelines
     return tuple(m // per for m in range(microbatches))

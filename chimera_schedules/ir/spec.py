@@ -24,6 +24,7 @@ class ScheduleSpec:
     microbatches: int
     virtual_stages: int | None = None
     pipelines: int | None = None
+    waves: int | None = None
     concat: str | None = None
     order: str | None = None
     split_backward: bool | None = None
@@ -67,6 +68,9 @@ OPTIONS = (
            "model chunks per worker (virtual stages)", default=2,
            trainer_derives="model chunks per worker (--num-layers / (PP x it))"),
     Option("pipelines", "--pipelines", "--chimera-pipelines", "pipelines, an even number", default=2),
+    Option("waves", "--waves", "--hanayo-waves",
+           "Hanayo's waves: the model crosses the workers down and back up this many times (2 x waves chunks "
+           "per worker)", default=1),
     Option("concat", "--concat", "--chimera-concat", "how basic units join for N > D", str, CONCATS, "direct"),
     Option("order", "--order", "--chimera-order", "order of the actions", str, ORDERS, "paper"),
     Option("split_backward", "--split-backward", "--split-backward",
@@ -88,7 +92,7 @@ OPTIONS = (
 OPTION = {o.field: o for o in OPTIONS}
 # options both front ends take as they are, added from this table (not ``overlap``: the trainer reads
 # Megatron-LM's own flag of that name)
-SHARED = ("pipelines", "concat", "order", "split_backward", "halves", "stage_costs")
+SHARED = ("pipelines", "waves", "concat", "order", "split_backward", "halves", "stage_costs")
 ANY = ("stage_costs",)  # options every schedule of the library takes
 
 

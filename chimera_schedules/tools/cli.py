@@ -183,7 +183,7 @@ def _schedule(args) -> Schedule:
             check_structure(schedule)
         return schedule
     spec = ScheduleSpec(args.schedule, args.depth, args.microbatches or args.depth, virtual_stages=args.chunks,
-                        pipelines=args.pipelines, concat=args.concat, order=args.order,
+                        pipelines=args.pipelines, waves=args.waves, concat=args.concat, order=args.order,
                         split_backward=args.split_backward, overlap=args.overlap,
                         halves=args.no_halves, stage_costs=args.stage_costs)  # --no-halves stores False
     return build_spec(spec, _costs(args))

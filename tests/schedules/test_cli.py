@@ -82,7 +82,8 @@ def test_validate_names_the_offending_action(capsys, tmp_path):
     (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches=6: interleaved 1F1B needs a multiple"),
     (["--forward-time", "0"], "--forward-time=0.0: must be positive"),
     (["--split-backward", "--weight-time", "2"], "--weight-time=2.0: must be positive and less than --backward-time"),
-    (["--schedule", "gpipe", "--split-backward"], "--split-backward=True: applies to --schedule 1f1b or chimera only"),
+    (["--schedule", "gpipe", "--split-backward"],
+     "--split-backward=True: applies to --schedule 1f1b or chimera or hanayo or bitpipe only"),
     (["--schedule", "dualpipe", "--microbatches", "4"], "--microbatches=4: DualPipe needs an even number of at least"),
     (["--file", "/nonexistent/s.json"], "--file=/nonexistent/s.json: cannot read"),
 ])

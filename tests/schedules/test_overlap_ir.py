@@ -212,7 +212,8 @@ def test_pictures_and_cli(capsys, tmp_path, schedules):
     assert main(["stats", "--schedule", "dualpipe", "-D", "4", "-N", "8", "--overlap", "--a2a", "0.5",
                  "--moe-layers", "4"]) == 0
     assert main(["show", "--schedule", "gpipe", "--overlap"]) == 2
-    assert "applies to --schedule 1f1b or chimera or dualpipe or dualpipev only" in capsys.readouterr().err
+    assert "applies to --schedule 1f1b or chimera or dualpipe or dualpipev or v-min or v-half or v-zb or hanayo or " \
+        "bitpipe only" in capsys.readouterr().err
     streams = tmp_path / "streams.png"
     assert main(["show", "--schedule", "chimera", "-D", "4", "-N", "4", "--overlap", "--a2a", "0.5", "--moe-layers",
                  "4", "--contention", "0.15", "--streams", "1", "--out", str(streams)]) == 0 and streams.exists()

@@ -251,7 +251,17 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
         f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
         f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
         f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
-    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {})
+    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {}) | successor_cases(d)
+
+
+def successor_cases(d: int) -> dict[str, list[str]]:
+    """Chimera's successors (docs/schedules.md): the V schedules and BitPipe at D=2 (4 and 8 model stages of
+    the 8 layers), Hanayo's waves at D=2 and D=4, BitPipe at D=4 too."""
+    pp = ["--pipeline-model-parallel-size", str(d), "--micro-batch-size", "1", "--pipeline-schedule"]
+    if d == 2:
+        return {f"{name} D=2": pp + [name] for name in ("v-min", "v-half", "v-zb", "bitpipe")} | {
+            "hanayo 2 waves D=2": pp + ["hanayo", "--hanayo-waves", "2"]}
+    return {"hanayo D=4": pp + ["hanayo"], "bitpipe D=4": pp + ["bitpipe"]}
 
 
 D2, D4 = schedule_cases(2), schedule_cases(4)
@@ -373,6 +383,11 @@ CASES = {
         "chimera llama distributed optimizer D=2 TP=2 sequence parallel": (
             "llama", CHIMERA2 + DISTOPT + TP2 + ["--sequence-parallel"]),
         "1f1b distributed optimizer D=2 DP=2": ("tied-learned", D2["1f1b D=2"] + DISTOPT),
+        # the successors with TP=2 and the distributed optimizer over their stage copies and replicas
+        "bitpipe D=2 TP=2": ("tied-learned", D2["bitpipe D=2"] + TP2),
+        "v-half D=2 TP=2": ("tied-learned", D2["v-half D=2"] + TP2),
+        "bitpipe distributed optimizer D=2 DP=2": ("tied-learned", D2["bitpipe D=2"] + DISTOPT),
+        "v-zb distributed optimizer D=2 DP=2": ("tied-learned", D2["v-zb D=2"] + DISTOPT),
         # megatron-core's schedules with Megatron-LM's overlap hooks (its interleaved one needs PP > 2: at
         # 4 processes no replicas to reduce over, but the hooks' calls are counted; 1F1B has a DP=2 replica)
         "megatron-interleaved v=2 D=4 distributed optimizer overlapped reduce and gather": (
