@@ -200,8 +200,8 @@ def four_ranks(corpus, tmp_path_factory):
 def two_ranks(corpus, tmp_path_factory):
     """The 2-process runs, in one launch (after Megatron-LM's own save, in a process of its own); the
     profiled run last, so that no profiler is left on for another case."""
-    mcore, fp16, distopt, traces, mtp, legacy, muon = (
-        tmp_path_factory.mktemp(n) for n in ("mcore", "fp16", "distopt", "traces", "mtp", "legacy", "muon"))
+    mcore, fp16, distopt, traces, mtp, legacy, muon, chain = (tmp_path_factory.mktemp(n) for n in (
+        "mcore", "fp16", "distopt", "traces", "mtp", "legacy", "muon", "chain"))
     expected = probe("save", str(mcore), "--", *train_args(corpus, "--train-iters", "1")[1:])
     bf16 = train_args(corpus, *CHIMERA2, "--bf16", "--save-interval", "2", "--train-iters", "5")
     return expected, run_cases(2, {
@@ -227,12 +227,30 @@ def two_ranks(corpus, tmp_path_factory):
                                    str(legacy), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
         "torch format resumed": train_args(corpus, *CHIMERA2, "--load", str(legacy / "iter_0000002"), "--no-load-optim",
                                            "--eval-iters", "0", "--train-iters", "3"),
+        **successor_chain(corpus, chain),
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
         "profiled": PROFILED + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                                 "--profile-step-end", "2", "--profile-ranks", "0", "1",
                                 "--tensorboard-dir", str(traces)],
     }), traces, mtp, muon
+
+
+# Chimera's checkpoint resumed by V-Half, whose by BitPipe, whose by Chimera: one iteration each, on the
+# uninterrupted run's learning-rate schedule (its 4 iterations)
+CHAIN = (("chimera", 1), ("v-half", 2), ("bitpipe", 3), ("chimera", 4))
+
+
+def successor_chain(corpus, folder) -> dict:
+    out = {}
+    for i, (schedule, iteration) in enumerate(CHAIN):
+        flags = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule, "--eval-iters", "0",
+                 "--train-iters", str(iteration), "--lr-decay-iters", "4", "--save", str(folder / str(iteration)),
+                 "--save-interval", "1"]
+        loads = ["--load", str(folder / str(iteration - 1) / f"iter_{iteration - 1:07d}"),
+                 "--use-checkpoint-opt_param-scheduler"] if i else []
+        out[f"chain {schedule} {iteration}"] = train_args(corpus, *flags, *loads)
+    return out
 
 
 def ok(runs: dict, name: str):
@@ -273,6 +291,18 @@ def test_a_checkpoint_resumes_under_another_layout_an_even_split_and_one_process
     assert any(k.startswith("mtp.layers.0.") for k in keys) and "decoder.layers.mlp.linear_fc1.weight" in keys
     extra = [k for k in keys if k.startswith(("decoder.layers.1.", "mtp.layers.1."))]
     assert extra == [], f"keys of layers that do not exist: {extra}"
+
+
+def test_checkpoints_cross_between_chimera_and_its_successors(two_ranks, uninterrupted):
+    """Chimera's checkpoint resumes under V-Half, V-Half's under BitPipe, BitPipe's (two copies of each
+    stage, V-shaped) under Chimera again, each iteration's loss the uninterrupted Chimera run's."""
+    runs, reference = two_ranks[1], losses(uninterrupted[0])
+    for schedule, iteration in CHAIN:
+        run_losses = losses(ok(runs, f"chain {schedule} {iteration}"))
+        assert list(run_losses) == [iteration], f"{schedule}: trained iterations {list(run_losses)}"
+        loss, expected = float(run_losses[iteration]), float(reference[iteration])
+        assert abs(loss / expected - 1) < 1e-6, \
+            f"{schedule} at iteration {iteration}: loss {loss}, {expected} uninterrupted"
 
 
 def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
