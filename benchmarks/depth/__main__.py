@@ -65,12 +65,13 @@ def default_microbatches(depth: int) -> list[int]:
 
 
 OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimera best", "chimera split",
-        "chimera split best", "dualpipe", "dualpipev", "gpipe", "1f1b split")
+        "chimera split best", "dualpipe", "dualpipev", "gpipe", "1f1b split",
+        "v-min", "v-half", "v-zb", "hanayo", "bitpipe", "bitpipe split")  # the last six: Chimera's successors
 
 
 # --a2a-fraction: these of our schedules, each with and without overlap, and megatron-core's two
 A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera doubling", "chimera split", "chimera split best", "dualpipe",
-                 "dualpipev")
+                 "dualpipev", "v-zb", "bitpipe")
 CONTENTIONS = (0.0, 0.15)  # --a2a-fraction's default --contention: none, and DeepEP's share of an H100's SMs
 
 

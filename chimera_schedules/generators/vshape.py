@@ -14,8 +14,9 @@ backward is split into I and W, and a W frees its micro-batch's activations.
   warm-up and cool-down passes into earlier free slots under the block's memory peak; this one keeps the
   block's order (docs/schedules.md, "Controllable-memory V schedules").
 - **V-ZB** has 1F1B's activation memory (D micro-batches' on a worker) and almost no bubble: its order is a
-  greedy list schedule at the run's costs under that cap (``listsched.py``), as the authors' V-ZB is a greedy
-  simulation under the same cap.
+  greedy list schedule at the run's costs under that cap (``listsched.py``; a worker keeps a slot for the leg
+  with nothing alive yet, so one leg's forwards never lock the other out), as the authors' V-ZB is a greedy
+  simulation under the same cap; its W passes are then placed into the waits (``passes/zero_bubble.py``).
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def v_zb(depth: int, microbatches: int, costs: CostModel) -> Schedule:
     """V-ZB: the greedy order under 1F1B's activation memory, D micro-batches (2D chunks') per worker."""
     check(depth, microbatches)
     shape = Shape(depth, microbatches, v_placement(depth), (0,) * microbatches, virtual_stages=2)
-    orders = list_schedule(shape, costs, cap=float(depth), greed=Greed(split=True, stage_limit=False))
+    orders = list_schedule(shape, costs, cap=float(depth), greed=Greed(split=True, stage_limit=False, reserve=True))
     require(orders is not None, "microbatches", microbatches, "no V-ZB order fits 1F1B's memory")
     forwards_and_inputs = tuple(tuple(a for a in order if a.op is not Op.BACKWARD_WEIGHT) for order in orders)
     schedule = Schedule("v-zb", depth, microbatches, shape.placement, forwards_and_inputs, virtual_stages=2)

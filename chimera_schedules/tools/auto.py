@@ -4,7 +4,8 @@
 
 A request fixes the model, the hardware profile, the pipeline depth, the data-parallel width, the global
 batch, the micro-batch sizes allowed and the memory limit. The candidates: every planned variant of the
-registry (``planner.PLANNED``), DualPipeV, interleaved v=2 where the layers split over 2D stages, and the
+registry (``planner.PLANNED``), DualPipeV, Chimera's successors (``SUCCESSORS``), interleaved v=2 where the
+layers split over 2D stages, and the
 F&B-overlapped variants where experts run over an expert-parallel group with the all-to-all dispatcher,
 at each micro-batch size that divides the batch. Each is predicted by the simulator at the request's
 stage costs (``priced``; the FLOP count at the profile's rate without it), its memory by the planner;
@@ -35,7 +36,10 @@ from .planner import (
 )
 
 OVERLAPPED = ("1f1b overlap", "chimera direct overlap", "chimera split overlap", "dualpipe overlap",
-              "dualpipev overlap")
+              "dualpipev overlap", "v-zb overlap", "bitpipe overlap")
+# Chimera's successors (docs/schedules.md): the V schedules at a half, a third and all of 1F1B's activations,
+# Hanayo's waves and BitPipe
+SUCCESSORS = ("v-min", "v-half", "v-zb", "hanayo", "bitpipe", "bitpipe split")
 BALANCED = 1  # the fastest plans that fit, tried again under the balancer's layout (about 30 s each at D=16)
 
 
@@ -70,7 +74,7 @@ class Balanced(Candidate):
 def schedules(request: Request) -> tuple[str, ...]:
     """The variants the request allows."""
     d = request.depth
-    out = list(PLANNED) + ["dualpipev"]
+    out = list(PLANNED) + ["dualpipev", *SUCCESSORS]
     out += ["interleaved v=2"] if d > 1 and request.shape.layers % (2 * d) == 0 else []
     return tuple(out + (list(OVERLAPPED) if request.overlap else []))
 

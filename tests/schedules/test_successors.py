@@ -80,3 +80,14 @@ def test_hanayo_waves_cross_the_workers_down_and_up_with_one_copy():
 def test_waves_apply_to_hanayo_only():
     with pytest.raises(ConfigError, match="hanayo only"):
         build("1f1b", 4, 8, waves=2)
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.2, 0.6])
+@pytest.mark.parametrize("weight", [None, 0.5])
+def test_v_zb_builds_at_any_costs_within_1f1b_memory(latency, weight):
+    """A greedy order under the cap must not lock a worker's memory with one leg's forwards (the other leg's
+    first micro-batch keeps a slot): at the depth benchmark's message costs it once found no order."""
+    costs = CostModel(forward=1.0, backward=2.0, p2p_latency=latency, weight=weight)
+    for depth, microbatches in ((2, 2), (4, 8), (8, 16)):
+        result = simulate(build("v-zb", depth, microbatches, costs=costs), costs)
+        assert max(result.peak_activations) <= depth, (depth, microbatches, result.peak_activations)
