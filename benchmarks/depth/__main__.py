@@ -71,7 +71,7 @@ OURS = ("1f1b", "interleaved v=2", "chimera direct", "chimera doubling", "chimer
 
 # --a2a-fraction: these of our schedules, each with and without overlap, and megatron-core's two
 A2A_SCHEDULES = ("1f1b", "chimera direct", "chimera doubling", "chimera split", "chimera split best", "dualpipe",
-                 "dualpipev", "v-zb", "bitpipe")
+                 "dualpipev", "v-min", "v-half", "v-zb", "hanayo", "bitpipe")
 CONTENTIONS = (0.0, 0.15)  # --a2a-fraction's default --contention: none, and DeepEP's share of an H100's SMs
 
 
