@@ -59,7 +59,8 @@ OVERLAP_CASES = [
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "megatron-1f1b", *MOE, OVERLAP], 4,
      f"{OVERLAP}=True: pairs the actions of our executor's schedules"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", *MOE, OVERLAP], 4,
-     f"{OVERLAP}=True: applies to --pipeline-schedule 1f1b or chimera or dualpipe or dualpipev only"),
+     f"{OVERLAP}=True: applies to --pipeline-schedule 1f1b or chimera or dualpipe or dualpipev or v-min or v-half or "
+     "v-zb or hanayo or bitpipe only"),
     (CHIMERA2 + MOE + [OVERLAP, "--moe-layer-recompute"], 4, f"{OVERLAP}=True: runs a layer's parts one by one"),
 ]
 
@@ -111,7 +112,7 @@ MUON_CASES = [
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--chimera-order", "best",
       "--chimera-concat", "doubling"], 2, "--chimera-concat=doubling: --chimera-order best builds its own order"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--split-backward"], 2,
-     "--split-backward=True: applies to --pipeline-schedule 1f1b or chimera only"),
+     "--split-backward=True: applies to --pipeline-schedule 1f1b or chimera or hanayo or bitpipe only"),
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dualpipe", "--global-batch-size", "4"], 4,
      "--global-batch-size=4: gives 4 micro-batches per pipeline replica (global batch / (micro-batch size x "
      "data-parallel size)); DualPipe needs an even number of at least 2 x --pipeline-model-parallel-size (8)"),

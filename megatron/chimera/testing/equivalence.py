@@ -246,12 +246,13 @@ def schedule_cases(d: int) -> dict[str, list[str]]:
         f"interleaved v=2 D={d}": pp + ["--pipeline-schedule", "interleaved"] + vpp,
         f"chimera direct D={d}": pp + ["--pipeline-schedule", "chimera"],
         f"chimera doubling D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-concat", "doubling"],
-        f"chimera best D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-order", "best"],
         f"megatron-1f1b D={d}": pp + ["--pipeline-schedule", "megatron-1f1b"],
         f"1f1b split D={d}": pp + ["--pipeline-schedule", "1f1b", "--split-backward"],
         f"chimera split D={d}": pp + ["--pipeline-schedule", "chimera", "--split-backward"],
         f"dualpipe D={d}": pp + ["--pipeline-schedule", "dualpipe"],
-    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"]} if d == 2 else {}) | successor_cases(d)
+    } | ({f"dualpipev D={d}": pp + ["--pipeline-schedule", "dualpipev"],  # at D=4: "... emulated NCCL" below
+          f"chimera best D={d}": pp + ["--pipeline-schedule", "chimera", "--chimera-order", "best"]} if d == 2 else {}
+         ) | successor_cases(d)
 
 
 def successor_cases(d: int) -> dict[str, list[str]]:
@@ -441,8 +442,17 @@ CASES = {
 
 
 def cases(world: int) -> dict[str, tuple[str, list[str]]]:
-    """name -> (reference variant, flags), for the cases that fill ``world`` processes."""
-    return dict(CASES[world])
+    """name -> (reference variant, flags), for the cases that fill ``world`` processes; the one-process
+    references in the order the other launches first need them, so that neither waits idle for one."""
+    if world > 1:
+        return dict(CASES[world])
+    return dict(sorted(CASES[1].items(), key=lambda item: _first_use(item[1][0])))
+
+
+def _first_use(variant: str) -> int:
+    """The earliest place, in either multi-process launch's order, of a case compared with ``variant``."""
+    places = [i for world in (2, 4) for i, (v, _) in enumerate(CASES[world].values()) if v == variant]
+    return min(places, default=len(CASES[4]))
 
 
 def local_weights(trainer) -> dict[tuple[str, int], torch.Tensor]:
