@@ -10,8 +10,8 @@ their copies' gradients are summed as Chimera's are.
 In every D consecutive micro-batches the first D/2 go down and the rest up. A worker's forwards and
 backwards follow the fork's order, unit by unit (D micro-batches a unit): a warm-up of 3D/2 + min(w,
 D-1-w) chunk forwards, then one forward and one backward at a time, and units joined by direct
-concatenation (a burst of backwards, then of forwards, between them). docs/schedules.md ("BitPipe")
-has the source and the order's terms.
+concatenation (a burst of backwards, then of forwards, between them). docs/schedules.md ("Chimera beside its
+successors") has the source and the order's terms.
 """
 from __future__ import annotations
 

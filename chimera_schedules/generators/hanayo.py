@@ -9,8 +9,8 @@ same path.
 The order: the paper's text was not available to us (no public code either), so the order is a greedy
 list schedule on the wave placement (``listsched.py``): a free worker runs the ready pass of its oldest
 micro-batch, a backward before a forward, under 1F1B's activation memory (D micro-batches' worth on a
-worker) where that does not starve the pipeline, else without a cap. docs/schedules.md ("Hanayo") says
-what this departs from and what it reaches.
+worker) where that does not starve the pipeline, else without a cap. docs/schedules.md ("Chimera beside its
+successors") says what this departs from and what it reaches.
 """
 from __future__ import annotations
 

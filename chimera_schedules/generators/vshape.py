@@ -8,12 +8,12 @@ backward is split into I and W, and a W frees its micro-batch's activations.
 - **V-Min and V-Half** repeat one building block every 6 passes (a micro-batch's F, F, I, I, W, W on the
   worker's two chunks). The block fixes when each pass of micro-batch 0 starts; micro-batch k starts 6k
   slots later. Its lifespans set the peak: about 1/3 (V-Min) and 1/2 (V-Half) of 1F1B's activations, the
-  memory bound the order keeps. W passes take the block's free slots, oldest first (the up leg's before the
-  down leg's), and the rest follow the last pass. Without a fixed clock the executor then runs the order as
-  early as its messages allow (the paper's "squeeze"). Departure: the authors' implementation then moves
-  warm-up and cool-down passes into earlier free slots under the block's memory peak; this one keeps the
-  block's order (docs/schedules.md, "Controllable-memory V schedules").
-- **V-ZB** has 1F1B's activation memory (D micro-batches' on a worker) and almost no bubble: its order is a
+  memory bound the order keeps. As the authors' implementation does, W passes take the block's free slots;
+  warm-up and cool-down passes then move to the earliest free slot that keeps their worker within the
+  busiest worker's peak; the W passes are taken out, the cool-down moved again, and the W passes put back,
+  the up leg's first (``_block_orders``). The executor runs the order as early as its messages allow (the
+  paper's "squeeze").
+- **V-ZB** has 1F1B's activation memory (D micro-batches' on a worker): its order is a
   greedy list schedule at the run's costs under that cap (``listsched.py``; a worker keeps a slot for the leg
   with nothing alive yet, so one leg's forwards never lock the other out), as the authors' V-ZB is a greedy
   simulation under the same cap; its W passes are then placed into the waits (``passes/zero_bubble.py``).

@@ -1,8 +1,8 @@
 """Training on real processes: every schedule and layout equals the one-process reference.
 
 Three launches share all cases (see megatron/chimera/testing/equivalence.py): 1 process (the references, megatron-core's
-no-pipelining schedule), 2 and 4 processes (every schedule at D=2 and D=4, 4 pipelines, DP=2, TP=2,
-untied embeddings, RoPE), all three at once. Then the README's main command, run as written.
+no-pipelining schedule), 2 and 4 processes (every schedule at D=2, those whose order changes with D at D=4,
+4 pipelines, DP=2, TP=2, untied embeddings, RoPE), all three at once. Then the README's main command, run as written.
 """
 import json
 import os
