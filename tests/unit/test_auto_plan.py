@@ -72,9 +72,10 @@ def test_no_plan_within_the_memory_limit_is_refused_in_one_line(capsys):
 
 @pytest.mark.parametrize("extra,needle", [
     (AUTO2 + ["--chimera-concat", "doubling"], "--chimera-concat=True: is chosen by --pipeline-schedule auto"),
+    (AUTO2 + ["--hanayo-waves", "2"], "--hanayo-waves=True: is chosen by --pipeline-schedule auto"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--pipeline-memory-limit-gb", "8"],
      "--pipeline-memory-limit-gb=True: applies with --pipeline-schedule auto only"),
-], ids=["a schedule option", "a planning flag without auto"])
+], ids=["a schedule option", "a successor's option", "a planning flag without auto"])
 def test_auto_refuses_what_it_chooses_and_its_flags_need_it(capsys, extra, needle):
     with pytest.raises(SystemExit) as exit:
         parse_args(MODEL + extra, world_size=2)

@@ -51,7 +51,7 @@ PROFILE_FLAG, LIMIT_FLAG, REPLAN_FLAG = "--pipeline-profile", "--pipeline-memory
 PLANNING = (PROFILE_FLAG, LIMIT_FLAG, REPLAN_FLAG)
 HEADROOM = 0.9  # of the device's memory, when no limit is given
 # the flags the plan sets: given with auto, they are refused (the planner chooses them)
-CHOSEN = ("--chimera-pipelines", "--chimera-concat", "--chimera-order", "--split-backward",
+CHOSEN = ("--chimera-pipelines", "--hanayo-waves", "--chimera-concat", "--chimera-order", "--split-backward",
           "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-halves", "--num-layers-per-virtual-pipeline-stage",
           "--pipeline-stage-costs")
 SHOWN = 5  # plans in the startup table
