@@ -121,7 +121,7 @@ class _ListScheduler:
             for w in range(self.shape.depth):
                 if self.free[w] <= now:
                     self._start_first(w, now)
-            upcoming = [end for end, _, _ in self.running if end > now] + \
+            upcoming = [end for end, _, _ in self.running] + \
                 [t for r in self.ready for t in r.values() if t > now]
             if not upcoming:
                 return None  # nothing runs and nothing arrives: the cap starves the pipeline

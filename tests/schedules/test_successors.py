@@ -91,3 +91,12 @@ def test_v_zb_builds_at_any_costs_within_1f1b_memory(latency, weight):
     for depth, microbatches in ((2, 2), (4, 8), (8, 16)):
         result = simulate(build("v-zb", depth, microbatches, costs=costs), costs)
         assert max(result.peak_activations) <= depth, (depth, microbatches, result.peak_activations)
+
+
+@pytest.mark.parametrize("name", ["hanayo", "v-zb"])
+def test_a_stage_that_costs_nothing_does_not_stall_the_greedy_orders(name):
+    """A measured stage can cost 0 (the embedding alone): an action that ends where it starts must still
+    finish, not leave the list scheduler with nothing upcoming (it returned no order, and Hanayo failed)."""
+    costs = CostModel(forward=[0.0, 1.0, 1.0, 1.0], backward=[0.0, 2.0, 2.0, 2.0])
+    result = simulate(build(name, 2, 4, costs=costs), costs)
+    assert result.makespan > 0, result.makespan
