@@ -40,7 +40,7 @@ from ..ir.schedule import Schedule
 from .clock import Clock
 from .faults import PipelineFault, action_fault, first_line, located, worker_name
 from .messages import Messages, Transport
-from .stage import ForwardStep, PlanStage, Stage, StageKey, make_stages
+from .stage import BATCH, ForwardStep, HalvesSplit, PlanStage, Stage, StageKey, make_stages
 
 __all__ = ["GradSync", "Observer", "make_forward_backward"]
 
@@ -72,7 +72,7 @@ class Observer(Protocol):
 
 def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: GradSync,
                           observer: Observer | None = None, nvtx_ranges: bool = False,
-                          schedule_plans: bool = False) -> Callable:
+                          schedule_plans: bool = False, halves: HalvesSplit = BATCH) -> Callable:
     """A function with megatron-core 0.19's forward_backward keyword signature. ``model`` and
     ``data_iterator`` are lists aligned with ``lowered.held(worker)`` (one chunk per stage copy);
     a data iterator yields its chunk's micro-batches in the order the schedule runs them (None where a
@@ -81,8 +81,8 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
     compute action's device time after the flush. ``nvtx_ranges`` (--nvtx-ranges) adds an NVTX range
     per action when the device is a GPU (there is no NVTX on the CPU). ``schedule_plans`` runs training's
     forwards and backwards through schedule plans (stage.PlanStage); a schedule with overlapped actions
-    or actions in halves needs it. megatron-core's options that this executor does not implement are
-    refused when set, not ignored."""
+    or actions in halves needs it; ``halves`` says where a halved action cuts its micro-batch (stage.py).
+    megatron-core's options that this executor does not implement are refused when set, not ignored."""
     if any(a.op in (Op.SEND, Op.RECV, Op.ALLREDUCE) and a.batch >= 0 for w in lowered.workers for a in w):
         raise NotImplementedError("batched communication can be checked (validate --comm) but not executed yet")
     if not schedule_plans and any(a.op in COMPOUND_OPS for w in lowered.workers for a in w):
@@ -110,7 +110,7 @@ def make_forward_backward(lowered: Schedule, transport: Transport, grad_sync: Gr
         per_token = getattr(chunks[0].config, "calculate_per_token_loss", False)
         step = ForwardStep(forward_step_func, num_microbatches, per_token, training=not forward_only)
         stages = make_stages(dict(zip(held, chunks)), dict(zip(held, iterators)), step, lowered.stages_per_pipeline - 1,
-                             lowered.split_backward, plans=schedule_plans and not forward_only)
+                             lowered.split_backward, plans=schedule_plans and not forward_only, halves=halves)
         messages = Messages(transport, _activation_shape(chunks[0].config, seq_length, micro_batch_size),
                             release_sent=all(stage.releases_sent_outputs for stage in stages.values()))
         clock = Clock(transport.device, enabled=observer is not None)

@@ -16,10 +16,12 @@ Before a backward that is an I, ``plan.defer_weight_gradients()`` returns the W 
 activation keeps its data there: the plan's nodes hold it for their backward.
 
 A halved forward (``forward_halves``: a ``Halved`` F) runs the micro-batch as two halves split along the
-batch dimension: the stage input [sequence, batch, hidden] on dim 1, the micro-batch's data on its first
-(``split_batch``), one plan per half (``forward_step_func`` called twice), both run interleaved by
-``first.run_halves(second)``. What the next stage receives, and the gradient a backward hands back, are
-the whole micro-batch's (the halves concatenated): the wire format is unchanged. A last stage's loss is
+batch dimension (``BATCH``: the stage input [sequence, batch, hidden] on dim 1, the micro-batch's data on
+its first) or along its sequence (``SEQUENCE``: dim 0 and the data's second; the model's attention lets
+the second half's queries read the first half's keys, model/sequence_halves.py), ``split_data``, one plan
+per half (``forward_step_func`` called twice), both run interleaved by ``first.run_halves(second)``.
+What the next stage receives, and the gradient a backward hands back, are the whole micro-batch's (the
+halves concatenated): the wire format is unchanged. A last stage's loss is
 the whole micro-batch's (``_whole``), scaled once. A backward runs as its forward ran: a forward in
 halves left two plans, whose backwards run interleaved by ``run_halves``; a whole forward left one plan.
 The validator holds a schedule to it (a micro-batch's forward and backward on one stage copy are halved
@@ -97,30 +99,43 @@ class ForwardStep:
         return loss
 
 
-def split_batch(batch):
-    """A micro-batch's data (what a data iterator yields) as its two halves along the batch dimension,
-    the first of every tensor (Megatron-LM's get_batch: [batch, sequence]): a tensor in two, a dict
-    key by key, None as None."""
+class HalvesSplit(NamedTuple):
+    """Where a halved action cuts its micro-batch: along ``input_dim`` of the stage input and output
+    ([sequence, batch, hidden]) and ``data_dim`` of its data (Megatron-LM's get_batch: [batch, sequence])."""
+
+    input_dim: int
+    data_dim: int
+
+
+BATCH = HalvesSplit(input_dim=1, data_dim=0)  # two halves of the micro-batch's sequences
+SEQUENCE = HalvesSplit(input_dim=0, data_dim=1)  # each sequence's first and second half of its tokens
+
+
+def split_data(batch, dim: int):
+    """A micro-batch's data (what a data iterator yields) as its two halves along ``dim`` of every tensor:
+    a tensor in two, a dict key by key, None as None."""
     if batch is None:
         return None, None
     if isinstance(batch, torch.Tensor):
-        assert batch.dim() > 0 and batch.shape[0] % 2 == 0, \
-            f"a micro-batch of shape {tuple(batch.shape)} does not split into two halves along its first dimension"
-        return tuple(batch.chunk(2, dim=0))
+        assert batch.dim() > dim and batch.shape[dim] % 2 == 0, \
+            f"a micro-batch of shape {tuple(batch.shape)} does not split into two halves along dimension {dim}"
+        return tuple(batch.chunk(2, dim=dim))
     if isinstance(batch, dict):
-        halves = {key: split_batch(value) for key, value in batch.items()}
+        halves = {key: split_data(value, dim) for key, value in batch.items()}
         return tuple({key: pair[k] for key, pair in halves.items()} for k in (0, 1))
     raise TypeError(f"a micro-batch runs in halves when its data is tensors or dicts of them, "
                     f"not {type(batch).__name__}")
 
 
-def _whole(first: tuple, second: tuple) -> tuple:
+def _whole(first: tuple, second: tuple, split: HalvesSplit) -> tuple:
     """Two halves' loss_func outputs as the whole micro-batch's, by megatron-core's conventions: (loss sum,
     num_tokens, report) summed term by term, a report's [sum, count] tensors key by key; (loss, report),
-    a mean over the micro-batch, the halves' mean (they are equal halves)."""
+    a mean over the micro-batch, the halves' mean (equal halves of its sequences; the halves of a
+    sequence may hold unequal counts of the tokens the loss counts, so their means do not make the whole's)."""
     if len(first) == 3:
         report = {key: value + second[2][key] for key, value in first[2].items()}
         return first[0] + second[0], first[1] + second[1], report
+    assert split == BATCH, "a micro-batch split along its sequence needs loss_func's (loss sum, num_tokens, report)"
     return (first[0] + second[0]) / 2, {key: (value + second[1][key]) / 2 for key, value in first[1].items()}
 
 
@@ -250,8 +265,10 @@ class PlanStage(Stage):
 
     releases_sent_outputs = False  # the plan's nodes hold a sent activation for their backward
 
-    def __init__(self, key: StageKey, chunk: torch.nn.Module, data: Iterator | None, step: ForwardStep, last: bool):
+    def __init__(self, key: StageKey, chunk: torch.nn.Module, data: Iterator | None, step: ForwardStep, last: bool,
+                 halves: HalvesSplit = BATCH):
         super().__init__(key, chunk, data, step, last)  # its I is the plan's own: no embedding to watch
+        self.halves = halves
 
     def forward(self, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
         plan, loss_func = self._plan(x, self.data)
@@ -290,17 +307,17 @@ class PlanStage(Stage):
     def forward_halves(self, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
         """F in two halves of the micro-batch (the module's docstring): the whole micro-batch's output for
         the next stage (None on a last stage, which keeps the whole micro-batch's loss and report)."""
-        inputs = _halves(x, dim=1)
-        batches = split_batch(next(self.data)) if self.data is not None else (None, None)
+        inputs = _halves(x, dim=self.halves.input_dim)
+        batches = split_data(next(self.data), self.halves.data_dim) if self.data is not None else (None, None)
         (first, first_loss), (second, second_loss) = (
             self._plan(half, iter([batch]) if batch is not None else None) for half, batch in zip(inputs, batches))
         outputs = first.run_halves(second)
         if not self.last:
-            output = torch.cat(outputs, dim=1)
+            output = torch.cat(outputs, dim=self.halves.input_dim)
             self.saved[mb] = HalvesSaved(None, output, None, (first, second), inputs, None, None)
             return output
         outputs = tuple(o.detach().requires_grad_() for o in outputs)
-        loss = self.step.scaled_loss(_whole(first_loss(outputs[0]), second_loss(outputs[1])))
+        loss = self.step.scaled_loss(_whole(first_loss(outputs[0]), second_loss(outputs[1]), self.halves))
         self.saved[mb] = HalvesSaved(None, None, None, (first, second), inputs, outputs, loss)
         return None
 
@@ -313,11 +330,13 @@ class PlanStage(Stage):
             torch.autograd.backward(saved.loss)
             grads = tuple(o.grad for o in saved.outputs)
         else:
-            grads = _halves(grad, dim=1)
+            grads = _halves(grad, dim=self.halves.input_dim)
         if split:
             self.weight_passes[mb] = BothWeightPasses(first.defer_weight_gradients(), second.defer_weight_gradients())
         first.run_halves(second, grads=grads)
-        return torch.cat([half.grad for half in saved.inputs], dim=1) if saved.inputs[0] is not None else None
+        if saved.inputs[0] is None:
+            return None
+        return torch.cat([half.grad for half in saved.inputs], dim=self.halves.input_dim)
 
     def _plan(self, x: torch.Tensor | None, data: Iterator | None) -> tuple[SchedulePlan, Callable]:
         """The micro-batch's schedule plan and loss function (megatron-core's forward_step convention)."""
@@ -357,9 +376,12 @@ def _halves(t: torch.Tensor | None, dim: int) -> tuple[torch.Tensor | None, torc
 
 
 def make_stages(chunks: dict[StageKey, torch.nn.Module], data: dict[StageKey, Iterator | None], step: ForwardStep,
-                last_stage: int, split_backward: bool, plans: bool) -> dict[StageKey, Stage]:
-    """This worker's stages, one per held chunk; through schedule plans when ``plans`` (training only)."""
+                last_stage: int, split_backward: bool, plans: bool, halves: HalvesSplit = BATCH
+                ) -> dict[StageKey, Stage]:
+    """This worker's stages, one per held chunk; through schedule plans when ``plans`` (training only),
+    cutting a halved action's micro-batch as ``halves`` says."""
     if plans:
-        return {key: PlanStage(key, chunk, data[key], step, key.stage == last_stage) for key, chunk in chunks.items()}
+        return {key: PlanStage(key, chunk, data[key], step, key.stage == last_stage, halves)
+                for key, chunk in chunks.items()}
     return {key: Stage(key, chunk, data[key], step, key.stage == last_stage, split_backward)
             for key, chunk in chunks.items()}

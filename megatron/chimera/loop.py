@@ -54,6 +54,7 @@ from .observability.series import Writers, set_logging_level, validation_ppl
 from .observability.startup import (
     print_building,
     print_global_aux_loss,
+    print_halves,
     print_layout,
     print_model_state,
     print_parameter_counts,
@@ -132,6 +133,7 @@ class Trainer:
         rt, spec, model = self.rt, self.job.train.optimizer, self.job.model
         print_building(model, uses_transformer_engine(model.config.transformer_impl, device.type), device.type)
         print_layout(self.plan)
+        print_halves(self.plan)
         print_global_aux_loss(model, rt)
         self.chunks = {key: build_chunk(model, self.plan, key[1], device) for key in self.held}
         print_parameter_counts(self.chunks, rt)

@@ -8,10 +8,13 @@ behind the same call, with the GradSync's hooks in their config as Megatron-LM's
 from __future__ import annotations
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
 from chimera_schedules.runtime.executor import make_forward_backward
+from chimera_schedules.runtime.stage import BATCH, SEQUENCE
 
 from .config.run_plan import RunPlan
+from .model.sequence_halves import SequenceHalves
 
 
 def runner(plan: RunPlan, models, transport, grad_sync, observer=None, nvtx_ranges: bool = False):
@@ -19,8 +22,11 @@ def runner(plan: RunPlan, models, transport, grad_sync, observer=None, nvtx_rang
     trainer's hooks) sees our actions; ``nvtx_ranges`` (--nvtx-ranges) gives each of our actions an NVTX
     range on a GPU."""
     if plan.lowered is not None:
+        if plan.halves is SEQUENCE:  # halves of a sequence: the second's attention reads the first's keys
+            for model in models:
+                SequenceHalves.install(unwrap_model(model))
         return make_forward_backward(plan.lowered, transport, grad_sync, observer, nvtx_ranges,
-                                     schedule_plans=plan.overlap)
+                                     schedule_plans=plan.overlap, halves=plan.halves or BATCH)
     return _megatron_core_runner(models, grad_sync, plan.megatron_virtual_stages)
 
 

@@ -25,6 +25,7 @@ from megatron.chimera.testing.equivalence import (
     OVERLAPPED_EXPERTS,
     PER_PIPELINE,
     PLANTED_COPY,
+    SEQUENCE_HALVES_CASES,
     TOLERANCE,
     cases,
 )
@@ -229,16 +230,17 @@ def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results)
     equal one process's): F&B actions under 1F1B, DualPipe(V); the pass pairs nothing under Chimera split at
     D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every pair fused runs
     F&I actions, and with every pair fused DualPipeV and Chimera direct at N = 2D run pairs beside halves.
-    At micro-batch size 1 no action runs in halves. No other case runs any."""
+    With aux_loss (a statistic of the whole micro-batch) no action runs in halves. No other case runs any."""
     paired = {case: results[case]["overlapped"] for case in CASES}
     overlap = {case for case in CASES if case.startswith("mixtral overlap ")}
-    assert len(overlap) == 7 and paired[EVERY_PAIR].get("I", 0) > 0, paired
+    assert len(overlap) == 10 and paired[EVERY_PAIR].get("I", 0) > 0, paired
     names = ("mixtral overlap 1f1b D=2 overlapped gather EP=2", "mixtral overlap dualpipe D=2 EP=2",
              "mixtral overlap dualpipev D=2 halves overlapped gather EP=2",
              "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2")
     assert all(paired[name].get("B", 0) > 0 for name in names), paired
-    whole = {case: results[case]["halved"] for case in overlap - HALVES_CASES.keys() if results[case]["halved"]}
-    assert whole == {}, f"cases at micro-batch size 1 that ran actions in halves: {whole}"
+    halving = HALVES_CASES.keys() | SEQUENCE_HALVES_CASES.keys()
+    whole = {case: results[case]["halved"] for case in overlap - halving if results[case]["halved"]}
+    assert whole == {}, f"cases with aux_loss that ran actions in halves: {whole}"
     others = {case: (paired[case], results[case]["halved"]) for case in CASES if case not in overlap
               and (paired[case] or results[case]["halved"])}
     assert others == {}, f"cases without --overlap-moe-expert-parallel-comm that ran overlapped actions: {others}"
@@ -259,6 +261,18 @@ def test_overlap_moe_expert_parallel_comm_runs_actions_in_halves(results):
         "Chimera at N = D has no two micro-batches to pair"
     fields = {case: results[case]["moe_fields"] for case in HALVES_CASES}
     assert all(f == ["seq_load_balancing_loss", "z_loss"] for f in fields.values()), fields
+
+
+def test_at_micro_batch_size_1_actions_run_in_halves_of_each_sequence(results):
+    """At micro-batch size 1 an F, B or I runs as the first and second half of its sequence (the second
+    attending to the first's keys, rope positions after them), equal to one process (the losses and weights
+    above): under Chimera at N = D every action, under Chimera split its F and I, under DualPipeV its F, B
+    and I."""
+    halved = {case: set(results[case]["halved"]) for case in SEQUENCE_HALVES_CASES}
+    expected = {"mixtral overlap chimera direct D=2 N=D sequence halves EP=2": {"F", "B"},
+                "mixtral overlap chimera split D=2 sequence halves EP=2": {"F", "I"},
+                "mixtral overlap dualpipev D=2 sequence halves EP=2": {"F", "B", "I"}}
+    assert halved == expected, f"the actions run in halves of a sequence, by case: {halved}"
 
 
 def readme_main_command() -> str:

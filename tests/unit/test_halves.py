@@ -1,20 +1,28 @@
 """A micro-batch run as two halves (a ``Halved`` action): the split of its data, and what megatron-core keeps
 per process that the halves make the whole micro-batch's (model/schedule_plan.py). Their exactness on a
 model is the equivalence harness's (its halves cases)."""
+import pytest
 import torch
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from chimera_schedules.runtime.stage import _whole, split_batch
+from chimera_schedules.runtime.stage import BATCH, SEQUENCE, _whole, split_data
 from megatron.chimera.model.schedule_plan import _aux_losses_at, _tracked_as_mean
 
 
 def test_a_micro_batch_splits_along_its_batch_dimension_key_by_key():
     batch = {"tokens": torch.arange(8).view(4, 2), "loss_mask": torch.ones(4, 2), "attention_mask": None}
-    first, second = split_batch(batch)
+    first, second = split_data(batch, BATCH.data_dim)
     assert torch.equal(first["tokens"], batch["tokens"][:2]) and torch.equal(second["tokens"], batch["tokens"][2:])
     assert first["loss_mask"].shape == (2, 2) and first["attention_mask"] is None and second["attention_mask"] is None
-    assert split_batch(None) == (None, None), "a stage without data gives its halves none"
+    assert split_data(None, BATCH.data_dim) == (None, None), "a stage without data gives its halves none"
+
+
+def test_a_sequence_splits_into_its_first_and_second_half_of_tokens():
+    batch = {"tokens": torch.arange(8).view(1, 8), "position_ids": torch.arange(8).view(1, 8)}
+    first, second = split_data(batch, SEQUENCE.data_dim)
+    assert first["tokens"].tolist() == [[0, 1, 2, 3]] and second["position_ids"].tolist() == [[4, 5, 6, 7]], \
+        "the second half keeps its own positions"
 
 
 def test_a_last_stages_loss_is_the_whole_micro_batchs():
@@ -22,10 +30,13 @@ def test_a_last_stages_loss_is_the_whole_micro_batchs():
     mean over the micro-batch is the mean of its equal halves'."""
     first = (torch.tensor(3.0), torch.tensor(4), {"lm loss": torch.tensor([3.0, 4.0])})
     second = (torch.tensor(5.0), torch.tensor(4), {"lm loss": torch.tensor([5.0, 4.0])})
-    loss, tokens, report = _whole(first, second)
+    loss, tokens, report = _whole(first, second, SEQUENCE)
     assert (float(loss), int(tokens), report["lm loss"].tolist()) == (8.0, 8, [8.0, 8.0]), "the halves' sums"
-    loss, report = _whole(*((torch.tensor(v), {"loss": torch.tensor(v)}) for v in (1.0, 3.0)))
+    means = [(torch.tensor(v), {"loss": torch.tensor(v)}) for v in (1.0, 3.0)]
+    loss, report = _whole(*means, BATCH)
     assert (float(loss), float(report["loss"])) == (2.0, 2.0), "the halves' mean"
+    with pytest.raises(AssertionError, match="along its sequence"):
+        _whole(*means, SEQUENCE)  # a sequence's halves may count unequal tokens: their means do not average
 
 
 def test_the_halves_backward_takes_the_auxiliary_losses_at_half_their_scale_and_restores_it(monkeypatch):

@@ -6,9 +6,18 @@ from dataclasses import dataclass
 
 from chimera_schedules import ScheduleSpec
 from chimera_schedules.ir.layout import Layout
+from chimera_schedules.runtime.stage import HalvesSplit
 
 from .parallel_dims import ParallelDims
-from .schedule_request import microbatches, model_stages, resolved_schedule, schedule_request, stage_layout
+from .schedule_request import (
+    halves_note,
+    halves_split,
+    microbatches,
+    model_stages,
+    resolved_schedule,
+    schedule_request,
+    stage_layout,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +36,8 @@ class PipelineSpec:
     layout: Layout
     reductions: dict
     balanced_for: str | None
+    halves: HalvesSplit | None = None
+    halves_note: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, parallel: ParallelDims) -> PipelineSpec:
@@ -36,7 +47,9 @@ class PipelineSpec:
         return cls(schedule=resolved_schedule(args), request=request, microbatches=microbatches(args),
                    model_stages=stages, layout=layout,
                    reductions=wider_reductions(args.overlap_grad_reduce, parallel, layout),
-                   balanced_for=args.balance_pipeline_layout)
+                   balanced_for=args.balance_pipeline_layout,
+                   halves=halves_split(args) if args.overlap_moe_expert_parallel_comm else None,
+                   halves_note=halves_note(args))
 
 
 def wider_reductions(overlap_grad_reduce: bool, parallel: ParallelDims, layout: Layout) -> dict:

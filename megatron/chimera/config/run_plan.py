@@ -20,6 +20,7 @@ from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.schedule import copies_held
 from chimera_schedules.passes.lowering import lower
+from chimera_schedules.runtime.stage import HalvesSplit
 
 from .parallel_dims import ParallelDims
 from .pipeline_spec import PipelineSpec
@@ -40,7 +41,9 @@ class RunPlan:
     ``layout``: which layers, embedding, MTP and loss each model stage holds, in model order.
     ``overlap`` (--overlap-moe-expert-parallel-comm): the schedule pairs forwards with backwards (and runs
     actions in halves where the micro-batch splits: ``halves_fit``), and the executor runs every chunk
-    through its schedule plan. ``name``: the schedule the run resolved
+    through its schedule plan; ``halves``: where a halved action cuts its micro-batch (stage.BATCH or
+    stage.SEQUENCE; None without halves), ``halves_note`` the startup line saying where a micro-batch that
+    does not split along its batch is cut, or why not. ``name``: the schedule the run resolved
     (--pipeline-schedule, or Megatron-LM's choice); ``balanced_for``: the hardware profile
     --balance-pipeline-layout cut the layout for, None for a layout as given."""
 
@@ -56,6 +59,8 @@ class RunPlan:
     lowered: Schedule | None = None
     proof_seconds: float | None = None
     overlap: bool = False
+    halves: HalvesSplit | None = None
+    halves_note: str | None = None
     balanced_for: str | None = None
 
     def held(self, worker: int) -> list[tuple[int, int]]:
@@ -74,7 +79,8 @@ class RunPlan:
 def make_run_plan(pipeline: PipelineSpec, parallel: ParallelDims) -> RunPlan:
     """The plan for the sections of flags ``parse_args`` accepted: generates the schedule (once per process)."""
     request, stages, layout = pipeline.request, pipeline.model_stages, pipeline.layout
-    common = dict(model_stages=stages, layout=layout, name=pipeline.schedule, balanced_for=pipeline.balanced_for)
+    common = dict(model_stages=stages, layout=layout, name=pipeline.schedule, balanced_for=pipeline.balanced_for,
+                  halves_note=pipeline.halves_note)
     if request is None:
         pp = parallel.pp
         virtual = stages // pp if pipeline.schedule == "megatron-interleaved" else None
@@ -86,7 +92,7 @@ def make_run_plan(pipeline: PipelineSpec, parallel: ParallelDims) -> RunPlan:
     return RunPlan(schedule=schedule, placement=schedule.placement, microbatches=schedule.microbatches,
                    microbatch_scale=schedule.microbatch_scale, split_backward=schedule.split_backward,
                    megatron_virtual_stages=None, lowered=lowered, proof_seconds=seconds, overlap=bool(request.overlap),
-                   **common)
+                   halves=pipeline.halves if request.halves is not False else None, **common)
 
 
 @lru_cache(maxsize=4)

@@ -8,11 +8,14 @@ given, and ``resolved_schedule`` says what it resolves to.
 """
 from __future__ import annotations
 
+import torch
+
 from chimera_schedules import ScheduleSpec
 from chimera_schedules.ir import layout as layouts
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.registry import REGISTRY
+from chimera_schedules.runtime.stage import BATCH, SEQUENCE, HalvesSplit
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 INTERLEAVED = ("interleaved", "megatron-interleaved")  # megatron's round-robin placement of v chunks per rank
@@ -59,19 +62,63 @@ def schedule_request(args) -> ScheduleSpec | None:
     if name not in REGISTRY or args.pipeline_model_parallel_size == 1:
         return None
     options = given_options(args)
-    if args.overlap_moe_expert_parallel_comm and not halves_fit(args):
+    if args.overlap_moe_expert_parallel_comm and halves_split(args) is None:
         options["halves"] = False  # pairs only (docs/moe.md): a micro-batch that does not split exactly
     virtual = interleaved_chunks(args) if "virtual_stages" in REGISTRY[name].options else None
     return ScheduleSpec(name, args.pipeline_model_parallel_size, microbatches(args), virtual_stages=virtual,
                         overlap=args.overlap_moe_expert_parallel_comm or None, **options)
 
 
-def halves_fit(args) -> bool:
-    """Whether the micro-batches the schedule runs split into two halves along the batch, exactly: an
-    even size (--micro-batch-size, halved again under --chimera-concat halving), and router statistics
-    that two halves reproduce (``whole_batch_statistics``)."""
+def halves_split(args) -> HalvesSplit | None:
+    """Where the micro-batches the schedule runs split into two halves exactly: along the batch at an even
+    size (--micro-batch-size, halved again under --chimera-concat halving), else along each sequence
+    (``sequence_split_refusal``); None where neither does, or where the router's statistics are the whole
+    micro-batch's (``whole_batch_statistics``)."""
+    if whole_batch_statistics(args):
+        return None
     size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
-    return size >= 2 and size % 2 == 0 and not whole_batch_statistics(args)
+    if size >= 2 and size % 2 == 0:
+        return BATCH
+    return SEQUENCE if sequence_split_refusal(args) is None else None
+
+
+def sequence_split_refusal(args) -> str | None:
+    """Why a sequence does not run as its two halves exactly here (model/sequence_halves.py), naming the
+    flag; None where it does."""
+    kinds = args.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    coeffs = args.moe_aux_loss_coeff
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
+    recomputed = args.recompute_granularity == "selective" and "core_attn" in (args.recompute_modules or ["core_attn"])
+    reasons = (
+        (args.seq_length % 2, f"--seq-length {args.seq_length} is odd"),
+        (args.context_parallel_size > 1, "--context-parallel-size: a CP rank's two chunks of the sequence are not "
+                                         "split again"),
+        (args.sequence_parallel, "--sequence-parallel: a tensor-parallel rank holds a slice of the sequence, whose "
+                                 "halves are not the sequence's"),
+        (any(kind == "seq_aux_loss" and coeff for kind, coeff in zip(kinds, coeffs)),
+         "--moe-router-load-balancing-type seq_aux_loss: a statistic of the whole sequence, which neither half holds"),
+        (args.window_size is not None, "--window-size: sliding-window attention builds its own mask"),
+        (recomputed, "--recompute-granularity selective: recomputing the core attention runs it twice"),
+        (args.transformer_impl == "transformer_engine" and torch.cuda.is_available(),
+         "--transformer-impl transformer_engine: its attention is not hooked for halves yet (--transformer-impl "
+         "local is)"),
+    )
+    return next((reason for refused, reason in reasons if refused), None)
+
+
+def halves_note(args) -> str | None:
+    """The startup line saying how --overlap-moe-expert-parallel-comm halves a micro-batch that does not split
+    along its batch: along its sequence, or not at all and why; None otherwise."""
+    if not args.overlap_moe_expert_parallel_comm or halves_split(args) is BATCH or args.no_overlap_moe_halves is False:
+        return None
+    size = args.micro_batch_size // (2 if args.chimera_concat == "halving" else 1)
+    whole = whole_batch_statistics(args)
+    if halves_split(args) is SEQUENCE:
+        return (f"--overlap-moe-expert-parallel-comm: micro-batches of {size} run an unpaired pass as the first and "
+                "second half of each sequence, each half's all-to-all beside the other's compute")
+    why = f"{whole[0]}: a statistic of the whole micro-batch" if whole else sequence_split_refusal(args)
+    return f"--overlap-moe-expert-parallel-comm: no halves, pairs only ({why})"
 
 
 def whole_batch_statistics(args) -> list[str]:

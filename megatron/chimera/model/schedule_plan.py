@@ -23,13 +23,15 @@ has nothing left.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel.utils import ScheduleNode, set_streams
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from .sequence_halves import SequenceHalves
 
 
 def build(model, *args, **kwargs):
@@ -110,9 +112,10 @@ def _nodes(plan) -> list:
 
 def _detached_leaves(plan, nodes: list) -> list[torch.Tensor]:
     """The leaves whose gradients I computes: every node's detached inputs, the tensors nodes detached
-    for later ones (the residual, the dispatched probabilities, a shared expert's output), and the stage
-    input a later stage's chunk was given (the pre-process node's output there)."""
-    found = [plan.state.decoder_input]
+    for later ones (the residual, the dispatched probabilities, a shared expert's output), the stage
+    input a later stage's chunk was given (the pre-process node's output there), and in a sequence's
+    second half the first half's keys and values it attended to (``sequence_halves.py``)."""
+    found = [plan.state.decoder_input, *getattr(plan, "prefix_leaves", ())]
     for node in nodes:
         found += list(node.inputs or ()) + list(getattr(node, "detached", ()))
     unique = {id(t): t for t in found if t is not None and t.requires_grad and t.grad_fn is None}
@@ -121,51 +124,83 @@ def _detached_leaves(plan, nodes: list) -> list[torch.Tensor]:
 
 def run_halves(first, second, grads: tuple | None = None):
     """stage.SchedulePlan.run_halves: ``first`` and ``second``, two plans of one chunk (a micro-batch's two
-    halves), run interleaved: their forwards, returning both outputs, or with ``grads`` their backwards."""
+    halves), run interleaved: their forwards, returning both outputs, or with ``grads`` their backwards.
+    The halves of a sequence (the chunk has ``sequence_halves``) run their backwards second half first:
+    its attention gives the first half's keys and values their gradients."""
     plans = (first, second)
+    halves = _sequence_halves(first)
     if grads is None:
         with _tracked_as_mean():
-            return _forward_halves(plans)
+            return _forward_halves(plans, halves)
     share = _aux_loss_share(first)
     for plan in plans:
         if getattr(plan, "weight_pass", None) is not None:  # an I: its W runs the same segments again
             plan.weight_pass.aux_loss_share = share
     with _aux_losses_at(share):
-        _backward_halves(plans, list(grads))
+        if halves is None:
+            _backward_halves(plans, list(grads))
+        else:
+            _backward_halves(plans[::-1], list(grads[::-1]))
     return None
 
 
-def _forward_halves(plans: tuple) -> tuple:
+def _sequence_halves(plan) -> SequenceHalves | None:
+    """The chunk's state for halves of a sequence (sequence_halves.py), None where it runs batch halves."""
+    return getattr(plan.state.model, "sequence_halves", None)
+
+
+def _forward_halves(plans: tuple, halves: SequenceHalves | None) -> tuple:
     """megatron-core's forward (TransformerModelChunkSchedulePlan.run without a backward) for two plans,
     each layer's parts in the halves order."""
     outputs = []
-    for plan in plans:
+    for k, plan in enumerate(plans):
         model = plan.state.model
         if not model.pre_process:
             model.set_input_tensor(plan.stage_input)  # the pre-process node reads the chunk's input now
         plan.record_current_stream()
-        outputs.append(plan.pre_process.forward())
+        with _running(halves, k):
+            outputs.append(plan.pre_process.forward())
     for i in range(plans[0].num_layers()):
-        outputs = _forward_layer([plan.get_layer(i) for plan in plans], outputs)
+        layers = [plan.get_layer(i) for plan in plans]
+        outputs = _forward_layer(layers, outputs, halves)
+        if halves is not None:
+            _link_prefixes(halves.take_prefixes(), layers[0].pre_dispatch_computation, plans[1])
     outputs = [plan.post_process.forward(x) if plan.post_process is not None else x for plan, x in zip(plans, outputs)]
     for plan in plans:
         plan.wait_current_stream()
     return tuple(outputs)
 
 
-def _forward_layer(layers: list, xs: list) -> list:
+def _forward_layer(layers: list, xs: list, halves: SequenceHalves | None) -> list:
     """One layer of both halves (TransformerLayerSchedulePlan.run's forward calls): attention and dispatch
     of half a, of half b, then experts and combine of a, of b; each half's dispatcher state its own."""
     kept = [None] * len(layers)
     for names in (("pre_dispatch_computation", "moe_dispatch"), ("mlp", "moe_combine")):
         for k, layer in enumerate(layers):
-            with _own_dispatcher(layer, kept, k), layer.get_low_precision_context():
+            with _own_dispatcher(layer, kept, k), layer.get_low_precision_context(), _running(halves, k):
                 for name in names:
                     xs[k] = getattr(layer, name).forward(xs[k])
     for k, layer in enumerate(layers):
         with layer.get_low_precision_context():
             xs[k] = layer.mtp_post_process.forward(xs[k])
     return xs
+
+
+def _running(halves: SequenceHalves | None, k: int):
+    """Half ``k`` of a sequence running inside (nothing to say for batch halves)."""
+    return halves.half(k) if halves is not None else nullcontext()
+
+
+def _link_prefixes(prefixes: list, first_attention, second) -> None:
+    """The first half's keys and values that the second half's attention read as leaves: the first half's
+    attention node backpropagates each leaf's gradient into its tensor (``TransformerLayerNode``'s
+    ``before_detached``/``detached`` pairs), and the second half's I computes the leaves' gradients."""
+    if not prefixes:
+        return
+    tensors, leaves = zip(*prefixes)
+    first_attention.before_detached += tensors
+    first_attention.detached += leaves
+    second.prefix_leaves = [*getattr(second, "prefix_leaves", ()), *leaves]
 
 
 def _backward_halves(plans: tuple, grads: list) -> None:

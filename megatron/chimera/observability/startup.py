@@ -78,6 +78,13 @@ def print_layout(plan) -> None:
     print(f" > pipeline layout {plan.layout} ({given}): {plan.layout.describe()}", flush=True)
 
 
+def print_halves(plan) -> None:
+    """Once, by rank 0: how --overlap-moe-expert-parallel-comm halves a micro-batch that does not split along
+    its batch (config/schedule_request.py's ``halves_note``)."""
+    if dist.get_rank() == 0 and plan.halves_note is not None:
+        print(f" > {plan.halves_note}", flush=True)
+
+
 def print_global_aux_loss(spec: ModelSpec, rt) -> None:
     """Once, by rank 0, where the model has several copies along the pipeline dimension: megatron-core's
     global auxiliary loss averages each router's token counts over the micro-batches that router has run in

@@ -106,6 +106,14 @@ VARIANTS |= {"mixtral-sinkhorn": SINKHORN, "mixtral-global-aux": GLOBAL_AUX, PER
 # of micro-batches of 2 or 4 against it, where another micro-batch's loss would differ (aux_loss is refused)
 SEQ_AUX = "mixtral-seq-aux"
 VARIANTS[SEQ_AUX] = MIXTRAL + ["--moe-router-load-balancing-type", "seq_aux_loss", "--global-batch-size", "16"]
+# Balanced without a statistic of the whole sequence (expert bias, the z-loss), with rope: at micro-batch size 1
+# --overlap-moe-expert-parallel-comm runs actions as the two halves of each sequence (model/sequence_halves.py),
+# whose second half attends to the first's keys at positions after them (N = D at 4 sequences, N = 2D at 8)
+SEQUENCE_HALVES = MIXTRAL + ["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0",
+                             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                             "--moe-router-bias-update-rate", "1e-2", "--position-embedding-type", "rope"]
+VARIANTS |= {"mixtral-rope-bias-4": SEQUENCE_HALVES + ["--global-batch-size", "4"],
+             "mixtral-rope-bias-8": SEQUENCE_HALVES + ["--global-batch-size", "8"]}
 # Qwen3-Next's shared expert, its output scaled by a sigmoid gate of the token (--moe-shared-expert-gate: one
 # weight row per layer, megatron-core's SharedExpertMLP.gate_weight)
 VARIANTS["shared-expert-gate"] = MIXTRAL + ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
@@ -304,6 +312,11 @@ HALVES_CASES = {"mixtral overlap chimera direct D=2 N=D halves EP=2": ("chimera 
                     "dualpipev D=2", "2", GATHER_OVERLAPPED),
                 "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2": (
                     "chimera direct D=2", "2", GATHER_OVERLAPPED)}
+# ... and at micro-batch size 1, in halves of each sequence: name -> (reference variant, schedule case)
+SEQUENCE_HALVES_CASES = {
+    "mixtral overlap chimera direct D=2 N=D sequence halves EP=2": ("mixtral-rope-bias-4", "chimera direct D=2"),
+    "mixtral overlap chimera split D=2 sequence halves EP=2": ("mixtral-rope-bias-8", "chimera split D=2"),
+    "mixtral overlap dualpipev D=2 sequence halves EP=2": ("mixtral-rope-bias-8", "dualpipev D=2")}
 # the cases with every pair fused (every_pair_fused): at micro-batch size 1 pairs only, at 2 pairs and halves
 PAIRS_FORCED = (EVERY_PAIR, "mixtral overlap dualpipev D=2 halves overlapped gather EP=2",
                 "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2")
@@ -433,6 +446,8 @@ CASES = {
          "mixtral overlap dualpipe D=2 EP=2": ("mixtral", D2["dualpipe D=2"] + EP2 + ALLTOALL + MOE_OVERLAP)} | {
         name: (SEQ_AUX, D2[schedule] + EP2 + ALLTOALL + MOE_OVERLAP + ["--micro-batch-size", mbs] + more)
         for name, (schedule, mbs, more) in HALVES_CASES.items()} | {
+        name: (variant, D2[schedule] + EP2 + ALLTOALL + MOE_OVERLAP + ["--micro-batch-size", "1"])
+        for name, (variant, schedule) in SEQUENCE_HALVES_CASES.items()} | {
         EVERY_PAIR: ("mixtral", D2["1f1b split D=2"] + EP2 + ALLTOALL + MOE_OVERLAP),
     # the MoE families; gpt-oss with an odd first stage, so that each stage's slice of its window pattern
     # (every other layer) matters
