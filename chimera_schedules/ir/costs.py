@@ -33,7 +33,8 @@ class CostModel:
     per model stage) share the stage's compute and all-to-all, ``attention_share`` of a layer's compute
     is its attention, so one micro-batch's all-to-alls hide behind the other's compute. With ``a2a`` = 0
     it costs F + B. A halved action (``Halved``) runs its pass as two halves of its micro-batch the same
-    way (``parts.halves``), each half's compute half the whole's divided by ``halves_efficiency``.
+    way (``parts.halves``), each half's compute half the whole's divided by ``halves_efficiency``: the
+    efficiency of the split the run halves along (``halves_efficiency_at``).
     ``contention``: how much slower compute runs while an all-to-all is in flight beside it (0: not at
     all; 0.15: 15% slower), in overlapped and halved actions (``parts.timeline``).
 
@@ -183,3 +184,11 @@ def activation_units(schedule: Schedule, action: Action) -> float:
 def has_a2a(costs: CostModel) -> bool:
     """Whether any stage spends time in an all-to-all (its passes then run as parts)."""
     return any(costs.a2a) if not isinstance(costs.a2a, (int, float)) else costs.a2a != 0
+
+
+def halves_efficiency_at(micro_batch_size: int | None, batch: float = 1.0, sequence: float = 1.0) -> float:
+    """A halved action's efficiency at this micro-batch size: an even size runs as two halves of its
+    sequences, at ``batch``'s; an odd one (1 most often) as the first and second half of each sequence
+    (runtime/stage.py's SEQUENCE), at ``sequence``'s. None: the batch split. The trainer halves the same way
+    (megatron/chimera/config/schedule_request.py's ``halves_split``)."""
+    return batch if micro_batch_size is None or micro_batch_size % 2 == 0 else sequence

@@ -14,7 +14,7 @@ import sys
 from ..analysis.nccl_model import MODES, check, check_structure
 from ..analysis.simulator import simulate
 from ..analysis.validator import validate
-from ..ir.costs import CostModel
+from ..ir.costs import CostModel, halves_efficiency_at
 from ..ir.errors import ConfigError, InvalidSchedule, require
 from ..ir.schedule import Schedule
 from ..ir.spec import OPTION, SHARED, ScheduleSpec, parse_stage_costs
@@ -94,6 +94,11 @@ def _cost_options(c) -> None:
                    help="MoE layers per model stage, sharing its compute and --a2a in an overlapped F&B (default 1)")
     c.add_argument("--halves-efficiency", type=float, default=1.0,
                    help="a half micro-batch computes half as much divided by this (smaller kernels; default 1)")
+    c.add_argument("--micro-batch-size", type=int,
+                   help="samples per micro-batch: at an odd size a halved action runs the two halves of each "
+                        "sequence, priced at --sequence-halves-efficiency (default: an even size, the batch's halves)")
+    c.add_argument("--sequence-halves-efficiency", type=float, default=1.0,
+                   help="--halves-efficiency of the halves of a sequence (default 1)")
     c.add_argument("--contention", type=float, default=0.0,
                    help="how much slower compute runs beside an all-to-all in an overlapped or halved action "
                         "(0.15: 15%% slower; default 0)")
@@ -148,7 +153,11 @@ def _costs(args) -> CostModel:
                 f"must be positive and less than --backward-time ({args.backward_time:g}), which includes it")
     require(args.a2a >= 0, "--a2a", args.a2a, "must not be negative")
     require(args.moe_layers >= 1, "--moe-layers", args.moe_layers, "must be at least 1")
-    require(0 < args.halves_efficiency <= 1, "--halves-efficiency", args.halves_efficiency, "must be in (0, 1]")
+    for option, value in (("--halves-efficiency", args.halves_efficiency),
+                          ("--sequence-halves-efficiency", args.sequence_halves_efficiency)):
+        require(0 < value <= 1, option, value, "must be in (0, 1]")
+    require(args.micro_batch_size is None or args.micro_batch_size >= 1, "--micro-batch-size", args.micro_batch_size,
+            "must be at least 1")
     require(args.contention >= 0, "--contention", args.contention, "must not be negative")
     forward, backward = args.forward_time, args.backward_time
     if args.stage_costs:  # per model stage, in place of the two above
@@ -160,7 +169,9 @@ def _costs(args) -> CostModel:
     return CostModel(forward, backward, args.p2p_latency, args.p2p_bandwidth,
                      args.activation_bytes, args.allreduce_latency, args.allreduce_bandwidth,
                      args.grad_bytes, args.data_parallel, weight=args.weight_time, a2a=args.a2a,
-                     moe_layers=args.moe_layers, halves_efficiency=args.halves_efficiency,
+                     moe_layers=args.moe_layers,
+                     halves_efficiency=halves_efficiency_at(args.micro_batch_size, args.halves_efficiency,
+                                                            args.sequence_halves_efficiency),
                      contention=args.contention)
 
 

@@ -269,3 +269,24 @@ def test_chimera_split_at_n_equals_d_hides_its_all_to_all():
     on = simulate(build_spec(dataclasses.replace(spec, overlap=True), costs), costs).makespan
     bare = simulate(build_spec(spec, plain), plain).makespan
     assert (off - on) / (off - bare) >= 0.8, f"hidden {(off - on) / (off - bare):.3f} ({off}, {on}, {bare})"
+
+
+def _stats_makespan(capsys, *flags: str) -> float:
+    """The makespan ``stats`` prints for Chimera split at D = N = 8 with ``flags``."""
+    capsys.readouterr()
+    assert main(["stats", "--schedule", "chimera", "-D", "8", "-N", "8", "--split-backward", "--moe-layers", "4",
+                 *flags]) == 0
+    return float(capsys.readouterr().out.splitlines()[1].split()[1])
+
+
+def test_at_micro_batch_size_1_the_halves_of_each_sequence_hide_the_all_to_all(capsys):
+    """Issue 54's stats check: at micro-batch size 1 the halves run along each sequence and hide at least 80%
+    of Chimera split's all-to-all at N = D; priced at the halves' efficiency, a slower half hides less."""
+    off, bare = _stats_makespan(capsys, "--a2a", "0.5"), _stats_makespan(capsys)
+    on = _stats_makespan(capsys, "--a2a", "0.5", "--overlap", "--micro-batch-size", "1")
+    assert (off - on) / (off - bare) >= 0.8, f"hidden {(off - on) / (off - bare):.3f} ({off}, {on}, {bare})"
+    slower = _stats_makespan(capsys, "--a2a", "0.5", "--overlap", "--micro-batch-size", "1",
+                             "--sequence-halves-efficiency", "0.85")
+    batch = _stats_makespan(capsys, "--a2a", "0.5", "--overlap", "--micro-batch-size", "2",
+                            "--sequence-halves-efficiency", "0.85")
+    assert slower > on and batch == on, f"at 0.85: {slower} at size 1, {batch} at size 2 (the batch's halves); {on}"
