@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from ..analysis.simulator import peak_activations, simulate
 from ..ir import layout
-from ..ir.costs import CostModel
+from ..ir.costs import CostModel, halves_efficiency_at
 from ..ir.errors import ConfigError
 from ..ir.layout import Layout
 from ..registry import REGISTRY, VARIANTS, build_spec, variant
@@ -135,7 +135,9 @@ MODELS = {"gpt2-1.3b": GPT2_1_3B, "llama3-8b": LLAMA3_8B, "deepseek-v3": DEEPSEE
 @dataclass(frozen=True)
 class Profile:
     """Hardware, from a JSON file: sustained FLOP/s, p2p and all-reduce latency (s) and bandwidth (B/s),
-    memory per device (bytes). ``source`` says where the numbers come from."""
+    memory per device (bytes). ``source`` says where the numbers come from. ``halves_efficiency`` and
+    ``sequence_halves_efficiency``: how fast a half of a micro-batch's sequences and a half of each sequence
+    compute for their size, as gpu_check's layer profile measures them; 1.0 where not given."""
 
     name: str
     flops: float
@@ -145,6 +147,8 @@ class Profile:
     allreduce_bandwidth: float
     memory: float
     source: str = ""
+    halves_efficiency: float = 1.0
+    sequence_halves_efficiency: float = 1.0
 
     @classmethod
     def load(cls, path: str) -> Profile:
@@ -264,7 +268,9 @@ def costs(shape: ModelShape, profile: Profile, depth: int, b: int, width: int, e
     return CostModel(forward=forward, backward=[2 * f for f in forward], p2p_latency=profile.p2p_latency,
                      p2p_bandwidth=profile.p2p_bandwidth, activation_bytes=b * shape.seq * shape.hidden * 2,
                      allreduce_latency=profile.allreduce_latency, allreduce_bandwidth=profile.allreduce_bandwidth,
-                     grad_bytes=grad_bytes, data_parallel=width)
+                     grad_bytes=grad_bytes, data_parallel=width,
+                     halves_efficiency=halves_efficiency_at(b, profile.halves_efficiency,
+                                                            profile.sequence_halves_efficiency))
 
 
 def _stage_matrices(shape: ModelShape, held: Layout, stage: int, ep: int) -> float:

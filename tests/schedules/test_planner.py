@@ -1,5 +1,7 @@
 """The planner's memory filter and ranking on cases small enough to compute by hand, and the
 benchmark's bubble measurement on a synthetic trace with known idle time."""
+import json
+
 import pytest
 
 from chimera_schedules import Action, build
@@ -140,3 +142,16 @@ def test_measured_stage_costs_sum_a_stages_parts_over_its_shards_with_the_all_to
     a2a = 2 * 0.5  # dispatch and combine, each one latency
     assert model.forward == [2 * 2 * 1.0 / 2, 2 * (2 * 3.0 + 13.0 + 7.0) / 2 + 3 * a2a], model.forward
     assert model.backward == [2 * 2 * 2.0 / 2, 2 * (2 * 5.0 + 17.0 + 11.0) / 2 + 3 * a2a], model.backward
+
+
+def test_a_profiles_halves_efficiency_prices_the_split_the_micro_batch_size_takes(tmp_path):
+    """A measured profile's two efficiencies: an even micro-batch halves along its sequences, an odd one along
+    each sequence; a profile without them computes halves at full rate."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"name": "gpu", "flops": 1e9, "p2p_latency": 0, "p2p_bandwidth": 1e9,
+                                "allreduce_latency": 0, "allreduce_bandwidth": 1e9, "memory": 1e9,
+                                "halves_efficiency": 0.9, "sequence_halves_efficiency": 0.8}))
+    measured = Profile.load(str(path))
+    efficiency = {b: costs(SHAPE, measured, 2, b, 1).halves_efficiency for b in (1, 2, 3)}
+    assert efficiency == {1: 0.8, 2: 0.9, 3: 0.8}, f"halves' efficiency by micro-batch size: {efficiency}"
+    assert costs(SHAPE, profile(1e9), 2, 1, 1).halves_efficiency == 1.0, "an unmeasured profile's"

@@ -72,15 +72,21 @@ def layer_times(repeats: int = 20) -> dict:
                        "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=1)
     job = job_config(args)
     chunk = build_chunk(job.model, make_run_plan(job.pipeline, job.parallel), 0, torch.device("cuda"))
-    forward, backward = _time_layer(chunk.decoder.layers[0], repeats)
+    layer, seq = chunk.decoder.layers[0], g["seq"]
+    forward, backward = _time_layer(layer, repeats, seq, 1)
+    pair = sum(_time_layer(layer, repeats, seq, 2))  # two sequences, whose halves are the one above
+    first_half = sum(_time_layer(layer, repeats, seq // 2, 1))  # a sequence's first half (the planner's proxy)
     dist.destroy_process_group()
     return {"device": torch.cuda.get_device_name(), "forward_s": forward, "backward_s": backward, "dtype": "bf16",
-            "transformer_engine": uses_transformer_engine(args.transformer_impl, "cuda")}
+            "transformer_engine": uses_transformer_engine(args.transformer_impl, "cuda"),
+            "halves_efficiency": min(1.0, pair / (2 * (forward + backward))),
+            "sequence_halves_efficiency": min(1.0, (forward + backward) / (2 * first_half))}
 
 
-def _time_layer(layer, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of one layer, timed with CUDA events after 5 warm-ups."""
-    x = torch.randn(GPT2_1_3B["seq"], 1, GPT2_1_3B["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+def _time_layer(layer, repeats: int, seq: int, batch: int) -> tuple[float, float]:
+    """Median forward and backward seconds of one layer on ``batch`` sequences of ``seq`` tokens, timed with
+    CUDA events after 5 warm-ups."""
+    x = torch.randn(seq, batch, GPT2_1_3B["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fwd, bwd = [], []
     for i in range(repeats + 5):
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -106,6 +112,8 @@ def write_profile(timing: dict, interconnect: dict) -> str:
                          "interconnect measured between 2 GPUs (NCCL p2p ping-pong of one activation, all-reduce).",
                "flops": ModelShape(**GPT2_1_3B).layer_forward_flops(1) / timing["forward_s"],
                **{k: interconnect[k] for k in INTERCONNECT},
+               # a half's rate against the whole's: two sequences and one; a sequence and its first half
+               **{k: timing[k] for k in ("halves_efficiency", "sequence_halves_efficiency")},
                "memory": torch.cuda.get_device_properties(0).total_memory}
     path = os.path.join(ROOT, "profiles", f"gpu-{name}-{date.today()}.json")
     with open(path, "w") as f:
