@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from chimera_schedules import ConfigError, Op
 from chimera_schedules.ir import parts
+from chimera_schedules.ir.costs import halves_efficiency_at
 from chimera_schedules.registry import VARIANTS
 from chimera_schedules.tools.planner import MODELS, Profile
 from megatron.chimera.distributed.ports import free_port
@@ -307,7 +308,9 @@ def worker(args) -> None:
     parallel_state.initialize_model_parallel(1, d)
     profile = Profile.load(args.profile)
     setup = runtimes.Setup(d, forward_ms(args, profile, d), args.name, profile, args.shape,
-                           a2a_fraction=args.a2a_fraction or 0.0)
+                           a2a_fraction=args.a2a_fraction or 0.0, micro_batch_size=args.micro_batch_size,
+                           halves_efficiency=halves_efficiency(args, profile))
+    moe.HALVES_EFFICIENCY = setup.halves_efficiency
     message = size_messages(setup)
     setup.host_ms = measured_host_ms(setup) if setup.a2a_fraction else executor_host_ms(setup)
     microbatches = args.microbatches or default_microbatches(d)
@@ -321,12 +324,26 @@ def worker(args) -> None:
                "skipped": skipped, "rows": rows}
         if setup.a2a_fraction:
             add_a2a_critical(setup, cases, rows)
-            doc.update(a2a_fraction=setup.a2a_fraction, overlap_timeline=overlap_timeline(setup))
+            doc.update(a2a_fraction=setup.a2a_fraction, overlap_timeline=overlap_timeline(setup),
+                       micro_batch_size=setup.micro_batch_size, halves_along=halves_along(setup.micro_batch_size),
+                       halves_efficiency=setup.halves_efficiency)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def halves_efficiency(args, profile) -> float:
+    """--halves-efficiency, else the profile's for the split the micro-batch size takes (1.0 unmeasured)."""
+    if args.halves_efficiency is not None:
+        return args.halves_efficiency
+    return halves_efficiency_at(args.micro_batch_size, profile.halves_efficiency, profile.sequence_halves_efficiency)
+
+
+def halves_along(micro_batch_size: int) -> str:
+    """Which split a halved action takes at this size (the trainer's, config/schedule_request.halves_split)."""
+    return "batch" if micro_batch_size % 2 == 0 else "sequence"
 
 
 def forward_ms(args, profile, depth: int) -> float:
@@ -348,8 +365,10 @@ def launch(depth: int, args, out: str) -> dict:
     extra += ["--schedules", *args.schedules] if args.schedules else []
     extra += ["--forward-ms", str(args.forward_ms)] if args.forward_ms else []
     extra += ["--model-flags", os.path.abspath(args.model_flags)] if args.model_flags else ["--model", args.model]
-    extra += (["--a2a-fraction", str(args.a2a_fraction), "--contention", *map(str, args.contention)]
+    extra += (["--a2a-fraction", str(args.a2a_fraction), "--contention", *map(str, args.contention),
+               "--micro-batch-size", str(args.micro_batch_size)]
               if args.a2a_fraction else ["--selection", args.selection])
+    extra += ["--halves-efficiency", str(args.halves_efficiency)] if args.halves_efficiency is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(depth), "--master_port", port,
            "-m", "benchmarks.depth", "--worker", "--out", out,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--profile", args.profile,
@@ -421,6 +440,13 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--contention", type=float, nargs="+",
                    help="with --a2a-fraction: compute's slowdown while an all-to-all runs beside it, one run of each "
                         f"overlap case per value (default {' '.join(map(str, CONTENTIONS))})")
+    p.add_argument("--micro-batch-size", type=int, default=1,
+                   help="with --a2a-fraction: the micro-batch size the stage times are for; a halved action runs the "
+                        "two halves of each sequence at an odd size, of the batch at an even one (default 1: the "
+                        "models' stage times are per sequence, and every time scales with it alike)")
+    p.add_argument("--halves-efficiency", type=float,
+                   help="with --a2a-fraction: a halved action's compute rate for its size (default: the profile's "
+                        "for the split --micro-batch-size takes, 1.0 where it has none)")
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -432,6 +458,10 @@ def arguments() -> argparse.Namespace:
         p.error("--a2a-fraction runs our executor and megatron-core's schedules")
     if args.contention and not args.a2a_fraction:
         p.error("--contention: with --a2a-fraction only")
+    if args.halves_efficiency is not None and not (args.a2a_fraction and 0 < args.halves_efficiency <= 1):
+        p.error("--halves-efficiency: with --a2a-fraction only, in (0, 1]")
+    if args.micro_batch_size < 1:
+        p.error("--micro-batch-size: at least 1")
     _selection(args)
     args.profile = os.path.abspath(args.profile or (os.path.join(ROOT, "profiles", models.FLAGS_PROFILE)
                                                     if args.model_flags else default_profile(args.model)))

@@ -80,13 +80,14 @@ def message_target_ms(shape: ModelShape, profile: Profile, depth: int, forward_m
 
 
 def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bool = False,
-               contention: float = 0.0, host_ms: float = 0.0) -> CostModel:
+               contention: float = 0.0, host_ms: float = 0.0, halves_efficiency: float = 1.0) -> CostModel:
     """The simulator's costs in milliseconds. ``first_input_in_weight``: the runtime does a first
     stage's whole backward in its W and nothing in its I (torch.distributed.pipelining does: its
     first stage has no input gradient to send). A stage without MoE layers is priced as one layer
     whose all-to-all takes no time, as its emulated stage runs (``moe.stage_parts``). ``host_ms``: what
     each part a MoE stage issues adds (``moe.host_ms``), or without MoE what each pass our executor runs
-    adds (``executor_host_ms``), both measured at startup."""
+    adds (``executor_host_ms``), both measured at startup. ``halves_efficiency``: a halved action's compute rate
+    (``moe.HALVES_EFFICIENCY``)."""
     forward = [t.forward * 1e3 for t in times]
     backward = [(t.input + t.weight) * 1e3 for t in times]
     weight = [t.weight * 1e3 for t in times]
@@ -95,7 +96,7 @@ def cost_model(times: list[StageTimes], p2p_ms: float, first_input_in_weight: bo
     moe = {"a2a": [t.a2a * 1e3 for t in times], "moe_layers": [max(1, t.moe_layers) for t in times],
            "attention_share": ATTENTION_SHARE} if any(t.a2a for t in times) else {}
     return CostModel(forward=forward, backward=backward, weight=weight, p2p_latency=p2p_ms, contention=contention,
-                     host=host_ms, **moe)
+                     host=host_ms, halves_efficiency=halves_efficiency, **moe)
 
 
 def a2a_critical_ms(schedule: Schedule, model: CostModel) -> float:

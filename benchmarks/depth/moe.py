@@ -16,6 +16,9 @@ alone is its pass's parts one after another, two plans run together (an overlapp
 ``parts.interleave`` of both, the two halves of one micro-batch (a halved action, ``run_halves``)
 ``parts.halves`` of its pass.
 
+A halved action's compute runs at ``HALVES_EFFICIENCY`` of its rate (set per run: the split the
+micro-batch size takes, priced as the simulator prices it, ``CostModel.halves_efficiency``).
+
 Contention (``CONTENTION``, set per case): a compute part progresses at 1 / (1 + CONTENTION) of its
 rate while an all-to-all part runs on the communication thread, checked every ``_SLICE`` seconds, as
 ``parts.timeline`` prices it.
@@ -45,6 +48,7 @@ from .stage import EmulatedStage, StageTimes
 ATTENTION_SHARE = 0.5  # of a layer's compute, its attention part (the rest its experts): the simulator's too
 PARTS: list[tuple[int, tuple, str, float, float]] = []  # (run, part's chain, stream, start, end) of every part
 CONTENTION = 0.0  # compute's slowdown while an all-to-all runs beside it
+HALVES_EFFICIENCY = 1.0  # a halved action's compute rate for its size (parts.halves), set per run
 _SLICE = 0.0005  # how often a compute part under contention looks at the communication thread
 _RUNS = itertools.count()
 _PR_SET_TIMERSLACK = 29
@@ -272,9 +276,9 @@ class SchedulePlan(AbstractSchedulePlan):
         self.share = second.share = 0.5
         if grads is None:
             outputs = self.output(), second.output()
-            issue(parts.halves(self.forward_parts()), {"F": "F"})
+            issue(parts.halves(self.forward_parts(), HALVES_EFFICIENCY), {"F": "F"})
             return outputs
-        issue(parts.halves(self.backward_parts()), {"B": "I" if self.deferred else "B"})
+        issue(parts.halves(self.backward_parts(), HALVES_EFFICIENCY), {"B": "I" if self.deferred else "B"})
         for plan, grad in zip((self, second), grads):
             plan.input_gradient(grad)
         return None

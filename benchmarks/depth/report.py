@@ -216,7 +216,10 @@ def _overlap_document(per_depth: list[dict], command: str, rows: list[dict]) -> 
     return {"command": command, "date": str(date.today()), "machine": f"{platform.machine()}, {socket.gethostname()}",
             "model": first["model"], "profile": first["profile"], "layouts": first["layouts"],
             "forward_ms": first["forward_ms"], "rounds": first["rounds"], "iters": first["iters"],
-            "a2a_fraction": first["a2a_fraction"], "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
+            "a2a_fraction": first["a2a_fraction"], "micro_batch_size": first.get("micro_batch_size", 1),
+            "halves_along": first.get("halves_along", "sequence"),
+            "halves_efficiency": first.get("halves_efficiency", 1.0),
+            "p2p_ms": {str(doc["D"]): doc["p2p_ms"] for doc in per_depth},
             "host_ms": {str(doc["D"]): doc.get("host_ms", 0.0) for doc in per_depth},
             "message": {str(doc["D"]): doc["message"] for doc in per_depth},
             "overlap_timeline": {str(doc["D"]): doc["overlap_timeline"] for doc in per_depth},
@@ -430,7 +433,10 @@ def _overlap_section(doc: dict) -> list[str]:
     DualPipe with overlap, and one overlapped action drawn per depth (none without --a2a-fraction)."""
     if "overlap" not in doc:
         return []
-    out = ["| a2a fraction | contention | schedule | D | N | F&B pairs, halved actions | ms without overlap | "
+    out = [f"Micro-batch size {doc.get('micro_batch_size', 1)}: a halved action runs the halves of "
+           f"{'each sequence' if doc.get('halves_along', 'sequence') == 'sequence' else 'its sequences'}, at "
+           f"{doc.get('halves_efficiency', 1.0):g} of the whole's compute rate.", "",
+           "| a2a fraction | contention | schedule | D | N | F&B pairs, halved actions | ms without overlap | "
            "ms with overlap | a2a critical ms | hidden | predicted hidden | measured / predicted (without, with) | "
            "a2a inside another chain's compute (without, with) |", "|" + "---|" * 13]
     for t in doc["overlap"]:

@@ -86,6 +86,8 @@ class Setup:
     groups: dict = field(default_factory=dict)  # name or frozenset of ranks -> process group
     a2a_fraction: float = 0.0  # of a MoE layer's forward compute, its all-to-all (0: none, no MoE stages)
     host_ms: float = 0.0  # what each part a MoE stage issues adds, or each pass of a plain one, measured at startup
+    micro_batch_size: int = 1  # an odd one halves along each sequence, an even one along its sequences
+    halves_efficiency: float = 1.0  # of the split it takes (costs.halves_efficiency_at)
 
     def times(self, virtual_stages: int, held=None):
         """Per model stage, its times under layout ``held`` (the even split by default)."""
@@ -94,7 +96,7 @@ class Setup:
 
     def costs(self, virtual_stages: int, held=None, first_input_in_weight: bool = False, contention: float = 0.0):
         return cost_model(self.times(virtual_stages, held), self.p2p_ms, first_input_in_weight, contention,
-                          self.host_ms)
+                          self.host_ms, self.halves_efficiency)
 
     def config(self, virtual_stages: int = 1, combined: bool = False):
         """A megatron-core TransformerConfig with Megatron-LM's p2p defaults: batched p2p without

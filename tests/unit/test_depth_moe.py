@@ -157,3 +157,17 @@ def test_two_halves_and_contention_follow_the_timeline(monkeypatch):
     assert parts.span(order, 0.5) > parts.span(order) and len(outputs) == 2
     first.run_halves(second, grads=(torch.ones(4, 1, 8, dtype=torch.bfloat16),) * 2)
     assert first.x.grad is not None and second.x.grad is not None and st.weight.grad is not None
+
+
+def test_halves_compute_at_the_runs_halves_efficiency(monkeypatch):
+    """A halved action's compute runs at ``HALVES_EFFICIENCY`` of its rate (a sequence's halves at
+    micro-batch size 1, priced as the simulator prices them): at 0.5 the run takes at least that span."""
+    st = _stage()
+    first, second = st.schedule_plan(_x()), st.schedule_plan(_x())
+    monkeypatch.setattr(moe, "HALVES_EFFICIENCY", 0.5)
+    start = time.perf_counter()
+    first.run_halves(second)
+    took = time.perf_counter() - start
+    slow = parts.span(parts.halves(first.forward_parts(), 0.5))
+    assert slow > parts.span(parts.halves(first.forward_parts())) + SLACK and took >= slow - SLACK, \
+        f"took {took}, priced {slow} at efficiency 0.5"
