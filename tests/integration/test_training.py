@@ -22,6 +22,7 @@ from megatron.chimera.testing.equivalence import (
     HALVES_CASES,
     ITERS,
     KAPPA_MAX,
+    MTP_PAIRED,
     OVERLAPPED_EXPERTS,
     PER_PIPELINE,
     PLANTED_COPY,
@@ -169,10 +170,10 @@ def test_every_rank_holds_exactly_the_layers_its_layout_names(results):
 
 def test_mtp_loss_is_logged_as_one_process_logs_it(results):
     """Megatron-LM's 'mtp_1 loss' field, non-zero and equal to the one-process run's, under Chimera,
-    DualPipe, split backward and megatron-core's 1F1B, with MTP on the last stage or its own, and at TP=2 with
-    sequence parallelism."""
+    DualPipe, split backward and megatron-core's 1F1B, with MTP on the last stage or its own, at TP=2 with
+    sequence parallelism, and paired with --overlap-moe-expert-parallel-comm."""
     mtp = {case: results[case] for case in CASES if case.startswith(("mtp", "mixtral-mtp"))}
-    assert len(mtp) == 7, f"expected 7 MTP cases, got {sorted(mtp)}"
+    assert len(mtp) == 8, f"expected 8 MTP cases, got {sorted(mtp)}"
     logged = {case: (r["moe_fields"], r["mtp_loss"]) for case, r in mtp.items()}
     assert all("mtp_1 loss" in fields and loss > 1 for fields, loss in logged.values()), \
         f"case: (fields logged, mtp_1 loss), each expected to hold 'mtp_1 loss' > 1: {logged}"
@@ -229,18 +230,19 @@ def test_overlap_moe_expert_parallel_comm_pairs_forwards_with_backwards(results)
     """--overlap-moe-expert-parallel-comm under every schedule that takes it (the losses and weights above
     equal one process's): F&B actions under 1F1B, DualPipe(V); the pass pairs nothing under Chimera split at
     D=2 (no forward sits next to another micro-batch's I), so a 1F1B split case with every pair fused runs
-    F&I actions, and with every pair fused DualPipeV and Chimera direct at N = 2D run pairs beside halves.
-    With aux_loss (a statistic of the whole micro-batch) no action runs in halves. No other case runs any."""
+    F&I actions, and with every pair fused DualPipeV and Chimera direct at N = 2D run pairs beside halves;
+    DualPipeV pairs with multi-token prediction too. With aux_loss or MTP (statistics of the whole
+    micro-batch) no action runs in halves. No other case runs any."""
     paired = {case: results[case]["overlapped"] for case in CASES}
-    overlap = {case for case in CASES if case.startswith("mixtral overlap ")}
-    assert len(overlap) == 10 and paired[EVERY_PAIR].get("I", 0) > 0, paired
-    names = ("mixtral overlap 1f1b D=2 overlapped gather EP=2", "mixtral overlap dualpipe D=2 EP=2",
+    overlap = {case for case in CASES if case.startswith("mixtral overlap ")} | {MTP_PAIRED}
+    assert len(overlap) == 11 and paired[EVERY_PAIR].get("I", 0) > 0, paired
+    names = ("mixtral overlap 1f1b D=2 overlapped gather EP=2", "mixtral overlap dualpipe D=2 EP=2", MTP_PAIRED,
              "mixtral overlap dualpipev D=2 halves overlapped gather EP=2",
              "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2")
     assert all(paired[name].get("B", 0) > 0 for name in names), paired
     halving = HALVES_CASES.keys() | SEQUENCE_HALVES_CASES.keys()
     whole = {case: results[case]["halved"] for case in overlap - halving if results[case]["halved"]}
-    assert whole == {}, f"cases with aux_loss that ran actions in halves: {whole}"
+    assert whole == {}, f"cases with aux_loss or MTP that ran actions in halves: {whole}"
     others = {case: (paired[case], results[case]["halved"]) for case in CASES if case not in overlap
               and (paired[case] or results[case]["halved"])}
     assert others == {}, f"cases without --overlap-moe-expert-parallel-comm that ran overlapped actions: {others}"

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from chimera_schedules import Op
+from chimera_schedules.runtime.stage import BATCH, SEQUENCE
 from megatron.chimera.arguments import parse_args
+from megatron.chimera.config.schedule_request import halves_note
 from megatron.chimera.model import chunk, kernels
 from megatron.chimera.testing.plans import plan_of
 
@@ -140,23 +142,32 @@ def test_split_backward_and_dualpipev_build_their_schedules():
 
 
 def test_halves_run_where_the_micro_batch_splits_in_two():
-    """--overlap-moe-expert-parallel-comm runs actions in halves at an even micro-batch size, with
-    seq_aux_loss or an aux_loss of coefficient 0; at size 1, or with router statistics of the whole
-    micro-batch's tokens together (aux_loss, global_aux_loss, sinkhorn, a capacity factor), the schedule has
-    pairs only, silently: a Megatron-LM configuration with the flag still trains, exactly."""
+    """--overlap-moe-expert-parallel-comm runs actions in halves: of the batch at an even micro-batch size,
+    with seq_aux_loss or an aux_loss of coefficient 0; of each sequence at size 1. With router statistics of
+    the whole micro-batch's tokens together (aux_loss, global_aux_loss, sinkhorn, a capacity factor), or at
+    size 1 of the whole sequence's (seq_aux_loss), the schedule has pairs only, and at size 1 one startup
+    line says why: a Megatron-LM configuration with the flag still trains, exactly."""
     overlap = MODEL + CHIMERA2 + MOE + [OVERLAP]
-    cases = {"size 1": ["--micro-batch-size", "1"], "size 2": HALVES,
+    size1 = ["--micro-batch-size", "1"]
+    seq_aux = ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2"]
+    cases = {"size 1": size1, "size 2": HALVES, "size 1 seq_aux_loss": size1 + seq_aux,
              "aux_loss": [*HALVES, "--moe-aux-loss-coeff", "1e-2"],
              "global_aux_loss": [*HALVES, "--moe-router-load-balancing-type", "global_aux_loss",
                                  "--moe-aux-loss-coeff", "1e-2"],
              "capacity": [*HALVES, "--moe-expert-capacity-factor", "1.0"]}
-    halved = {name: any(a.op is Op.HALVED for w in plan_of(parse_args(overlap + flags, world_size=4)
-                                                                 ).schedule.workers for a in w)
-              for name, flags in cases.items()}
-    assert halved == {"size 1": False, "size 2": True, "aux_loss": False, "global_aux_loss": False,
-                      "capacity": False}, halved
-    args = parse_args(overlap + HALVES + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
-                                          "1e-2"], world_size=4)
+    parsed = {name: parse_args(overlap + flags, world_size=4) for name, flags in cases.items()}
+    halved = {name: any(a.op is Op.HALVED for w in plan_of(args).schedule.workers for a in w)
+              for name, args in parsed.items()}
+    assert halved == {"size 1": True, "size 2": True, "size 1 seq_aux_loss": False, "aux_loss": False,
+                      "global_aux_loss": False, "capacity": False}, halved
+    along = {name: plan_of(parsed[name]).halves for name in ("size 1", "size 2")}
+    assert along == {"size 1": SEQUENCE, "size 2": BATCH}, f"where the halves cut, by case: {along}"
+    notes = {name: halves_note(args) for name, args in parsed.items()}
+    assert notes["size 2"] is None and "first and second half of each sequence" in notes["size 1"], notes
+    assert notes["size 1 seq_aux_loss"] == ("--overlap-moe-expert-parallel-comm: no halves, pairs only "
+                                            "(--moe-router-load-balancing-type seq_aux_loss: a statistic of the "
+                                            "whole sequence, which neither half holds)"), notes
+    args = parse_args(overlap + HALVES + seq_aux, world_size=4)
     assert args.micro_batch_size == 2 and args.moe_router_load_balancing_type == "seq_aux_loss"
 
 

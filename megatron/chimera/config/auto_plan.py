@@ -224,8 +224,7 @@ def _request(args, profile: Profile, micro_batch_given: bool, balance: bool) -> 
         Precision(args.bf16 or args.fp16, args.use_distributed_optimizer, muon=args.optimizer == "muon"),
         expert_parallel=ep if w % ep == 0 else 1,  # the planner spreads experts over the data-parallel ranks only
         context_parallel=args.context_parallel_size,
-        overlap=bool(args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall"
-                     and not args.mtp_num_layers),
+        overlap=bool(args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "alltoall"),
         balance=balance)
 
 

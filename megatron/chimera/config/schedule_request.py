@@ -122,11 +122,12 @@ def halves_note(args) -> str | None:
 
 
 def whole_batch_statistics(args) -> list[str]:
-    """The flags whose router statistics are computed from a whole micro-batch's tokens together, which
-    two halves cannot reproduce: --moe-router-load-balancing-type aux_loss or global_aux_loss (with a
-    coefficient) and sinkhorn (which routes each token by all the others), and
-    --moe-expert-capacity-factor (a capacity of the whole micro-batch's). Means over tokens or sequences
-    (z-loss, seq_aux_loss) and token counts (expert bias) are the whole's from its halves
+    """The flags whose statistics are computed from a whole micro-batch's tokens together, which two halves
+    cannot reproduce: --moe-router-load-balancing-type aux_loss or global_aux_loss (with a coefficient)
+    and sinkhorn (which routes each token by all the others), --moe-expert-capacity-factor (a capacity of
+    the whole micro-batch's), and --mtp-num-layers (megatron-core normalises the MTP loss by the tokens of
+    the pass that computes it, a half's where the main loss counts the whole's). Means over tokens or
+    sequences (z-loss, seq_aux_loss) and token counts (expert bias) are the whole's from its halves
     (model/schedule_plan.py)."""
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
@@ -134,7 +135,8 @@ def whole_batch_statistics(args) -> list[str]:
     coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
     whole = [f"--moe-router-load-balancing-type {kind}" for kind, coeff in zip(kinds, coeffs)
              if kind == "sinkhorn" or kind in ("aux_loss", "global_aux_loss") and coeff]
-    return whole + (["--moe-expert-capacity-factor"] if args.moe_expert_capacity_factor is not None else [])
+    return whole + (["--moe-expert-capacity-factor"] if args.moe_expert_capacity_factor is not None else []) + (
+        ["--mtp-num-layers"] if args.mtp_num_layers else [])
 
 
 def model_stages(args, request: ScheduleSpec | None) -> int:

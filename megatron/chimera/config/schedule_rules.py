@@ -108,8 +108,6 @@ def _check_overlap(args, request: ScheduleSpec | None) -> None:
               "--recompute-modules moe")
     if args.moe_shared_expert_overlap:
         needs("and --moe-shared-expert-overlap exclude each other (megatron-core's rule): drop one")
-    if args.mtp_num_layers:
-        needs("with --mtp-num-layers is not supported yet")
 
 
 def _check_split_backward(args, request: ScheduleSpec, te: TransformerEngine) -> None:

@@ -240,8 +240,9 @@ def _own_dispatcher(layer, kept: list, k: int):
     """Half ``k``'s state of the layer's token dispatcher around its parts: megatron-core's alltoall
     dispatcher keeps one micro-batch's routing (splits, permutation maps) on itself from the dispatch
     preprocessing to the combine, and the other half's parts run between. Restored from ``kept[k]`` when
-    the half has run a part before, kept after."""
-    dispatcher = getattr(getattr(layer.layer, "mlp", None), "token_dispatcher", None)
+    the half has run a part before, kept after. A multi-token-prediction layer's dispatcher is its inner
+    transformer layer's."""
+    dispatcher = next((m.token_dispatcher for m in layer.layer.modules() if hasattr(m, "token_dispatcher")), None)
     if dispatcher is None:
         yield
         return

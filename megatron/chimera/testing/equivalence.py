@@ -317,6 +317,7 @@ SEQUENCE_HALVES_CASES = {
     "mixtral overlap chimera direct D=2 N=D sequence halves EP=2": ("mixtral-rope-bias-4", "chimera direct D=2"),
     "mixtral overlap chimera split D=2 sequence halves EP=2": ("mixtral-rope-bias-8", "chimera split D=2"),
     "mixtral overlap dualpipev D=2 sequence halves EP=2": ("mixtral-rope-bias-8", "dualpipev D=2")}
+MTP_PAIRED = "mixtral-mtp overlap dualpipev D=2 EP=2"
 # the cases with every pair fused (every_pair_fused): at micro-batch size 1 pairs only, at 2 pairs and halves
 PAIRS_FORCED = (EVERY_PAIR, "mixtral overlap dualpipev D=2 halves overlapped gather EP=2",
                 "mixtral overlap chimera direct D=2 N=2D pairs and halves overlapped gather EP=2")
@@ -443,7 +444,9 @@ CASES = {
     # halved F and I; DualPipeV at N = 4, halves and pairs)
     } | {"mixtral overlap 1f1b D=2 overlapped gather EP=2": (
         "mixtral", D2["1f1b D=2"] + EP2 + ALLTOALL + MOE_OVERLAP + GATHER_OVERLAPPED),
-         "mixtral overlap dualpipe D=2 EP=2": ("mixtral", D2["dualpipe D=2"] + EP2 + ALLTOALL + MOE_OVERLAP)} | {
+         "mixtral overlap dualpipe D=2 EP=2": ("mixtral", D2["dualpipe D=2"] + EP2 + ALLTOALL + MOE_OVERLAP),
+         # multi-token prediction's layer in megatron-core's plan, paired (MTP turns halves off)
+         MTP_PAIRED: ("mixtral-mtp", D2["dualpipev D=2"] + EP2 + ALLTOALL + MOE_OVERLAP)} | {
         name: (SEQ_AUX, D2[schedule] + EP2 + ALLTOALL + MOE_OVERLAP + ["--micro-batch-size", mbs] + more)
         for name, (schedule, mbs, more) in HALVES_CASES.items()} | {
         name: (variant, D2[schedule] + EP2 + ALLTOALL + MOE_OVERLAP + ["--micro-batch-size", "1"])
