@@ -88,6 +88,20 @@ NO_EFFECT = {
      "for; AdamW steps each element alike either way)"): _flags("""
         --no-use-layer-wise-param-layout
     """),
+    ("inference with CUDA graphs only (megatron-core's text-generation controller pads the experts); training "
+     "never reads it"): _flags("""
+        --moe-pad-experts-for-cuda-graph-inference
+    """),
+    ("megatron-core's interleaved schedule's grouping of micro-batches per virtual stage: --pipeline-schedule "
+     "megatron-interleaved passes it to megatron-core, which honours it; our schedules' orders are their "
+     "generators' (chimera_schedules/registry.py), in which no such group exists"): _flags("""
+        --microbatch-group-size-per-virtual-pipeline-stage
+    """),
+    ("with --overlap-param-gather each stage copy's weight gather starts right after the optimizer step, and "
+     "its next forward waits for it; starting the gathers bucket by bucket inside the step (megatron-core's "
+     "way) changes when they start, not what any rank computes"): _flags("""
+        --overlap-param-gather-with-optimizer-step
+    """),
     'weights are always drawn on the CPU (so every copy of a stage starts equal)': _flags("""
         --use-cpu-initialization
     """),
@@ -190,7 +204,7 @@ REFUSED = {
         --no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec
         --model-parallel-size
         --ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation
-         --overlap-param-gather-with-optimizer-step --no-align-param-gather
+          --no-align-param-gather
         --use-nccl-ub --disable-symmetric-registration
         --create-all-gather-group --no-gradient-reduce-div-fusion 
         --fake-process-group
@@ -198,7 +212,7 @@ REFUSED = {
     "the pipeline schedule is --pipeline-schedule's, run by one executor": _flags("""
         --pipeline-model-parallel-comm-backend --delay-wgrad-compute --use-ring-exchange-p2p
           
-        --microbatch-group-size-per-virtual-pipeline-stage --encoder-num-layers --decoder-num-layers
+         --encoder-num-layers --decoder-num-layers
          --encoder-seq-length
         --decoder-seq-length
     """),
@@ -241,7 +255,7 @@ REFUSED = {
         --moe-router-quantile-balancing-ema
         --moe-router-force-biased --use-grouped-gemm-for-dense-mlp
         --moe-single-grouped-weight --moe-single-grouped-bias --moe-input-jitter-eps
-        --moe-pad-experts-for-cuda-graph-inference
+        
         --moe-apply-probs-on-input --moe-latent-size --moe-mlp-glu-interleave-size --moe-expert-rank-capacity-factor
         --moe-paged-stash
         --moe-paged-stash-page-size --moe-paged-stash-buffer-size-factor-cuda
@@ -254,7 +268,7 @@ REFUSED = {
          --qk-clip --qk-clip-alpha
         --qk-clip-threshold  
         
-        --use-fused-weighted-squared-relu --fused-residual-rmsnorm --use-transformer-engine-op-fuser
+        --use-fused-weighted-squared-relu --fused-residual-rmsnorm 
         --distribute-saved-activations --no-clone-scatter-output-in-embedding
         --disable-clone-scatter-output-in-embedding --use-te-activation-func --mrope-section
         --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
@@ -280,22 +294,38 @@ REFUSED = {
     """),
     'offloading to the CPU is not supported yet': _flags("""
         --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers
-        --fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size
+          
         --delay-offload-until-cuda-graph --delta-offload-bytes-across-pp-ranks --activation-offload-fraction
         --fine-grained-offloading-max-inflight-offloads --optimizer-cpu-offload --optimizer-offload-fraction
         --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads
         --no-pin-cpu-params
     """),
+    ("GPU-only: megatron-core's fine-grained activation offloading copies saved activations to pinned host "
+     "memory on CUDA streams; under our executor it would need its offload and reload hooks around each "
+     "action's pass (not supported yet)"): _flags("""
+        --fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size
+    """),
+    ("GPU-only: Transformer Engine's op fuser (te.ops) builds fused MLP ops that the CPU path's local layers do "
+     "not have; on a GPU it would need our layer specs to build te.ops' Sequential modules (not supported yet)"
+     ): _flags("""
+        --use-transformer-engine-op-fuser
+    """),
+    ("torch FSDP2 shards every parameter over the data-parallel group; Chimera keeps a whole weight copy of each "
+     "stage per pipeline and sums the copies' gradients (--use-distributed-optimizer shards the optimizer "
+     "state instead)"): _flags("""
+        --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward
+    """),
     'FSDP is not supported: Chimera keeps whole stage copies': _flags("""
-        --init-model-with-meta-device --use-megatron-fsdp --use-torch-fsdp2 --fsdp-manual-registration
+        --init-model-with-meta-device --use-megatron-fsdp  --fsdp-manual-registration
         --data-parallel-sharding-strategy --outer-dp-sharding-strategy --fsdp-double-buffer
         --suggested-communication-unit-size --enable-full-sharding-in-hsdp
-        --torch-fsdp2-no-reshard-after-forward --megatron-fsdp-main-params-dtype
+         --megatron-fsdp-main-params-dtype
         --megatron-fsdp-main-grads-dtype --megatron-fsdp-grad-comm-dtype
         --megatron-fsdp-enable-fine-grained-param-gather --megatron-fsdp-max-pool-double-buffer
         --fsdp-db-use-persist-buf-on-alloc-fail
     """),
-    'muP is not supported yet': _flags("""
+    ("muP is not supported yet: megatron-core scales the model (embedding, output and attention multipliers); "
+     "it would also need Megatron-LM's per-width learning rates in our optimizer's parameter groups"): _flags("""
         --use-mup --mup-width-mult --mup-base-hidden-size --mup-embedding-mult --mup-output-mult
         --mup-base-head-dim --mup-attn-scale-power
     """),
