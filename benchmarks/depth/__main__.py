@@ -405,6 +405,20 @@ def _selection(args) -> None:
     args.layouts = args.layouts or list(KINDS)
 
 
+def _overlap_options(p: argparse.ArgumentParser) -> None:
+    """The options that shape --a2a-fraction's overlapped actions."""
+    p.add_argument("--contention", type=float, nargs="+",
+                   help="with --a2a-fraction: compute's slowdown while an all-to-all runs beside it, one run of each "
+                        f"overlap case per value (default {' '.join(map(str, CONTENTIONS))})")
+    p.add_argument("--micro-batch-size", type=int, default=1,
+                   help="with --a2a-fraction: the micro-batch size the stage times are for; a halved action runs the "
+                        "two halves of each sequence at an odd size, of the batch at an even one (default 1: the "
+                        "models' stage times are per sequence, and every time scales with it alike)")
+    p.add_argument("--halves-efficiency", type=float,
+                   help="with --a2a-fraction: a halved action's compute rate for its size (default: the profile's "
+                        "for the split --micro-batch-size takes, 1.0 where it has none)")
+
+
 def arguments() -> argparse.Namespace:
     """The options; ``--profile`` defaults to the model's (costs.PROFILES) and must exist."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.depth", description=__doc__.split("\n\n")[0])
@@ -437,16 +451,7 @@ def arguments() -> argparse.Namespace:
                         "chimera direct, doubling and split, dualpipe and dualpipev with overlap on and off, and "
                         "megatron-core's 1f1b and interleaved, at N = 2D, the even layout, 2 rounds (a model with "
                         "experts: deepseek-v3)")
-    p.add_argument("--contention", type=float, nargs="+",
-                   help="with --a2a-fraction: compute's slowdown while an all-to-all runs beside it, one run of each "
-                        f"overlap case per value (default {' '.join(map(str, CONTENTIONS))})")
-    p.add_argument("--micro-batch-size", type=int, default=1,
-                   help="with --a2a-fraction: the micro-batch size the stage times are for; a halved action runs the "
-                        "two halves of each sequence at an odd size, of the batch at an even one (default 1: the "
-                        "models' stage times are per sequence, and every time scales with it alike)")
-    p.add_argument("--halves-efficiency", type=float,
-                   help="with --a2a-fraction: a halved action's compute rate for its size (default: the profile's "
-                        "for the split --micro-batch-size takes, 1.0 where it has none)")
+    _overlap_options(p)
     p.add_argument("--iters", type=int, default=1, help="measured iterations per case per round")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

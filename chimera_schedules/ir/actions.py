@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class Op(StrEnum):
@@ -215,6 +216,20 @@ class Halved:
         if not isinstance(action, Action):
             raise ValueError("a halved action holds a plain F, B or I")
         return cls(action)
+
+
+class HalvesSplit(NamedTuple):
+    """Where a run's ``Halved`` actions cut their micro-batch: along ``input_dim`` of the stage input and
+    output ([sequence, batch, hidden]) and ``data_dim`` of its data (Megatron-LM's get_batch: [batch,
+    sequence]). The schedule is the same either way; the runtime cuts (runtime/stage.py) and the costs
+    price the split's efficiency (costs.halves_efficiency_at)."""
+
+    input_dim: int
+    data_dim: int
+
+
+BATCH = HalvesSplit(input_dim=1, data_dim=0)  # two halves of the micro-batch's sequences
+SEQUENCE = HalvesSplit(input_dim=0, data_dim=1)  # each sequence's first and second half of its tokens
 
 
 def parts(action: Action | Overlapped | Halved) -> tuple[Action, ...]:

@@ -34,13 +34,13 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
-from ..ir.actions import COMPOUND_OPS, Action, Halved, Op, Overlapped
+from ..ir.actions import BATCH, COMPOUND_OPS, Action, Halved, HalvesSplit, Op, Overlapped
 from ..ir.dataflow import consumed_messages, forward_only, produced_messages
 from ..ir.schedule import Schedule
 from .clock import Clock
 from .faults import PipelineFault, action_fault, first_line, located, worker_name
 from .messages import Messages, Transport
-from .stage import BATCH, ForwardStep, HalvesSplit, PlanStage, Stage, StageKey, make_stages
+from .stage import ForwardStep, PlanStage, Stage, StageKey, make_stages
 
 __all__ = ["GradSync", "Observer", "make_forward_backward"]
 

@@ -35,6 +35,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..ir.actions import BATCH, HalvesSplit
 from .autograd_split import backward_input, graph_root
 
 
@@ -97,18 +98,6 @@ class ForwardStep:
             loss = loss / self.num_microbatches
         self.reports.append(report)
         return loss
-
-
-class HalvesSplit(NamedTuple):
-    """Where a halved action cuts its micro-batch: along ``input_dim`` of the stage input and output
-    ([sequence, batch, hidden]) and ``data_dim`` of its data (Megatron-LM's get_batch: [batch, sequence])."""
-
-    input_dim: int
-    data_dim: int
-
-
-BATCH = HalvesSplit(input_dim=1, data_dim=0)  # two halves of the micro-batch's sequences
-SEQUENCE = HalvesSplit(input_dim=0, data_dim=1)  # each sequence's first and second half of its tokens
 
 
 def split_data(batch, dim: int):

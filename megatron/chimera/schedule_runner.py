@@ -10,8 +10,8 @@ from __future__ import annotations
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
+from chimera_schedules.ir.actions import BATCH, SEQUENCE
 from chimera_schedules.runtime.executor import make_forward_backward
-from chimera_schedules.runtime.stage import BATCH, SEQUENCE
 
 from .config.run_plan import RunPlan
 from .model.sequence_halves import SequenceHalves

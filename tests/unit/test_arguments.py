@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from chimera_schedules import Op
-from chimera_schedules.runtime.stage import BATCH, SEQUENCE
+from chimera_schedules.ir.actions import BATCH, SEQUENCE
 from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.schedule_request import halves_note
 from megatron.chimera.model import chunk, kernels

@@ -6,7 +6,8 @@ import torch
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from chimera_schedules.runtime.stage import BATCH, SEQUENCE, _whole, split_data
+from chimera_schedules.ir.actions import BATCH, SEQUENCE
+from chimera_schedules.runtime.stage import _whole, split_data
 from megatron.chimera.model.schedule_plan import _aux_losses_at, _tracked_as_mean
 
 

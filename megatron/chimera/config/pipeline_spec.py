@@ -5,8 +5,8 @@ import argparse
 from dataclasses import dataclass
 
 from chimera_schedules import ScheduleSpec
+from chimera_schedules.ir.actions import HalvesSplit
 from chimera_schedules.ir.layout import Layout
-from chimera_schedules.runtime.stage import HalvesSplit
 
 from .parallel_dims import ParallelDims
 from .schedule_request import (

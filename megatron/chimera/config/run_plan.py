@@ -15,12 +15,11 @@ from functools import lru_cache
 
 from chimera_schedules import Op, Schedule, ScheduleSpec, build_spec
 from chimera_schedules.analysis.nccl_model import check
-from chimera_schedules.ir.actions import parts
+from chimera_schedules.ir.actions import HalvesSplit, parts
 from chimera_schedules.ir.dataflow import forward_only
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.schedule import copies_held
 from chimera_schedules.passes.lowering import lower
-from chimera_schedules.runtime.stage import HalvesSplit
 
 from .parallel_dims import ParallelDims
 from .pipeline_spec import PipelineSpec

@@ -12,10 +12,10 @@ import torch
 
 from chimera_schedules import ScheduleSpec
 from chimera_schedules.ir import layout as layouts
+from chimera_schedules.ir.actions import BATCH, SEQUENCE, HalvesSplit
 from chimera_schedules.ir.layout import Layout
 from chimera_schedules.ir.spec import OPTION, SHARED
 from chimera_schedules.registry import REGISTRY
-from chimera_schedules.runtime.stage import BATCH, SEQUENCE, HalvesSplit
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved")
 INTERLEAVED = ("interleaved", "megatron-interleaved")  # megatron's round-robin placement of v chunks per rank
