@@ -1,14 +1,19 @@
 """A micro-batch run as two halves (a ``Halved`` action): the split of its data, and what megatron-core keeps
 per process that the halves make the whole micro-batch's (model/schedule_plan.py). Their exactness on a
 model is the equivalence harness's (its halves cases)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from chimera_schedules.ir.actions import BATCH, SEQUENCE
 from chimera_schedules.runtime.stage import _whole, split_data
 from megatron.chimera.model.schedule_plan import _aux_losses_at, _tracked_as_mean
+from megatron.chimera.model.sequence_halves import SequenceHalves
 
 
 def test_a_micro_batch_splits_along_its_batch_dimension_key_by_key():
@@ -59,3 +64,41 @@ def test_what_the_halves_log_is_their_mean():
     values = {name: entry.values.tolist() for name, entry in tracker.metrics.items()}
     destroy_moe_metrics_tracker()
     assert values == {"z_loss": [4.0, 0.0], "seq_load_balancing_loss": [0.0, 3.0]}, values
+
+
+def test_the_second_half_of_a_sequence_attends_to_the_first_halfs_keys_under_a_shifted_mask():
+    """In the first half a core attention keeps its keys and values; in the second it attends to them
+    (leaves) and its own, under the causal mask shifted by the first half's length, its softmax told to
+    apply that mask (megatron-core's fused causal kernel would build its own square one), and restored."""
+    halves = SequenceHalves()
+    softmax = SimpleNamespace(attn_mask_type=AttnMaskType.causal)
+    module, seen = SimpleNamespace(scale_mask_softmax=softmax), []
+
+    def forward(query, key, value, mask, *args, **kwargs):
+        seen.append((key.shape[0], mask, softmax.attn_mask_type))
+        return query
+
+    q, k = torch.zeros(2, 1, 1, 1), torch.ones(2, 1, 1, 1, requires_grad=True)
+    for half in (0, 1):
+        with halves.half(half):
+            halves._attend(module, forward, q, k, k, None)
+    (first_keys, first_mask, first_type), (keys, mask, kind) = seen
+    assert (first_keys, first_mask, first_type) == (2, None, AttnMaskType.causal), seen[0]
+    assert keys == 4 and kind == AttnMaskType.padding and softmax.attn_mask_type == AttnMaskType.causal, seen[1]
+    assert mask[0, 0].tolist() == [[False, False, False, True], [False, False, False, False]], mask
+    (tensor, leaf), _ = halves.take_prefixes()
+    assert tensor is k and leaf.requires_grad and leaf.grad_fn is None, "the second half reads a leaf of the keys"
+
+
+def test_yarns_cached_cos_and_sin_start_after_the_first_half(monkeypatch):
+    """Multi-latent attention with rope fusion reads YaRN's cached cos and sin: in the second half they are
+    those of the positions after the first half, a cache miss's forward not shifting them twice."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # cpu_compat's stand-in
+    model = torch.nn.Sequential(YarnRotaryEmbedding(8, use_cpu_initialization=True))
+    yarn, halves = model[0], SequenceHalves.install(model)
+    with halves.half(0):
+        yarn.get_cached_cos_sin(4)
+    with halves.half(1):
+        cos, sin = yarn.get_cached_cos_sin(4)
+    whole_cos, whole_sin = yarn.get_cached_cos_sin(8)
+    assert torch.equal(cos, whole_cos[4:]) and torch.equal(sin, whole_sin[4:]), "the second half's positions 4-7"

@@ -89,7 +89,8 @@ def sequence_split_refusal(args) -> str | None:
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
     coeffs = args.moe_aux_loss_coeff
     coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(kinds)
-    recomputed = args.recompute_granularity == "selective" and "core_attn" in (args.recompute_modules or ["core_attn"])
+    modules = args.recompute_modules or ["core_attn"]
+    recomputed = args.recompute_granularity == "selective" and ({"core_attn", "mla_up_proj"} & set(modules))
     reasons = (
         (args.seq_length % 2, f"--seq-length {args.seq_length} is odd"),
         (args.context_parallel_size > 1, "--context-parallel-size: a CP rank's two chunks of the sequence are not "
@@ -99,7 +100,8 @@ def sequence_split_refusal(args) -> str | None:
         (any(kind == "seq_aux_loss" and coeff for kind, coeff in zip(kinds, coeffs)),
          "--moe-router-load-balancing-type seq_aux_loss: a statistic of the whole sequence, which neither half holds"),
         (args.window_size is not None, "--window-size: sliding-window attention builds its own mask"),
-        (recomputed, "--recompute-granularity selective: recomputing the core attention runs it twice"),
+        (recomputed, "--recompute-modules core_attn or mla_up_proj: recomputing runs the core attention twice, or "
+                     "frees the keys and values the second half reads"),
         (args.transformer_impl == "transformer_engine" and torch.cuda.is_available(),
          "--transformer-impl transformer_engine: its attention is not hooked for halves yet (--transformer-impl "
          "local is)"),

@@ -14,7 +14,8 @@ runs (``running``):
 - in the first half each core attention keeps its keys and values, and a rotary embedding notes the
   half's length;
 - in the second, each core attention attends to the first half's keys and values, as leaves, then its
-  own, under the causal mask shifted by the first half's length; rotary embeddings start at that position;
+  own, under the causal mask shifted by the first half's length (its softmax told to apply the mask given,
+  fused or not); rotary embeddings start at that position, YaRN's cached cos and sin too;
 - ``take_prefixes`` hands the driver each (first half's tensor, the second half's leaf of it). The leaf's
   gradient, which the second half's backward computes, enters the first half's attention node as one more
   output gradient (megatron-core's ``TransformerLayerNode.detach`` protocol), so the second half's backward
@@ -28,6 +29,7 @@ from functools import partial
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 
 class SequenceHalves:
@@ -50,6 +52,8 @@ class SequenceHalves:
                 module.forward = partial(halves._attend, module, module.forward)
             elif isinstance(module, RotaryEmbedding):
                 module.forward = partial(halves._rotary, module.forward)
+                if hasattr(module, "get_cached_cos_sin"):  # YaRN's, which MLA's fused rope reads
+                    module.get_cached_cos_sin = partial(halves._cached_cos_sin, module.get_cached_cos_sin)
         model.sequence_halves = halves
         return halves
 
@@ -74,6 +78,21 @@ class SequenceHalves:
             offset += self.first_length
         return forward(max_seq_len, offset, *args, **kwargs)
 
+    def _cached_cos_sin(self, get, seq_len: int, offset: int = 0, *args, **kwargs):
+        """YaRN's cached cos and sin (multi-latent attention with rope fusion reads them, not ``forward``), from
+        the second half's first position; the ``forward`` a cache miss calls takes that offset as given."""
+        if self.running is None:
+            return get(seq_len, offset, *args, **kwargs)
+        if self.running == 0:
+            self.first_length = seq_len
+        else:
+            offset += self.first_length
+        running, self.running = self.running, None
+        try:
+            return get(seq_len, offset, *args, **kwargs)
+        finally:
+            self.running = running
+
     def _attend(self, module, forward, query, key, value, attention_mask, *args, **kwargs):
         if self.running is None:
             return forward(query, key, value, attention_mask, *args, **kwargs)
@@ -85,8 +104,9 @@ class SequenceHalves:
         leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in first)
         self.prefixes += zip(first, leaves)
         key, value = torch.cat([leaves[0], key]), torch.cat([leaves[1], value])
-        return forward(query, key, value, self._shifted_causal_mask(query.size(0), key.size(0), key.device),
-                       *args, **kwargs)
+        mask = self._shifted_causal_mask(query.size(0), key.size(0), key.device)
+        with _given_mask(module):
+            return forward(query, key, value, mask, *args, **kwargs)
 
     def _shifted_causal_mask(self, queries: int, keys: int, device: torch.device) -> torch.Tensor:
         """[1, 1, queries, keys] boolean, True where a key lies after the query (megatron-core's convention:
@@ -96,3 +116,16 @@ class SequenceHalves:
             positions = torch.arange(keys - queries, keys)
             self.masks[shape] = (torch.arange(keys)[None, :] > positions[:, None]).to(device)[None, None]
         return self.masks[shape]
+
+
+@contextmanager
+def _given_mask(module):
+    """The core attention's softmax applies the mask it is given (megatron-core's padding type) instead of
+    its causal one: the fused kernel's causal path assumes as many keys as queries and builds its own
+    upper-triangular mask, which the second half's shifted mask is not."""
+    softmax = module.scale_mask_softmax
+    kept, softmax.attn_mask_type = softmax.attn_mask_type, AttnMaskType.padding
+    try:
+        yield
+    finally:
+        softmax.attn_mask_type = kept
