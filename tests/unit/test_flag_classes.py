@@ -45,14 +45,13 @@ def test_flag_table_is_generated_from_the_classes():
         assert f.read() == render(megatron_parser()), "run python -m megatron.chimera.config.flag_table"
 
 
-def test_the_optimizer_step_gather_overlap_parses_where_megatron_allows_it(capsys):
-    """--overlap-param-gather-with-optimizer-step, with what Megatron-LM's own validate_args requires beside it,
-    parses and is named as having no effect here (its reason: when the gathers start, not what they compute)."""
-    interleaved = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "megatron-interleaved",
-                   "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"]
-    args = parse_args(BASE + interleaved + ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                            "--overlap-param-gather", "--ckpt-format", "torch",
-                                            "--overlap-param-gather-with-optimizer-step"], world_size=4)
+def test_the_optimizer_step_gather_overlap_parses_under_chimera(capsys):
+    """--overlap-param-gather-with-optimizer-step, as Megatron-LM's interleaved configurations give it, parses
+    moved to Chimera (no virtual stages, which Megatron-LM's own check of it asks for) and is named as having
+    no effect here (its reason: when the gathers start, not what they compute)."""
+    args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+                              "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                              "--overlap-param-gather-with-optimizer-step"], world_size=4)
     said = [line for line in capsys.readouterr().out.splitlines() if "flags with no effect here" in line]
     assert args.overlap_param_gather_with_optimizer_step and len(said) == 1 and \
         "--overlap-param-gather-with-optimizer-step" in said[0], said
@@ -98,14 +97,9 @@ def test_refused_flags_fail_in_one_line_naming_the_flag(capsys, extra, line):
     assert len(err.splitlines()) == 1, err
 
 
-# Megatron-LM's validate_args allows it only beside the interleaved schedule, the distributed optimizer's
-# overlapped gather and the torch format (test_the_optimizer_step_gather_overlap_parses_where_megatron_allows_it)
-WITH_ITS_OWN_RULES = {"--overlap-param-gather-with-optimizer-step"}
-
-
 def test_refused_flags_at_megatron_lms_default_and_no_effect_flags_parse():
-    switches = [o for a in megatron_parser()._actions for o in a.option_strings if a.nargs == 0
-                and o not in WITH_ITS_OWN_RULES and any(o in group for group in flag_classes.NO_EFFECT.values())]
+    switches = [o for a in megatron_parser()._actions for o in a.option_strings
+                if a.nargs == 0 and any(o in group for group in flag_classes.NO_EFFECT.values())]
     args = parse_args(BASE + switches + ["--context-parallel-size", "1", "--optimizer", "adam",
                                          "--num-workers", "8", "--tiktoken-pattern", "v2"])
     assert args.context_parallel_size == 1 and len(switches) > 20

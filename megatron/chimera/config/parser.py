@@ -155,8 +155,11 @@ class MegatronRefusal(ConfigError):
 
 def megatron_validate(args) -> None:
     """Megatron-LM's validate_args: its derived settings (FFN width, kv channels, data-parallel size,
-    virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line."""
+    virtual stages, dtypes, ...) and its checks, an assertion of which becomes one line. The checks of
+    --overlap-param-gather-with-optimizer-step (megatron-core's interleaved schedule, the torch format) are
+    set aside: it has no effect here (flag_classes), and a configuration moved to Chimera has no virtual stages."""
     asked, grouped = megatron_arguments.get_device_arch_version, args.moe_grouped_gemm
+    gather_in_step, args.overlap_param_gather_with_optimizer_step = args.overlap_param_gather_with_optimizer_step, False
     if not torch.cuda.is_available():
         # With TP > 1 it asks the GPU's architecture, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 before
         # Blackwell (10); a CPU has no such limit, so it answers as Blackwell does. With
@@ -171,3 +174,4 @@ def megatron_validate(args) -> None:
         raise MegatronRefusal(said) from None
     finally:
         megatron_arguments.get_device_arch_version, args.moe_grouped_gemm = asked, grouped
+        args.overlap_param_gather_with_optimizer_step = gather_in_step
