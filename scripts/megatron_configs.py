@@ -71,6 +71,14 @@ SCALED = {
 LAYERS = 4
 
 
+def _scaled_steps(schedule: str, dp: int) -> str:
+    """A step batch-size schedule of K steps, scaled: batches of 4, 8, ... 4K micro-batches per data-parallel
+    rank, each step reached after one iteration of the one before (thresholds in tokens, of --seq-length)."""
+    tokens = SCALED["--seq-length"]
+    sizes = [4 * dp * (k + 1) for k in range(len(schedule.split()))]
+    return " ".join(f"{sum(sizes[:k]) * tokens}:{size}" for k, size in enumerate(sizes))
+
+
 def _scaled_pattern(value: str) -> str:
     """A per-layer MoE pattern (``([0]*3+[1]*5)``) for LAYERS layers: the same share of dense layers first."""
     if not value.startswith("("):
@@ -112,9 +120,12 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
     heads = max(4, 2 * sizes["tp"])
     argv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--train-iters", "3",
-            "--num-layers", str(LAYERS), "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads),
-            "--global-batch-size", str(4 * sizes["dp"])]
-    fixed = {"--num-layers", "--hidden-size", "--num-attention-heads", "--global-batch-size", "--train-iters"}
+            "--num-layers", str(LAYERS), "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads)]
+    steps = model_args.get("--step-batch-size-schedule")
+    argv += ["--step-batch-size-schedule", _scaled_steps(steps, sizes["dp"])] if steps else \
+        ["--global-batch-size", str(4 * sizes["dp"])]
+    fixed = {"--num-layers", "--hidden-size", "--num-attention-heads", "--global-batch-size", "--train-iters",
+             "--step-batch-size-schedule"}
     for flag, value in model_args.items():
         if flag in DROPPED or flag in fixed or flag in GPU_ONLY or value is False or value is None:
             continue
@@ -124,6 +135,8 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
             value = sizes["tp"]
         elif flag == "--ffn-hidden-size":
             value = 32 * heads
+        elif flag == "--eval-global-batch-size":  # the schedule's last batch, as in the configs that set it
+            value = 4 * sizes["dp"] * len(steps.split()) if steps else 4 * sizes["dp"]
         elif flag in SCALED:
             value = SCALED[flag](dict(sizes, value=str(value))) if callable(SCALED[flag]) else SCALED[flag]
         elif flag == "--wandb-exp-name":

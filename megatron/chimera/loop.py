@@ -37,9 +37,10 @@ from .config.data_spec import DataSpec
 from .config.job import JobConfig, job_config
 from .config.logging_spec import LogSpec
 from .config.parallel_dims import ParallelDims
-from .config.run_plan import make_run_plan
+from .config.run_plan import make_run_plan, other_plans
 from .config.train_spec import ExitSpec, OptimizerSpec, TrainSpec
-from .data.datasets import MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
+from .data.datasets import GlobalBatch, MicrobatchSource, build_datasets, dataset_sizes, evaluation_index, iterators
+from .data.global_batches import GlobalBatches
 from .data.tokenizer import build_tokenizer
 from .distributed.group_guard import guard_communicators
 from .distributed.process_groups import init_distributed, made_here, release_groups, setup_parallel
@@ -58,6 +59,7 @@ from .observability.startup import (
     print_layout,
     print_model_state,
     print_parameter_counts,
+    print_ramp,
     print_schedule_proof,
     print_warm_up,
 )
@@ -91,7 +93,9 @@ def _transport(dims: ParallelDims, rt, backend: str, layout, dtype: torch.dtype)
 class Trainer:
     """Everything one rank needs to train under a run plan: model chunks, optimizer, the iteration's
     forward_backward function, data. ``hooks`` (observability/hooks.py) see fixed points of each
-    iteration and every compute action of our schedules."""
+    iteration and every compute action of our schedules. Each global batch size the run takes (a batch-size
+    ramp's steps, --eval-global-batch-size) has a plan of its own (``plans``, the same chunks on every one);
+    ``plan`` is --global-batch-size's, and each iteration and evaluation runs its batch's (``_use``)."""
 
     def __init__(self, job: JobConfig, plan, forward_step_func, hooks: Hooks = Hooks()):
         self.job, self.plan, self.hooks = job, plan, hooks
@@ -100,7 +104,10 @@ class Trainer:
         self.rt = setup_parallel(dims, plan, backend, device)
         self.held = plan.held(self.rt.worker)  # the (pipeline, stage) copies this rank's chunks are
         fresh_metrics(job.model, plan.layout.chunk_slots())
-        print_schedule_proof(plan, agree_on_schedule(plan))
+        self.plans = {**other_plans(job.pipeline, dims), data.global_batch_size: plan}
+        for each in self.plans.values():
+            print_schedule_proof(each, agree_on_schedule(each))
+        print_ramp(self.plans, data)
         torch.manual_seed(data.seed)
         model_parallel_cuda_manual_seed(data.seed, te_rng_tracker=train.te_rng_tracker)
         self.timers = make_timers(job.log)
@@ -108,13 +115,14 @@ class Trainer:
         self._build_model_and_optimizer(forward_step_func, device)
         self.transport = (_transport(dims, self.rt, backend, plan.layout, train.precision.params_dtype)
                           if plan.schedule is not None else None)
-        self.forward_backward = runner(plan, self.models, self.transport, self.sync,
-                                       hooks if hooks.observes_actions() else None, job.log.nvtx_ranges)
+        observer = hooks if hooks.observes_actions() else None
+        self.runs = {size: (runner(each, self.models, self.transport, self.sync, observer, job.log.nvtx_ranges),
+                            each.forward_orders(self.rt.worker)) for size, each in self.plans.items()}
         started = time.perf_counter()
-        warmed = warm_up_communicators(self.rt, dims, plan, self.transport)
+        warmed = warm_up_communicators(self.rt, dims, list(self.plans.values()), self.transport)
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
         self.micro_batch_size = int(data.micro_batch_size * plan.microbatch_scale)
-        self.orders = plan.forward_orders(self.rt.worker)
+        self._use(data.global_batch_size)
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
@@ -158,12 +166,18 @@ class Trainer:
             self.guard.uninstall()
         release_groups(self.rt)
 
-    def _pipeline(self, source, iteration: int, forward_only: bool) -> list:
+    def _use(self, global_batch_size: int) -> None:
+        """The plan, forward_backward function and data orders of a global batch of this size."""
+        self.plan = self.plans[global_batch_size]
+        self.forward_backward, self.orders = self.runs[global_batch_size]
+
+    def _pipeline(self, source, batch: GlobalBatch, forward_only: bool) -> list:
         """One flush of the plan's schedule over the global batch; the last stages' loss reports."""
+        self._use(batch.size)
         scale_auxiliary_losses(self.models[0].config, self.plan.microbatches, self.rt.device)
         return self.forward_backward(
             forward_step_func=self.forward_step_func,
-            data_iterator=iterators(source, iteration, self.orders, self.models, self.rt.device),
+            data_iterator=iterators(source, batch, self.orders, self.models, self.rt.device),
             model=self.models,
             num_microbatches=self.plan.microbatches,
             seq_length=self.job.data.seq_length,
@@ -180,16 +194,17 @@ class Trainer:
         self.rt.all_reduce(total)
         return (total[0] / total[1]).item(), total[1].item()
 
-    def train_step(self, iteration: int) -> dict:
-        """One iteration. A NaN/Inf loss or gradient norm (the same on every rank: both are all-reduced)
-        skips the optimizer and scheduler step, unless --no-check-for-nan-in-loss-and-grad turns the check off
-        (then, as in Megatron-LM, only fp16's loss scaler skips a step); the batch counts as consumed, as in
-        Megatron."""
+    def train_step(self, iteration: int, batch: GlobalBatch | None = None) -> dict:
+        """One iteration over ``batch`` (by default batch ``iteration`` at --global-batch-size). A NaN/Inf loss
+        or gradient norm (the same on every rank: both are all-reduced) skips the optimizer and scheduler
+        step, unless --no-check-for-nan-in-loss-and-grad turns the check off (then, as in Megatron-LM, only
+        fp16's loss scaler skips a step); the batch counts as consumed, as in Megatron."""
+        batch = batch or GlobalBatch.at(iteration, self.job.data.global_batch_size)
         self.main.zero_grad(self.optimizer)
         for m in self.models:
             m.train()
         try:
-            loss, norm = self._gradients(iteration)
+            loss, norm = self._gradients(iteration, batch)
         except NotImplementedError:  # a configuration the executor refuses: not a failed peer
             raise
         except Exception as e:  # our executor names its actions; the rest is told by where it was raised
@@ -211,9 +226,10 @@ class Trainer:
         reset_model_temporary_tensors(model.config, self.models)
         finite = math.isfinite(loss) and math.isfinite(norm)
         steps = finite or not (self.job.train.check_for_nan or self.scaler)
-        zeros = self._step(norm, finite, steps)
+        zeros = self._step(norm, finite, steps, batch.size)
         series = self.job.log.series
         return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
+                "global batch size": batch.size,
                 "nan": self._nan_iteration(loss, finite, steps), "moe": moe, "num zeros": zeros,
                 "params norm": self.main.params_norm() if series.params_norm else None}
 
@@ -225,13 +241,13 @@ class Trainer:
             return not math.isfinite(loss) or (not finite and self.scaler is None)
         return not steps and not math.isfinite(loss)
 
-    def _gradients(self, iteration: int) -> tuple[float, float]:
+    def _gradients(self, iteration: int, batch: GlobalBatch) -> tuple[float, float]:
         """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
         timers = self.timers
         barrier = self.job.log.barrier_with_l1_time
         timers("forward-backward", log_level=1).start(barrier=barrier)
         self.hooks.before_iteration(self, iteration + 1)
-        reports = self._pipeline(self.train_data, iteration, forward_only=False)
+        reports = self._pipeline(self.train_data, batch, forward_only=False)
         self.hooks.after_backward(self, iteration + 1)
         loss, tokens = self._merged_loss(reports)
         if self.job.train.per_token_loss:
@@ -248,9 +264,10 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(divisor)
 
-    def _step(self, norm: float, finite: bool, steps: bool) -> int | None:
-        """Clip (a finite norm) and step, or skip the step. With --log-num-zeros-in-grad, the zeros of
-        the clipped gradient of a step taken (megatron-core's optimizer counts them there)."""
+    def _step(self, norm: float, finite: bool, steps: bool, samples: int) -> int | None:
+        """Clip (a finite norm) and step, or skip the step; the LR schedule steps by the batch's ``samples``
+        when it counts samples. With --log-num-zeros-in-grad, the zeros of the clipped gradient of a step taken
+        (megatron-core's optimizer counts them there)."""
         timers, spec = self.timers, self.job.train.optimizer
         if finite and spec.clip_grad > 0:
             self.main.clip(spec.clip_grad, norm)
@@ -266,7 +283,7 @@ class Trainer:
         if steps:
             self.optimizer.step()
             self.main.copy_to_model()
-            self.scheduler.step(increment=spec.lr_increment)
+            self.scheduler.step(increment=samples if spec.lr_in_samples else 1)
         else:
             self.main.zero_grad(self.optimizer)
         timers("optimizer-inner-step").stop()
@@ -298,9 +315,9 @@ class Trainer:
         """Forward only, through the same schedule: no backward, no gradient or optimizer state touched."""
         for m in self.models:
             m.eval()
-        batches = self.job.data.eval_iters
-        losses = [self._merged_loss(self._pipeline(self.valid_data, eval_round * batches + i, forward_only=True))[0]
-                  for i in range(batches)]
+        batches, size = self.job.data.eval_iters, self.job.data.eval_global_batch_size
+        losses = [self._merged_loss(self._pipeline(self.valid_data, GlobalBatch.at(eval_round * batches + i, size),
+                                                   forward_only=True))[0] for i in range(batches)]
         return sum(losses) / len(losses)
 
 
@@ -357,14 +374,15 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     set_logging_level(log.series)
     exit_policy = _ExitPolicy(job.train.exit)
     trainer = Trainer(job, make_run_plan(job.pipeline, job.parallel), forward_step_func, hooks)
-    first = _resume(trainer)
+    position = _resume(trainer)
+    first = position.iteration
     print_model_state(model_state_bytes(trainer.models, trainer.main, trainer.optimizer), log.memory_per_rank)
     board = Writers(log, vars(job.megatron_args))
     if first >= data.train_iters:  # a requeued or chained job after the run's end: write nothing
         print_rank_last(f" training already complete at iteration {first} (--train-iters {data.train_iters}):"
                         " nothing to train")
         if data.eval_iters:  # as Megatron-LM, evaluate what was loaded
-            _evaluate_and_print(trainer, board, first)
+            _evaluate_and_print(trainer, board, first, position.consumed_samples)
         board.close()
         _shut_down(trainer, owns_process_group)
         return []
@@ -372,14 +390,14 @@ def _pretrain(job: JobConfig, forward_step_func, hooks: Hooks, owns_process_grou
     print_times(trainer.timers, SETUP)
     print_rank_last("training ...")
     # a copy: Megatron-LM's function writes derived values (query groups) into the namespace it is given
-    flops = (num_floating_point_operations(copy.copy(job.megatron_args), data.global_batch_size)
-             if log.throughput else None)
+    flops = num_floating_point_operations(copy.copy(job.megatron_args), 1) if log.throughput else None  # per sample
     progress = _Progress(job.train, data, log, first, board, trainer.timers, flops=flops, world=job.parallel.world,
                          loaded=bool(job.checkpoint.load), save_dir=job.checkpoint.save)
     housekeeping = Housekeeping(log, trainer.rt.rank)
     saves = async_saves() if job.checkpoint.async_save else None
     try:
-        history = _train(trainer, first, progress, housekeeping, board, exit_policy, saves)
+        history = _train(trainer, GlobalBatches(data, position.consumed_samples), first, progress, housekeeping,
+                         board, exit_policy, saves)
     finally:
         housekeeping.stop()
     _finalise(saves)
@@ -407,8 +425,10 @@ def _shut_down(trainer, owns_process_group: bool) -> None:
         dist.destroy_process_group()
 
 
-def _train(trainer, first: int, progress, housekeeping, board, exit_policy, saves) -> list[dict]:
-    """The iterations from ``first``; ``saves``: the queue of asynchronous saves (--async-save), whose
+def _train(trainer, batches: GlobalBatches, first: int, progress, housekeeping, board, exit_policy,
+           saves) -> list[dict]:
+    """The iterations from ``first``, each over the next of ``batches``; ``saves``: the queue of asynchronous
+    saves (--async-save), whose
     finished ones are published at each iteration's end, as Megatron-LM does; after a NaN iteration (which
     may stop the run, naming the last checkpoint) or before an early exit, the one in flight too."""
     data = trainer.job.data
@@ -418,7 +438,8 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
     for iteration in range(first, data.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
-        stats = trainer.train_step(iteration)
+        stats = trainer.train_step(iteration, batches.next())
+        stats["consumed samples"] = batches.consumed
         done = iteration + 1
         if saves is not None:
             saves.maybe_finalize_async_calls(blocking=stats["nan"])
@@ -428,9 +449,10 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
             trainer.check_weight_hashes(done)
         if data.eval_iters and (data.eval_interval and done % data.eval_interval == 0 or done == data.train_iters):
             housekeeping.around_evaluation()
-            _evaluate_and_print(trainer, board, done)
+            _evaluate_and_print(trainer, board, done, batches.consumed)
         stop = exit_policy.reason(done, trainer.rt) if done < data.train_iters else None
-        _maybe_save(trainer, progress, stats, done, stop, saves)
+        _maybe_save(trainer, progress, stats, DataPosition(data.global_batch_size, done, batches.consumed), stop,
+                    saves)
         if stop:
             if saves is not None:
                 saves.maybe_finalize_async_calls(blocking=True)
@@ -441,27 +463,27 @@ def _train(trainer, first: int, progress, housekeeping, board, exit_policy, save
     return progress.history
 
 
-def _resume(trainer) -> int:
-    """The iteration to start from: the loaded checkpoint's, or 0."""
+def _resume(trainer) -> DataPosition:
+    """Where to start from: the loaded checkpoint's iteration and consumed samples, or the start."""
     spec = trainer.job.checkpoint
+    position = DataPosition(trainer.job.data.global_batch_size)
     if spec.fresh_start:
         print_rank_last(f" no checkpoint in {spec.fresh_start} yet (--load = --save): starting from scratch")
     if not spec.load:
-        return 0
-    position = DataPosition(trainer.job.data.global_batch_size)
+        return position
     load_checkpoint(trainer.states(), position, spec, trainer.rt)
     print_rank_last(f" loaded checkpoint from {spec.load} at iteration {position.iteration}")
-    return position.iteration
+    return position
 
 
-def _maybe_save(trainer, progress, stats: dict, done: int, stop: str | None, saves) -> None:
+def _maybe_save(trainer, progress, stats: dict, position: DataPosition, stop: str | None, saves) -> None:
     """Megatron's save policy: every --save-interval, at the end, and before an early exit; with the NaN
-    check, never the state of a NaN iteration. Megatron-LM's 'save-checkpoint' timer: how long the save
-    stopped training (with --async-save, until its files were handed to the writer)."""
-    data, spec = trainer.job.data, trainer.job.checkpoint
+    check, never the state of a NaN iteration. ``position``: after the iteration just done. Megatron-LM's
+    'save-checkpoint' timer: how long the save stopped training (with --async-save, until its files were
+    handed to the writer)."""
+    data, spec, done = trainer.job.data, trainer.job.checkpoint, position.iteration
     kept = not (stats["nan"] and trainer.job.train.check_for_nan)
     if spec.save and kept and (done % spec.save_interval == 0 or done == data.train_iters or stop):
-        position = DataPosition.after(done, data.global_batch_size)
 
         def published(folder: str) -> None:
             progress.last_saved = done
@@ -483,7 +505,7 @@ class _Progress:
 
     def __init__(self, train: TrainSpec, data: DataSpec, log: LogSpec, first: int, board: Writers, timers, *,
                  flops: float | None = None, world: int = 1, loaded: bool = False, save_dir: str | None = None):
-        """``flops``: Megatron-LM's model FLOPs of one iteration, with --log-throughput; ``world``: the
+        """``flops``: Megatron-LM's model FLOPs of one sample, with --log-throughput; ``world``: the
         ranks they are shared by; ``loaded``: whether the run resumed (the loaded iteration is its last
         saved one); ``save_dir``: --save, named when the NaN policy stops the run."""
         self.train, self.data, self.log, self.board, self.timers = train, data, log, board, timers
@@ -495,7 +517,7 @@ class _Progress:
     def record(self, stats: dict, done: int, lr: float, loss_scale: float | None) -> None:
         self.history.append(stats)
         self.nan_run = self.nan_run + 1 if stats["nan"] else 0
-        self.board.iteration(stats, done, lr, loss_scale, self.data.global_batch_size, self.world)
+        self.board.iteration(stats, done, lr, loss_scale, stats["global batch size"], self.world)
         if done % self.log.interval == 0 or done == self.data.train_iters or self.nan_run:
             iterations = done - self.logged
             elapsed = self._log(done, lr, loss_scale)
@@ -521,15 +543,16 @@ class _Progress:
         stepped = [s["lm loss"] for s in recent if not s["skipped"]]
         loss = sum(stepped) / len(stepped) if stepped else None
         moe = _mean_fields([s["moe"] for s in recent if not s["skipped"]])
-        throughput = data.global_batch_size * data.seq_length / elapsed
+        samples = sum(s["global batch size"] for s in recent) / len(recent)  # per iteration
+        throughput = samples * data.seq_length / elapsed
         norm, zeros, params = (recent[-1][key] for key in ("grad norm", "num zeros", "params norm"))
         skipped, nans = sum(s["skipped"] for s in recent), sum(s["nan"] for s in recent)
         print_rank_last(
             f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {done:8d}/{data.train_iters:8d} |"
-            f" consumed samples: {done * data.global_batch_size:12d} |"
-            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{self._tflops(elapsed)}"
+            f" consumed samples: {recent[-1]['consumed samples']:12d} |"
+            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |{self._tflops(elapsed, samples)}"
             f" throughput (tokens/s): {throughput:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {data.global_batch_size:5d} |"
+            f" learning rate: {lr:.6E} | global batch size: {recent[-1]['global batch size']:5d} |"
             + ("" if loss is None else f" lm loss: {loss:.6E} |")
             + "".join(f" {name}: {value:.6E} |" for name, value in moe.items() if value > 0)
             + ("" if loss_scale is None else f" loss scale: {loss_scale:.1f} |")
@@ -541,11 +564,12 @@ class _Progress:
         self.logged = done
         return elapsed
 
-    def _tflops(self, seconds: float) -> str:
-        """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank)."""
+    def _tflops(self, seconds: float, samples: float) -> str:
+        """Megatron-LM's --log-throughput field: model TFLOP/s per device (here per rank), of ``samples`` per
+        iteration."""
         if self.flops is None:
             return ""
-        per_rank = self.flops / seconds / self.world
+        per_rank = self.flops * samples / seconds / self.world
         return f" throughput per GPU (TFLOP/s/GPU): {per_rank / 1e12:.1f} |"
 
     def _nan_message(self, done: int) -> str:
@@ -563,8 +587,8 @@ def _mean_fields(fields: list[dict]) -> dict[str, float]:
     return {name: sum(f[name] for f in fields if name in f) / sum(name in f for f in fields) for name in names}
 
 
-def _evaluate_and_print(trainer, board: Writers, iteration: int) -> None:
+def _evaluate_and_print(trainer, board: Writers, iteration: int, consumed: int) -> None:
     loss = trainer.evaluate(evaluation_index(trainer.job.data, iteration))
     print_rank_last(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                     f" lm loss PPL: {validation_ppl(loss):.6E} |")
-    board.validation(loss, iteration, iteration * trainer.job.data.global_batch_size)
+    board.validation(loss, iteration, consumed)

@@ -2,9 +2,9 @@
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh), flag for flag,
 with the sizes scaled down and ``--pipeline-schedule chimera`` added, run under Chimera D=2.
 
-Removed, and only these: the GPU-only fp8 flags. The GPT-3 script also passes --rampup-batch-size
-with --train-iters, which Megatron-LM itself refuses ("expected no batch-size rampup for iteration-based
-training"); we refuse any rampup (one schedule per batch size), and run the script without it.
+Removed, and only these: the GPU-only fp8 flags. The GPT-3 script's --rampup-batch-size 16 16 5859375 (up to
+its global batch of 1536) is scaled with the rest: 4 2 8 up to 8, so that its 4 iterations run batches of 4, 6,
+8 and 8, each under its own Chimera schedule.
 """
 import re
 import subprocess
@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from megatron.chimera.arguments import parse_args
 from megatron.chimera.testing.cases import run_cases
 from megatron.chimera.testing.launch import LOSS, ROOT, VALID
 
@@ -25,7 +24,7 @@ def gpt3(vocab: str, merges: str, data: str, out: str) -> list[str]:
     training = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--weight-decay", "0.1",
                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
                 "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
-                "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4"]
+                "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4", "--rampup-batch-size", "4", "2", "8"]
     parallel = ["--tensor-model-parallel-size", "1", *CHIMERA]
     data_args = ["--data-path", data, "--vocab-file", vocab, "--merge-file", merges, "--split", "949,50,1"]
     logging = ["--log-interval", "1", "--save-interval", "2", "--eval-interval", "2", "--save", out, "--load", out,
@@ -94,23 +93,10 @@ def test_megatron_lm_gpt3_recipe_runs_under_chimera(recipes):
                      ("4", "536870912.0", "1")]
     assert not LOSS.findall(proc.stdout)
     assert [int(i) for i, _ in VALID.findall(proc.stdout)] == [2, 4]
+    assert [int(b) for b in re.findall(r"global batch size:\s+(\d+) \|", proc.stdout)] == [4, 6, 8, 8]
+    assert " > batch-size ramp, 3 schedules: from sample 0: global batch size 4 (chimera-direct, N=4); from sample " \
+           "4: global batch size 6 (chimera-direct, N=6); from sample 8: global batch size 8" in proc.stdout
     assert (recipes[0] / "gpt3" / "latest_checkpointed_iteration.txt").read_text() == "4"
-
-
-@pytest.mark.parametrize("length", [[], ["--train-samples", "32", "--lr-decay-samples", "32"]])
-def test_rampup_batch_size_is_refused_in_one_line(gpt2_files, capsys, tmp_path, length):
-    flags = gpt3(str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt"), "--mock-data", str(tmp_path))
-    flags = [f for f in flags if f != "--data-path"]
-    if length:  # the GPT-3 script's length in samples, as Megatron-LM demands with a rampup
-        cut = flags.index("--train-iters")
-        flags = flags[:cut] + flags[cut + 2:]
-        cut = flags.index("--lr-decay-iters")
-        flags = flags[:cut] + flags[cut + 2:] + length
-    with pytest.raises(SystemExit):
-        parse_args(flags + ["--rampup-batch-size", "16", "16", "5859375"], world_size=2)
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "pretrain_gpt.py: error: --rampup-batch-size=16 16 5859375: every batch size needs its own pipeline "
-        "schedule: not supported yet"]
 
 
 def test_megatron_lm_llama3_recipe_runs_under_chimera(recipes):

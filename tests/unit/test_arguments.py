@@ -5,6 +5,8 @@ import torch
 from chimera_schedules import Op
 from chimera_schedules.ir.actions import BATCH, SEQUENCE
 from megatron.chimera.arguments import parse_args
+from megatron.chimera.config.batch_ramp import step_calculator
+from megatron.chimera.config.data_spec import DataSpec
 from megatron.chimera.config.schedule_request import halves_note
 from megatron.chimera.model import chunk, kernels
 from megatron.chimera.testing.plans import plan_of
@@ -229,3 +231,57 @@ def test_the_balancer_option_applies_its_layout_as_megatron_lms_flag():
     plan = plan_of(args)
     assert str(plan.layout) == args.pipeline_model_parallel_layout and plan.layout.num_layers == 8
     assert plan.layout.layer_counts() != (2, 2, 2, 2)  # a 100k vocabulary is worth moving layers for
+
+
+_AT = MODEL.index("--global-batch-size")
+RAMP = MODEL[:_AT] + MODEL[_AT + 2:]  # a step schedule gives the global batch
+STEPS = "--step-batch-size-schedule"
+# batch-size ramps: each rule names the ramp's flag, and the step that breaks it
+RAMP_CASES = [
+    (CHIMERA2 + [STEPS, "0:2 64:3 160:8"], 2, f"{STEPS}=0:2 64:3 160:8: the step at sample 4 (global batch size 3): "
+     "--global-batch-size=3: gives 3 micro-batches"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", STEPS, "0:2 64:3 160:8"], 4,
+     "the step at sample 4 (global batch size 3): must be a multiple of micro-batch size x data-parallel size = 2"),
+    (CHIMERA2 + [STEPS, "64:2 128:4"], 2, "its first threshold must be 0"),
+    (CHIMERA2 + [STEPS, "0:2 10:4"], 2, "its thresholds must increase (in samples of --seq-length 16 tokens: 0, 0)"),
+    (CHIMERA2 + [STEPS, "0:2 x:4"], 2, f"{STEPS}=0:2 x:4: could not convert string to float"),
+    (CHIMERA2 + [STEPS, "0:8", "--global-batch-size", "8"], 2, "cannot be combined with --global-batch-size"),
+    (CHIMERA2 + ["--global-batch-size", "8", "--rampup-batch-size", "2", "4", "16"], 2,
+     "--rampup-batch-size=2 4 16: --global-batch-size (8) must be START plus a whole number of INCREMENTs"),
+    (CHIMERA2 + ["--global-batch-size", "8", "--rampup-batch-size", "2", "3", "16"], 2,
+     "--rampup-batch-size=2 3 16: the step at sample 8 (global batch size 5): --global-batch-size=5: gives 5"),
+    (CHIMERA2 + [STEPS, "0:8", "--decrease-batch-size-if-needed"], 2, "cannot be combined with "
+     "--decrease-batch-size-if-needed"),
+    (CHIMERA2 + ["--global-batch-size", "8", "--eval-global-batch-size", "3"], 2,
+     "--eval-global-batch-size=3: global batch size 3: --global-batch-size=3: gives 3 micro-batches"),
+    (CHIMERA2 + ["--global-batch-size", "8", "--eval-micro-batch-size", "2"], 2, "--eval-micro-batch-size=2: must be "
+     "--micro-batch-size (1)"),
+]
+
+
+@pytest.mark.parametrize("flags, world, needle", RAMP_CASES)
+def test_impossible_batch_size_ramp(capsys, flags, world, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(RAMP + flags, world_size=world)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_rampup_batch_size_runs_megatron_cores_linear_ramp_as_steps():
+    """--rampup-batch-size START INCREMENT SAMPLES: the batch megatron-core's RampupBatchsizeNumMicroBatchesCalculator
+    (removed in 0.19) gave after each count of consumed samples, here from the steps megatron-core's step
+    calculator runs: START + INCREMENT x int(consumed / (SAMPLES / K)) up to SAMPLES, then the global batch."""
+    start, increment, samples, final = 2, 2, 27, 8
+    args = parse_args(RAMP + CHIMERA2 + ["--global-batch-size", str(final), "--rampup-batch-size", str(start),
+                                         str(increment), str(samples)], world_size=2)
+    calculator = step_calculator(DataSpec.from_args(args).batch_steps, micro_batch_size=1, data_parallel_size=1)
+    per_increment = samples / ((final - start) // increment)
+    for consumed in range(40):
+        calculator.update(consumed, consistency_check=False)
+        ramp = final if consumed > samples else start + increment * int(consumed / per_increment)
+        assert calculator.get_current_global_batch_size() == ramp, f"after {consumed} samples"
+
+
+def test_decrease_batch_size_if_needed_rounds_the_global_batch_down_to_whole_steps():
+    args = parse_args(RAMP + CHIMERA2 + ["--global-batch-size", "9", "--decrease-batch-size-if-needed"], world_size=4)
+    assert args.global_batch_size == 8, "megatron-core's calculator runs 8 of 9 samples at micro-batch 1 x DP 2"

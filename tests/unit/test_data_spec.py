@@ -12,7 +12,8 @@ from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSa
 from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.data_spec import DataSpec
 from megatron.chimera.config.train_spec import TrainSpec
-from megatron.chimera.data.datasets import MicrobatchSource, dataset_sizes, evaluation_index, iterators
+from megatron.chimera.data.datasets import GlobalBatch, MicrobatchSource, dataset_sizes, evaluation_index, iterators
+from megatron.chimera.data.global_batches import GlobalBatches
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -130,6 +131,29 @@ def test_halved_micro_batches_are_halves_of_the_samplers_micro_batches():
     source = _source(["--num-workers", "0"], 1, scale=0.5)
     ends = SimpleNamespace(pre_process=True, post_process=False, mtp_process=False)
     middle = SimpleNamespace(pre_process=False, post_process=False, mtp_process=False)
-    first, none = iterators(source, 1, [[3, 0, 1], [2]], [ends, middle], torch.device("cpu"))
+    first, none = iterators(source, GlobalBatch.at(1, 8), [[3, 0, 1], [2]], [ends, middle], torch.device("cpu"))
     assert [b["tokens"].view(-1).tolist() for b in first] == [[15], [10], [11]], "not the halves of rank 1's steps"
     assert none is None, "a chunk in the middle of the pipeline got data"
+
+
+def test_a_ramps_batches_read_on_from_the_samples_consumed():
+    """Under a batch-size ramp, megatron-core's calculator sizes each batch from the samples consumed before it
+    (steps at 12 and 20 samples: 4, 4, 4, 8, 16, 16) and each batch reads the samples after the one before, as a
+    new reader from its first sample would (a resumed run)."""
+    at = MODEL.index("--global-batch-size")
+    flags = MODEL[:at] + MODEL[at + 2:]
+    ramp = DataSpec.from_args(parse_args(flags + ["--step-batch-size-schedule", "0:4 192:8 320:16"], world_size=2))
+    assert ramp.batch_steps == ((0, 4), (12, 8), (20, 16)) and ramp.global_batch_size == 16, ramp
+    batches = GlobalBatches(ramp, 0)
+    run = [batches.next() for _ in range(6)]
+    assert [b.size for b in run] == [4, 4, 4, 8, 16, 16], run
+    assert [b.first_sample for b in run] == [0, 4, 8, 12, 20, 36] and batches.consumed == 52, run
+    source = MicrobatchSource(_Numbered(), ramp, SimpleNamespace(microbatch_scale=1.0), 1, pinned=False,
+                              exit_signal=None)
+    read = [[b["tokens"].view(-1).tolist() for b in source.read(batch)] for batch in run]
+    assert read[3] == [[14, 15], [18, 19]], "rank 1's steps of the 8 samples from sample 12"
+    fresh = MicrobatchSource(_Numbered(), ramp, SimpleNamespace(microbatch_scale=1.0), 1, pinned=False,
+                             exit_signal=None)
+    assert [[b["tokens"].view(-1).tolist() for b in fresh.read(batch)] for batch in run[3:]] == read[3:], \
+        "a reader started mid-ramp read other samples"
+    assert GlobalBatches(ramp, 12).next() == GlobalBatch(12, 8), "a resumed run does not size from its samples"

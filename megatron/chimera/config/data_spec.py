@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from .batch_ramp import batch_steps
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerSpec:
@@ -72,6 +74,8 @@ class DataSpec:
     eod_mask_loss: bool
     seed: int
     global_batch_size: int
+    batch_steps: tuple[tuple[int, int], ...] | None  # a batch-size ramp's (first sample, size) steps (batch_ramp.py)
+    eval_global_batch_size: int  # --eval-global-batch-size, by default the global batch (Megatron-LM's)
     micro_batch_size: int
     data_parallel_size: int
     train_iters: int
@@ -88,7 +92,9 @@ class DataSpec:
                    mock_data=args.mock_data, cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
                    seq_length=args.seq_length, reset_position_ids=args.reset_position_ids,
                    eod_mask_loss=args.eod_mask_loss, seed=args.seed, global_batch_size=args.global_batch_size,
-                   micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
+                   batch_steps=batch_steps(args), micro_batch_size=args.micro_batch_size,
+                   eval_global_batch_size=args.eval_global_batch_size or args.global_batch_size,
+                   data_parallel_size=args.data_parallel_size,
                    train_iters=args.train_iters, eval_iters=args.eval_iters, eval_interval=args.eval_interval,
                    tokenizer=TokenizerSpec.from_args(args), fim=FimSpec.from_args(args),
                    num_workers=args.num_workers, dataloader_type=args.dataloader_type)

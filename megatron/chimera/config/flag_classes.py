@@ -32,6 +32,8 @@ HONOURED = _flags("""
     --no-position-embedding --make-vocab-size-divisible-by --swiglu --untie-embeddings-and-output-weights
     --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps --profile --profile-step-start
     --profile-step-end --use-pytorch-profiler --profile-ranks --micro-batch-size --global-batch-size
+    --rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed --eval-global-batch-size
+    --eval-micro-batch-size
     --empty-unused-memory-level --train-iters --train-samples --exit-interval --exit-duration-in-mins
     --exit-signal-handler --exit-signal --manual-gc --manual-gc-interval --no-manual-gc-eval
     --disable-manual-gc-eval --recompute-activations --optimizer --dataloader-type --seed --lr-decay-style
@@ -387,9 +389,6 @@ REFUSED = {
         --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack
         --pytorch-profiler-collect-chakra --record-memory-history --memory-snapshot-path --record-shapes
     """),
-    'every batch size needs its own pipeline schedule: not supported yet': _flags("""
-        --rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed
-    """),
     ('a training-loop option this trainer does not implement (NaN/Inf steps are handled by '
      '--max-consecutive-nan-iterations)'): _flags("""
         --gpu-sniff-test-interval --train-sync-interval
@@ -453,7 +452,7 @@ REFUSED = {
         --dist-ckpt-format
     """),
     'validation runs --eval-iters global batches every --eval-interval; other modes are not supported yet': _flags("""
-        --start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size --skip-train 
+        --start-eval-at-iter --skip-train
         --full-validation --multiple-validation-sets --validation-set-names
     """),
     'data comes from --data-path (a prefix or a blend) or --mock-data, with causal attention': _flags("""

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from chimera_schedules.ir.errors import require
 
+from .batch_ramp import batch_steps, iterations_for, ramp_flag
+
 
 def check_training_length(args) -> None:
     """--train-iters, or Megatron-LM's --train-samples (then --train-iters is derived, as Megatron-LM derives
-    it when training starts, and the LR schedule counts samples, with the sample-based warmup and decay
-    flags)."""
+    it when training starts, under a batch-size ramp by running its steps, and the LR schedule counts samples,
+    with the sample-based warmup and decay flags)."""
     require((args.train_iters is None) != (args.train_samples is None), "--train-iters", args.train_iters,
             "give exactly one of --train-iters and --train-samples")
     require(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1 and not args.lr_warmup_iters
@@ -21,12 +23,12 @@ def check_training_length(args) -> None:
                             ("--lr-decay-samples", args.lr_decay_samples)):
             require(not value, flag, value, "goes with --train-samples; with --train-iters use the -iters flag")
     else:
-        g = args.global_batch_size
-        require(args.train_samples > 0 and args.train_samples % g == 0, "--train-samples", args.train_samples,
-                f"must be a positive multiple of --global-batch-size ({g})")
+        g, steps = args.global_batch_size, batch_steps(args)
+        require(args.train_samples > 0 and (steps or args.train_samples % g == 0), "--train-samples",
+                args.train_samples, f"must be a positive multiple of --global-batch-size ({g})")
         for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
             require(not value, flag, value, "goes with --train-iters; with --train-samples use the -samples flag")
-        args.train_iters = args.train_samples // g
+        args.train_iters = iterations_for(steps, args.train_samples) if steps else args.train_samples // g
     require(args.train_iters > 0, "--train-iters", args.train_iters, "must be positive")
     schedule = lr_schedule(args)  # megatron-core's scheduler asserts this without naming a flag
     require(schedule["lr_warmup_steps"] < schedule["lr_decay_steps"],
@@ -37,9 +39,14 @@ def check_training_length(args) -> None:
 
 def lr_schedule(args) -> dict:
     """megatron-core's OptimizerParamScheduler settings (the ones it checks on load), in iterations or,
-    with --train-samples, in samples (``lr_increment`` per iteration)."""
+    with --train-samples or a batch-size ramp, in samples (``lr_in_samples``). Under a ramp with --train-iters,
+    iterations count --global-batch-size samples each, as Megatron-LM converts them."""
     if args.train_samples:
         total, decay, warmup = args.train_samples, args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
+    elif ramp_flag(args):
+        g = args.global_batch_size
+        total, decay, warmup = (args.train_iters * g, (args.lr_decay_iters or args.train_iters) * g,
+                                args.lr_warmup_iters * g)
     else:
         total, decay, warmup = args.train_iters, args.lr_decay_iters or args.train_iters, args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
@@ -54,8 +61,9 @@ def _or(value, default):
     return default if value is None else value
 
 
-def lr_increment(args) -> int:
-    return args.global_batch_size if args.train_samples else 1
+def lr_in_samples(args) -> bool:
+    """Whether the LR schedule steps by each iteration's global batch (else by 1 per iteration)."""
+    return bool(args.train_samples or ramp_flag(args))
 
 
 _SCHEDULE_FLAG = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",

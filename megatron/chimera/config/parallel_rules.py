@@ -36,6 +36,10 @@ def check_sizes(args) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
+    if args.decrease_batch_size_if_needed:  # megatron-core's calculator rounds the batch down to whole steps
+        require(args.global_batch_size >= per_step, "--global-batch-size", args.global_batch_size,
+                f"must be at least micro-batch size x data-parallel size = {per_step}")
+        args.global_batch_size -= args.global_batch_size % per_step
     require(args.global_batch_size % per_step == 0, "--global-batch-size", args.global_batch_size,
             f"must be a multiple of micro-batch size x data-parallel size = {per_step}")
 

@@ -94,6 +94,12 @@ def make_run_plan(pipeline: PipelineSpec, parallel: ParallelDims) -> RunPlan:
                    halves=pipeline.halves if request.halves is not False else None, **common)
 
 
+def other_plans(pipeline: PipelineSpec, parallel: ParallelDims) -> dict[int, RunPlan]:
+    """The plan of every other global batch size the run takes (a batch-size ramp's earlier steps, the
+    evaluation's), by size, each schedule generated and proven once; empty for most runs."""
+    return {size: make_run_plan(spec, parallel) for size, spec in pipeline.others}
+
+
 @lru_cache(maxsize=4)
 def generated(request: ScheduleSpec) -> Schedule:
     """The schedule ``schedule_request`` asked for, generated once per process: validation's rules that

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from .architecture_rules import check_architecture
+from .batch_ramp import check_other_batches, check_ramp
 from .checkpoint_spec import first_launch
 from .layer_probes import LayerProbes
 from .lr_schedule import check_training_length
@@ -39,6 +40,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
     if args.use_checkpoint_args:
         take_checkpoint_args(args, probes)
     ignored = enforce_classes(args, parser, argv)
+    check_ramp(args)
     check_sizes(args)
     check_expert_layout(args)
     check_optimizer_instances(args)
@@ -49,6 +51,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
     check_series(args)
     check_tokenizer(args, probes.build_tokenizer)
     check_schedule(args, probes.transformer_engine)
+    check_other_batches(args, lambda at: check_schedule(at, probes.transformer_engine))
     validate_args_as_given(args)
     check_architecture(args, probes.transformer_engine)
     if args.load and not first_launch(args):

@@ -1,6 +1,7 @@
 """Data for one iteration, identical for every layout.
 
-Iteration i uses samples [i G, (i+1) G) of the dataset (G = global batch): Megatron-LM's sampler from
+An iteration reads the global batch after the samples consumed before it: [i G, (i+1) G) of the dataset at a
+constant global batch G (under a batch-size ramp, each batch its own size). Megatron-LM's sampler from
 consumed_samples i G gives the k-th micro-batch step of data-parallel rank d samples i G + (k W + d) mbs ...
 + mbs (with --dataloader-type cyclic, those positions of its shuffle, in buckets of the data-parallel ranks).
 A schedule's micro-batch m maps to step m; with backward halving (``microbatch_scale`` 0.5) IR
@@ -10,6 +11,7 @@ gets an iterator over its micro-batches in the order its schedule runs their for
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -27,7 +29,7 @@ from ..config.data_spec import DataSpec, FimSpec
 def dataset_sizes(data: DataSpec) -> tuple[int, int]:
     """Samples the run asks of its train and validation parts (their shuffles depend on it)."""
     evals = (evaluation_index(data, data.train_iters) + 1) * data.eval_iters if data.eval_iters else 0
-    return data.train_iters * data.global_batch_size, evals * data.global_batch_size
+    return data.train_iters * data.global_batch_size, evals * data.eval_global_batch_size
 
 
 def evaluation_index(data: DataSpec, iteration: int) -> int:
@@ -65,11 +67,23 @@ def _fim_config(fim: FimSpec, common: dict) -> GPTFIMDatasetConfig:
                                fim_fragment_rate=fim.fragment_rate, fim_no_prefix=fim.no_prefix)
 
 
+class GlobalBatch(NamedTuple):
+    """One iteration's global batch: the samples consumed before it, and its size."""
+
+    first_sample: int
+    size: int
+
+    @classmethod
+    def at(cls, index: int, size: int) -> GlobalBatch:
+        """Batch ``index`` of a run whose batches all have ``size`` samples."""
+        return cls(index * size, size)
+
+
 class MicrobatchSource:
     """This data-parallel rank's micro-batches of a dataset, read as Megatron-LM reads them: its pretraining
     sampler (--dataloader-type single: in order; cyclic: shuffled per epoch) under a torch DataLoader with
-    --num-workers worker processes, pinned for a GPU. Global batch b starts at consumed_samples b G, so every
-    iteration, resumed or not, reads the samples it always reads (the module docstring says which).
+    --num-workers worker processes, pinned for a GPU. Each global batch starts at the samples consumed before it,
+    so every iteration, resumed or not, reads the samples it always reads (the module docstring says which).
     Megatron-LM's build_pretraining_data_loader is not called: it reads Megatron-LM's global arguments, which
     this trainer does not set, and its loader starts once, where an evaluation here may read a round again."""
 
@@ -80,18 +94,22 @@ class MicrobatchSource:
         self.pinned, self.exit_signal = pinned, exit_signal
         self.parts = int(round(1 / plan.microbatch_scale))  # halving: each micro-batch in two halves
         self.size = data.micro_batch_size // self.parts
-        self.steps = data.global_batch_size // (data.micro_batch_size * data.data_parallel_size)
-        self.stream, self.next_batch = None, None
+        self.per_step = data.micro_batch_size * data.data_parallel_size
+        self.stream, self.next_sample = None, None
 
     def global_batch(self, index: int) -> list[dict]:
-        """This rank's micro-batch steps of global batch ``index``, step k the sampler's k-th batch: read on from
-        the batch before, or by a new loader from the batch's first sample (the first read, an evaluation
-        round read again)."""
-        if index != self.next_batch:
+        """Global batch ``index`` of a run without a ramp (--global-batch-size each)."""
+        return self.read(GlobalBatch.at(index, self.data.global_batch_size))
+
+    def read(self, batch: GlobalBatch) -> list[dict]:
+        """This rank's micro-batch steps of ``batch``, step k the sampler's k-th batch: read on from the batch
+        before, or by a new loader from the batch's first sample (the first read, an evaluation round read
+        again)."""
+        if batch.first_sample != self.next_sample:
             self.close()
-            self.stream = self._read_from(index * self.data.global_batch_size)
-        self.next_batch = index + 1
-        return [next(self.stream) for _ in range(self.steps)]
+            self.stream = self._read_from(batch.first_sample)
+        self.next_sample = batch.first_sample + batch.size
+        return [next(self.stream) for _ in range(batch.size // self.per_step)]
 
     def microbatch(self, steps: list[dict], mb: int) -> dict:
         """The schedule's micro-batch ``mb`` of a global batch's ``steps``: step mb // parts, or with backward
@@ -117,7 +135,7 @@ class MicrobatchSource:
 
     def close(self) -> None:
         """Stop the workers (they stop too when the source is dropped); a later read starts a new loader."""
-        self.stream, self.next_batch = None, None
+        self.stream, self.next_sample = None, None
 
 
 def _in_worker(exit_signal: int | None, worker_id: int) -> None:
@@ -127,12 +145,12 @@ def _in_worker(exit_signal: int | None, worker_id: int) -> None:
         DistributedSignalHandler(exit_signal).__enter__()
 
 
-def iterators(source: MicrobatchSource, iteration: int, orders, chunks, device):
+def iterators(source: MicrobatchSource, batch: GlobalBatch, orders, chunks, device):
     """One iterator per chunk over its micro-batches of this iteration, all built (and on a GPU their
     copies issued, from the loader's pinned memory, without blocking the host) before the schedule runs, so
     no forward waits for data or syncs the host; None for chunks in the middle of the pipeline (they need
     no data, unless they hold MTP layers), and a rank with only those reads none."""
     needs = [chunk.pre_process or chunk.post_process or chunk.mtp_process for chunk in chunks]
-    steps = source.global_batch(iteration) if any(needs) else None
+    steps = source.read(batch) if any(needs) else None
     return [iter([{k: t.to(device, non_blocking=True) for k, t in source.microbatch(steps, m).items()}
                   for m in order]) if needed else None for order, needed in zip(orders, needs)]

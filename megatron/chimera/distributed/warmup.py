@@ -41,8 +41,11 @@ class WarmedUp:
         return len(self.groups)
 
 
-def warm_up_communicators(rt, dims: ParallelDims, plan, transport) -> WarmedUp:
-    """Collective: every rank calls it. ``transport`` is None under megatron-core's own schedules."""
+def warm_up_communicators(rt, dims: ParallelDims, plans: list, transport) -> WarmedUp:
+    """Collective: every rank calls it. ``plans``: the run's (one per global batch size under a batch-size
+    ramp; the same chunks and groups on every one, their lowered lists walked one after the other, each walk
+    in its global order). ``transport`` is None under megatron-core's own schedules."""
+    plan = plans[0]
     megatron, ours = megatron_groups(rt, dims, plan), our_groups(rt, plan.held(rt.worker))
     roles = megatron + ours
     names = {**megatron_group_names(), **_p2p_names(rt), **_named(roles)}
@@ -50,7 +53,7 @@ def warm_up_communicators(rt, dims: ParallelDims, plan, transport) -> WarmedUp:
     one = torch.zeros(1, device=rt.device)
     for group in walked:
         rt.all_reduce(one, group=group)
-    pairs = _warm_pairs(rt, transport, plan.lowered) if plan.lowered is not None else []
+    pairs = [pair for each in plans if each.lowered is not None for pair in _warm_pairs(rt, transport, each.lowered)]
     unshared = len({id(group) for _, group in megatron}) + len(ours)
     return WarmedUp({group: names[group] for group in walked}, frozenset(pairs), unshared, names)
 

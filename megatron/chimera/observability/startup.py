@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..config.data_spec import DataSpec
 from ..config.model_spec import ModelSpec
 from ..config.run_plan import PROOF_MODE
 from ..model.chunk import fusions_off, shared_expert_overlap, te_only_recompute
@@ -83,6 +84,21 @@ def print_halves(plan) -> None:
     its batch (config/schedule_request.py's ``halves_note``)."""
     if dist.get_rank() == 0 and plan.halves_note is not None:
         print(f" > {plan.halves_note}", flush=True)
+
+
+def print_ramp(plans: dict, data: DataSpec) -> None:
+    """Once, by rank 0, under a batch-size ramp: each step's first sample, its global batch size, and the
+    schedule that runs it (``plans``: by global batch size, each proven above)."""
+    if dist.get_rank() != 0 or not data.batch_steps:
+        return
+    steps = "; ".join(f"from sample {first}: global batch size {size} ({_plan_name(plans[size])}, "
+                      f"N={plans[size].microbatches})"
+                      for first, size in data.batch_steps)
+    print(f" > batch-size ramp, {len(data.batch_steps)} schedules: {steps}", flush=True)
+
+
+def _plan_name(plan) -> str:
+    return plan.name if plan.lowered is None else plan.lowered.name
 
 
 def print_global_aux_loss(spec: ModelSpec, rt) -> None:
