@@ -59,6 +59,7 @@ def plan_only(argv: list[str], world_size: int) -> list[str]:
 
 
 NO_MODEL = ("--load", "--save", "--pretrained-checkpoint")  # a one-process model reads and writes no checkpoint
+BATCH_SIZES = ("--step-batch-size-schedule", "--eval-global-batch-size")  # one process runs batches of 1
 DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--per-split-data-args-path", "--data-args-path")
 ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--context-parallel-size",
                "1", "--expert-model-parallel-size", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
@@ -80,7 +81,8 @@ def one_process(argv: list[str]) -> argparse.Namespace:
     training = [] if given(argv, "--lr") else ["--lr", "1e-4"]  # required, and no part of the model
     training += [] if given(argv, "--train-iters") or given(argv, "--train-samples") else ["--train-iters", "1"]
     training += [] if any(given(argv, f) for f in DATA_FLAGS) else ["--mock-data"]
-    model = without(without(base_argv(argv), NO_MODEL), ("--use-checkpoint-args",), valued=False)
+    model = without(without(base_argv(argv), NO_MODEL + BATCH_SIZES), ("--use-checkpoint-args",), valued=False)
+    model = without(model, ("--rampup-batch-size",), values=3)
     return quietly(lambda: _validated(model + training + ONE_PROCESS + ["--pipeline-schedule", "1f1b"], 1)[0])
 
 

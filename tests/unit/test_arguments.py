@@ -4,6 +4,7 @@ import torch
 
 from chimera_schedules import Op
 from chimera_schedules.ir.actions import BATCH, SEQUENCE
+from megatron.chimera import job_config
 from megatron.chimera.arguments import parse_args
 from megatron.chimera.config.batch_ramp import step_calculator
 from megatron.chimera.config.data_spec import DataSpec
@@ -285,3 +286,11 @@ def test_rampup_batch_size_runs_megatron_cores_linear_ramp_as_steps():
 def test_decrease_batch_size_if_needed_rounds_the_global_batch_down_to_whole_steps():
     args = parse_args(RAMP + CHIMERA2 + ["--global-batch-size", "9", "--decrease-batch-size-if-needed"], world_size=4)
     assert args.global_batch_size == 8, "megatron-core's calculator runs 8 of 9 samples at micro-batch 1 x DP 2"
+
+
+def test_auto_plans_a_ramp_at_its_last_batch_and_runs_every_step_on_that_plan():
+    args = parse_args(RAMP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", STEPS,
+                              "0:2 64:4 128:8"], world_size=2)
+    pipeline = job_config(args).pipeline
+    assert [(size, p.microbatches) for size, p in pipeline.others] == [(2, 2), (4, 4)], pipeline.others
+    assert {p.schedule for _, p in pipeline.others} == {pipeline.schedule}, "a step runs another schedule"

@@ -79,16 +79,16 @@ def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def without(argv: list[str], flags: tuple[str, ...], valued: bool = True) -> list[str]:
-    """``argv`` less ``flags`` (and each one's value when ``valued``, unless given as flag=value)."""
-    out, skip = [], False
+def without(argv: list[str], flags: tuple[str, ...], valued: bool = True, values: int = 1) -> list[str]:
+    """``argv`` less ``flags`` (and each one's ``values`` values when ``valued``, unless given as flag=value)."""
+    out, skip = [], 0
     for a in argv:
         if skip:
-            skip = False
+            skip -= 1
             continue
         name = a.split("=", 1)[0]
         if name in flags:
-            skip = valued and "=" not in a
+            skip = values if valued and "=" not in a else 0
             continue
         out.append(a)
     return out
