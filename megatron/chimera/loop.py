@@ -68,6 +68,7 @@ from .optim.main import build_main
 from .optim.muon import steps_with_muon
 from .optim.optimizer import build_optimizer, model_state_bytes
 from .optim.precision import LossScaler, scaled_loss
+from .rerun_machine import RerunExit, rerun_machine, validate, verdict
 from .schedule_runner import runner
 
 
@@ -123,6 +124,7 @@ class Trainer:
         print_warm_up(warmed, time.perf_counter() - started, self.rt)
         self.micro_batch_size = int(data.micro_batch_size * plan.microbatch_scale)
         self._use(data.global_batch_size)
+        self.rerun = rerun_machine(train.rerun, self.rt.device)
         self.timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         self.timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
@@ -200,11 +202,8 @@ class Trainer:
         step, unless --no-check-for-nan-in-loss-and-grad turns the check off (then, as in Megatron-LM, only
         fp16's loss scaler skips a step); the batch counts as consumed, as in Megatron."""
         batch = batch or GlobalBatch.at(iteration, self.job.data.global_batch_size)
-        self.main.zero_grad(self.optimizer)
-        for m in self.models:
-            m.train()
         try:
-            loss, norm = self._gradients(iteration, batch)
+            loss, norm = self._validated_gradients(iteration, batch)
         except NotImplementedError:  # a configuration the executor refuses: not a failed peer
             raise
         except Exception as e:  # our executor names its actions; the rest is told by where it was raised
@@ -216,6 +215,7 @@ class Trainer:
                 print(fault.trace(), end="", file=sys.stderr, flush=True)
             raise type(fault)(f"{fault.headline} (iteration {iteration + 1})", fault.context,  # joins the first line
                               fault.action) from fault.__cause__
+        verdict(self.rerun)  # the machine may end the run here, before anything of the iteration is kept
         model = self.job.model
         moe = auxiliary_loss_fields(model, self.plan.layout.chunk_slots(), self.plan.microbatches, iteration + 1)
         moe.update(mtp_loss_fields(model, self.rt, self.plan.microbatches))
@@ -241,11 +241,30 @@ class Trainer:
             return not math.isfinite(loss) or (not finite and self.scaler is None)
         return not steps and not math.isfinite(loss)
 
-    def _gradients(self, iteration: int, batch: GlobalBatch) -> tuple[float, float]:
-        """Forward and backward of the global batch, gradients reduced; (loss, gradient norm)."""
-        timers = self.timers
+    def _validated_gradients(self, iteration: int, batch: GlobalBatch) -> tuple[float, float]:
+        """The iteration's gradients, as often as Megatron-LM's rerun state machine (rerun_machine.py) runs
+        them: once, or again in place from the same state and batch to judge a result it rejected (a re-run
+        starts the routers' counts and the MoE and MTP trackers afresh). (loss, gradient norm) of the last run."""
+        passes = 0
+        while self.rerun.should_run_forward_backward(None):  # our iterators are rebuilt from the batch each run
+            if passes:
+                fresh_metrics(self.job.model, self.plan.layout.chunk_slots())
+                reset_model_temporary_tensors(self.job.model.config, self.models)
+            self.main.zero_grad(self.optimizer)
+            for m in self.models:
+                m.train()
+            loss, norm = self._gradients(iteration, batch)
+            validate(self.rerun, self.job.train.rerun, loss, norm)
+            passes += 1
         barrier = self.job.log.barrier_with_l1_time
-        timers("forward-backward", log_level=1).start(barrier=barrier)
+        self.timers("optimizer", log_level=1).start(barrier=barrier)
+        self.timers("optimizer-clip-main-grad", log_level=1).start()
+        return loss, norm
+
+    def _gradients(self, iteration: int, batch: GlobalBatch) -> tuple[float, float]:
+        """Forward and backward of the global batch, gradients reduced and unscaled; (loss, gradient norm)."""
+        timers = self.timers
+        timers("forward-backward", log_level=1).start(barrier=self.job.log.barrier_with_l1_time)
         self.hooks.before_iteration(self, iteration + 1)
         reports = self._pipeline(self.train_data, batch, forward_only=False)
         self.hooks.after_backward(self, iteration + 1)
@@ -253,8 +272,6 @@ class Trainer:
         if self.job.train.per_token_loss:
             self._divide_gradients(tokens / self.rt.replicas)  # summed token losses: the global batch's mean
         timers("forward-backward").stop()
-        timers("optimizer", log_level=1).start(barrier=barrier)
-        timers("optimizer-clip-main-grad", log_level=1).start()
         if self.scaler:
             self.main.unscale(self.scaler.scale)
         return loss, self.main.grad_norm()
@@ -329,6 +346,10 @@ def pretrain(args, forward_step_func, hooks: Hooks = Hooks()) -> list[dict]:
     owns_process_group = not dist.is_initialized() or made_here()
     try:
         return _pretrain(job_config(args), forward_step_func, hooks, owns_process_group)
+    except RerunExit as e:  # the machine has logged its verdict on every rank
+        print_rank_last(f" exiting with code {e.code}: {e}")
+        sys.stdout.flush()
+        os._exit(e.code)
     except (PipelineFault, ConfigError, TrainingStopped, WeightHashMismatch) as e:
         if not isinstance(e, (ScheduleMismatch, WeightHashMismatch)) or dist.get_rank() == 0:  # raised on every rank
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
@@ -438,7 +459,15 @@ def _train(trainer, batches: GlobalBatches, first: int, progress, housekeeping, 
     for iteration in range(first, data.train_iters):
         housekeeping.before_iteration(iteration)
         lr = trainer.optimizer.param_groups[0]["lr"]
-        stats = trainer.train_step(iteration, batches.next())
+        batch = batches.next()
+        try:
+            stats = trainer.train_step(iteration, batch)
+        except RerunExit as e:  # the iteration is not done: a checkpoint the machine asks for is the last one's
+            if e.checkpoint:
+                position = DataPosition(data.global_batch_size, iteration, batch.first_sample)
+                _maybe_save(trainer, progress, {"nan": False}, position, "the rerun state machine", saves)
+            _finalise(saves)
+            raise
         stats["consumed samples"] = batches.consumed
         done = iteration + 1
         if saves is not None:

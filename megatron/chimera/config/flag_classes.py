@@ -33,7 +33,8 @@ HONOURED = _flags("""
     --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps --profile --profile-step-start
     --profile-step-end --use-pytorch-profiler --profile-ranks --micro-batch-size --global-batch-size
     --rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed --eval-global-batch-size
-    --eval-micro-batch-size
+    --eval-micro-batch-size --rerun-mode --error-injection-rate --error-injection-type --check-for-spiky-loss
+    --check-for-large-grads --result-rejected-tracker-filename
     --empty-unused-memory-level --train-iters --train-samples --exit-interval --exit-duration-in-mins
     --exit-signal-handler --exit-signal --manual-gc --manual-gc-interval --no-manual-gc-eval
     --disable-manual-gc-eval --recompute-activations --optimizer --dataloader-type --seed --lr-decay-style
@@ -187,10 +188,6 @@ NO_EFFECT = {
      "reduction: neither before it, Megatron-LM's default, nor inside it, this flag's); the same mean, "
      "to rounding (bitwise when DP is a power of two)"): _flags("""
         --ddp-average-in-collective
-    """),
-    ("the rerun state machine is not used: a NaN/Inf iteration is skipped, and --max-consecutive-nan-iterations "
-     "of them in a row stop the run"): _flags("""
-        --rerun-mode
     """),
 }
 
@@ -403,7 +400,7 @@ REFUSED = {
         --batch-size --checkpoint-activations --warmup
     """),
     'fault-tolerance and resiliency services are not supported (ours: faults end every rank with a message)': _flags("""
-        --check-for-large-grads --result-rejected-tracker-filename --log-straggler --straggler-ctrlr-port
+        --log-straggler --straggler-ctrlr-port
         --straggler-minmax-count --disable-straggler-on-startup --run-workload-inspector-server
         --inprocess-restart --inprocess-max-iterations --inprocess-monitor-thread-interval
         --inprocess-monitor-process-interval --inprocess-progress-watchdog-interval
@@ -411,8 +408,7 @@ REFUSED = {
         --inprocess-heartbeat-timeout --inprocess-barrier-timeout --inprocess-completion-timeout
         --inprocess-last-call-wait --inprocess-termination-grace-time --inprocess-granularity
         --inprocess-active-world-size --inprocess-empty-cuda-cache --enable-ft-package --calc-ft-timeouts
-        --ft-num-warmup-iters --error-injection-rate --error-injection-type
-        --check-for-spiky-loss --fault-injector-ranks --fault-injector-num-ranks --fault-injector-fault-types
+        --ft-num-warmup-iters --fault-injector-ranks --fault-injector-num-ranks --fault-injector-fault-types
         --fault-injector-fault-probabilities --fault-injector-fault-delay
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds --fault-injector-offset-seconds
         --fault-injector-seed

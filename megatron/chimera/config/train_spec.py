@@ -99,12 +99,35 @@ class ExitSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RerunSpec:
+    """Megatron-LM's rerun state machine (megatron-core's RerunStateMachine): ``mode`` (--rerun-mode:
+    disabled, validate_results, report_stats), the errors it injects (--error-injection-rate, 0: none;
+    --error-injection-type), the file its rejected results are appended to, and the validations beyond the
+    one every iteration makes of its loss: a spiky loss (--check-for-spiky-loss), large gradients
+    (--check-for-large-grads)."""
+
+    mode: str
+    injection_rate: int
+    injection_type: str
+    tracker_file: str | None
+    spiky_loss: bool
+    large_grads: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RerunSpec:
+        return cls(mode=args.rerun_mode, injection_rate=args.error_injection_rate,
+                   injection_type=args.error_injection_type, tracker_file=args.result_rejected_tracker_filename,
+                   spiky_loss=args.check_for_spiky_loss, large_grads=args.check_for_large_grads)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """The training step and its policies: the RNG tracker, the loss (summed per token with
     ``per_token_loss``), the NaN policy (with ``check_for_nan`` a NaN iteration skips its step, and
     ``max_consecutive_nan`` in a row stop the run), the weight-hash check (every ``weight_hash_interval``
-    iterations, None: never), and the optimizer, precision and exit sections. The batches and the run's
-    length (how many iterations, evaluated when) are the data section's (data_spec.py): one home."""
+    iterations, None: never), the rerun state machine, and the optimizer, precision and exit sections. The
+    batches and the run's length (how many iterations, evaluated when) are the data section's (data_spec.py):
+    one home."""
 
     te_rng_tracker: bool  # megatron-core's CUDA RNG tracker is Transformer Engine's, where it is installed
     per_token_loss: bool
@@ -114,6 +137,7 @@ class TrainSpec:
     optimizer: OptimizerSpec
     precision: PrecisionSpec
     exit: ExitSpec
+    rerun: RerunSpec
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainSpec:
@@ -122,4 +146,4 @@ class TrainSpec:
                    max_consecutive_nan=args.max_consecutive_nan_iterations,
                    weight_hash_interval=args.check_weight_hash_across_dp_replicas_interval,
                    optimizer=OptimizerSpec.from_args(args), precision=PrecisionSpec.from_args(args),
-                   exit=ExitSpec.from_args(args))
+                   exit=ExitSpec.from_args(args), rerun=RerunSpec.from_args(args))
