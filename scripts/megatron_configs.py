@@ -9,7 +9,8 @@ GPT, MoE and Mixtral training cases of a Megatron-LM checkout and prepares each 
 - the sizes scaled down (4 layers, hidden 16 per head, 64 tokens, 3 iterations, small experts);
 - ``--pipeline-model-parallel-size 2 --pipeline-schedule chimera`` added, the other parallel sizes kept
   (the data-parallel size is the smallest the expert layout allows);
-- Transformer Engine swapped for the local layers, and the flags ``flag_classes`` calls GPU-only taken out.
+- Transformer Engine swapped for the local layers, the flex dispatcher (GPU kernels) for the alltoall one, and
+  the flags ``flag_classes`` calls GPU-only taken out, the flex dispatcher's with it.
 
 Then each goes through ``pretrain_gpt.py``'s parser (in this process, nothing started), and every flag
 that stops it is found by taking the refused one out and parsing again. ``--train K`` trains K of the
@@ -37,7 +38,7 @@ import tempfile
 import yaml
 
 from megatron.chimera import parse_args
-from megatron.chimera.config.flag_classes import REFUSED
+from megatron.chimera.config.flag_classes import FLEX_DISPATCHER, REFUSED
 from megatron.chimera.config.flag_table import megatron_parser
 
 # Megatron-LM's flags that take several values (nargs + or *), e.g. --hierarchical-context-parallel-sizes "2 2"
@@ -55,7 +56,8 @@ DROPPED = {"--data-path", "--data-cache-path", "--tokenizer-model", "--vocab-fil
            # the interleaved schedule's: Chimera replaces it
            "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
            "--microbatch-group-size-per-virtual-pipeline-stage"}
-GPU_ONLY = frozenset().union(*(flags for reason, flags in REFUSED.items() if reason.startswith("GPU-only")))
+GPU_ONLY = frozenset().union(FLEX_DISPATCHER, *(flags for reason, flags in REFUSED.items()
+                                                 if reason.startswith("GPU-only")))
 # sizes scaled down, by flag: a value, or a function of the parallel sizes
 SCALED = {
     "--num-experts": lambda p: 8 if 8 % p["ep"] == 0 else p["ep"],
@@ -131,6 +133,8 @@ def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
             continue
         if flag == "--transformer-impl":
             value = "local"
+        elif flag == "--moe-token-dispatcher-type" and value == "flex":
+            value = "alltoall"
         elif flag == "--num-query-groups":
             value = sizes["tp"]
         elif flag == "--ffn-hidden-size":

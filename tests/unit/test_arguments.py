@@ -294,3 +294,16 @@ def test_auto_plans_a_ramp_at_its_last_batch_and_runs_every_step_on_that_plan():
     pipeline = job_config(args).pipeline
     assert [(size, p.microbatches) for size, p in pipeline.others] == [(2, 2), (4, 4)], pipeline.others
     assert {p.schedule for _, p in pipeline.others} == {pipeline.schedule}, "a step runs another schedule"
+
+
+def test_the_flex_dispatcher_is_refused_off_a_gpu_naming_its_kernels(capsys):
+    """megatron-core's flex dispatcher runs DeepEP's, HybridEP's or NCCL-EP's GPU kernels: here (no GPU) one line
+    names the backend's kernels and what to give instead."""
+    flex = CHIMERA2 + MOE + ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+                             "--sequence-parallel"]
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + flex, world_size=4)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pretrain_gpt.py: error: --moe-token-dispatcher-type=flex: GPU-only: megatron-core's flex dispatcher runs "
+        "HybridEP's kernels (--moe-flex-dispatcher-backend hybridep) on NVIDIA GPUs; on this machine give "
+        "--moe-token-dispatcher-type alltoall"]

@@ -36,7 +36,7 @@ def test_help_prints_every_megatron_lm_flag_with_its_class(capsys):
     assert exit_info.value.code == 0
     assert all(o in text for o in megatron_options()), f"missing: {[o for o in megatron_options() if o not in text]}"
     assert "[refused here: hybrid (dynamic) context parallelism's bound on the tokens per DP x CP rank" in text
-    assert "[honoured here for allgather, alltoall only]" in text
+    assert "[honoured here for allgather, alltoall, flex only]" in text
     assert "--pipeline-schedule" in text and "--chimera-concat" in text
 
 
@@ -69,8 +69,6 @@ def test_the_optimizer_step_gather_overlap_parses_under_chimera(capsys):
     (["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "1",
       "--expert-tensor-parallel-size", "0"],
      "--expert-model-parallel-size=1: and --expert-tensor-parallel-size must be positive"),
-    (["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
-     "--moe-token-dispatcher-type=flex: pretrain_gpt.py runs allgather, alltoall only"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "quantile_balancing"],
      "--moe-router-load-balancing-type=quantile_balancing: pretrain_gpt.py runs aux_loss, seq_aux_loss, "
      "global_aux_loss, sinkhorn, none only"),

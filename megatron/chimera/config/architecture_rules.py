@@ -5,6 +5,7 @@ what megatron-core's local layers and Transformer Engine's (layer_probes.py) eac
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe import fused_a2a
 
 from chimera_schedules.ir.errors import require
 
@@ -108,6 +109,27 @@ def _validate_config_fields(args) -> None:
             "model's, and a pipeline stage's slice of the pattern numbers them as its own layers")
 
 
+# megatron-core's flex dispatcher backends: the kernels each runs, and megatron-core's own test that they are here
+FLEX_KERNELS = {"deepep": ("DeepEP's", "HAVE_DEEP_EP", "the deep_ep package"),
+                "hybridep": ("HybridEP's", "HAVE_HYBRIDEP", "the deep_ep package with HybridEPBuffer"),
+                "ncclep": ("NCCL-EP's", "HAVE_TE_EP", "Transformer Engine with transformer_engine.pytorch.ep")}
+
+
+def _check_flex(args) -> None:
+    """--moe-token-dispatcher-type flex runs megatron-core's flex dispatcher, whose backends are GPU kernels
+    (DeepEP, HybridEP, NCCL-EP): on a GPU with the backend's package installed, inside each MoE layer under any
+    schedule; elsewhere refused, naming the kernel."""
+    if args.moe_token_dispatcher_type != "flex":
+        return
+    backend = "deepep" if args.moe_enable_deepep else args.moe_flex_dispatcher_backend
+    kernels, have, package = FLEX_KERNELS[backend]
+    require(torch.cuda.is_available(), "--moe-token-dispatcher-type", "flex", f"GPU-only: megatron-core's flex "
+            f"dispatcher runs {kernels} kernels (--moe-flex-dispatcher-backend {backend}) on NVIDIA GPUs; on this "
+            "machine give --moe-token-dispatcher-type alltoall")
+    require(getattr(fused_a2a, have), "--moe-flex-dispatcher-backend", backend,
+            f"needs {package} (megatron-core finds no {kernels} kernels here)")
+
+
 def _validate_experts(args) -> None:
     """Mixture of experts: the layer pattern covers the model, and what is not supported yet says so."""
     freq = args.moe_layer_freq
@@ -121,6 +143,7 @@ def _validate_experts(args) -> None:
             "in-place update of a view); Megatron-LM's MoE recipes set it")
     require(args.tensor_model_parallel_size == 1 or args.sequence_parallel, "--sequence-parallel", False,
             "is required with --num-experts and tensor parallelism (megatron-core's rule for MoE layers)")
+    _check_flex(args)
     require(not (args.moe_shared_expert_overlap and args.moe_shared_expert_intermediate_size)
             or args.moe_token_dispatcher_type == "alltoall", "--moe-shared-expert-overlap", True,
             "needs --moe-token-dispatcher-type alltoall (megatron-core's rule)")

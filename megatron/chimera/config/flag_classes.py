@@ -17,7 +17,15 @@ def _flags(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
 
-HONOURED = _flags("""
+# megatron-core's flex dispatcher's settings: honoured where it runs, on a GPU with its backend's kernels
+# (architecture_rules.py refuses --moe-token-dispatcher-type flex elsewhere, naming them)
+FLEX_DISPATCHER = _flags("""
+    --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
+    --moe-hybridep-pad-uneven-dispatch-inputs --moe-flex-dispatcher-num-sms --moe-deepep-num-sms
+    --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
+    --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape --moe-ncclep-zero-copy
+""")
+HONOURED = FLEX_DISPATCHER | _flags("""
     --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
     --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --pipeline-model-parallel-layout
     --mtp-num-layers --mtp-loss-scaling-factor
@@ -328,13 +336,6 @@ REFUSED = {
         --use-mup --mup-width-mult --mup-base-hidden-size --mup-embedding-mult --mup-output-mult
         --mup-base-head-dim --mup-attn-scale-power
     """),
-    ("GPU-only: the flex dispatcher's DeepEP, HybridEP and NCCL-EP kernels need NVIDIA GPUs; not supported "
-     "yet (use --moe-token-dispatcher-type alltoall or allgather)"): _flags("""
-        --moe-enable-deepep --moe-flex-dispatcher-backend --moe-permute-fusion-into-hybridep
-        --moe-hybridep-pad-uneven-dispatch-inputs --moe-flex-dispatcher-num-sms --moe-deepep-num-sms
-        --moe-hybridep-num-sms --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
-        --moe-hybridep-num-sms-preprocessing --moe-ncclep-static-shape --moe-ncclep-zero-copy
-    """),
     'GPU-only: FP8 and FP4 need Transformer Engine on a GPU; not supported yet': _flags("""
         --fp8-format --fp8-recipe --fp8-quantizer-factory --fp8-margin --fp8-interval --fp8-amax-history-len
         --fp8-amax-compute-algo --no-fp8-wgrad --disable-fp8-wgrad --fp8-output-proj --first-last-layers-bf16
@@ -506,7 +507,7 @@ VALUES = {
     "--muon-scalar-optimizer": ("adam",),  # megatron-core's other choice, Lion, is not implemented
     # Megatron-LM 0.19's GPT builder (gpt_config_from_args) gives GPTModel its default, 8.0, whatever this says
     "--rope-scaling-factor": (8.0,),
-    "--moe-token-dispatcher-type": ("allgather", "alltoall"),
+    "--moe-token-dispatcher-type": ("allgather", "alltoall", "flex"),
     "--moe-router-load-balancing-type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
     "--moe-router-score-function": ("softmax", "sigmoid"),
     "--dataloader-type": (None, "single", "cyclic"),

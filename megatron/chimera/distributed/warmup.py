@@ -101,7 +101,8 @@ def _moe_groups(dims: ParallelDims) -> list[tuple[str, object]]:
     group (and its metrics tracker records the losses against it), the z-loss and the global aux loss over
     the tensor-data-and-context-parallel group; the tracker reduces its metrics over the pipeline and
     data-parallel groups after the flush. The dispatchers gather over expert-TP x EP (both), exchange
-    tokens over EP (alltoall), and the experts' linear layers and the alltoall dispatcher use expert TP."""
+    tokens over EP (alltoall; flex, whose kernels set up their buffers over it), and the experts' linear layers
+    and the alltoall dispatcher use expert TP."""
     if dims.num_experts is None:
         return []
     etp, ep = dims.etp, dims.ep
@@ -113,7 +114,7 @@ def _moe_groups(dims: ParallelDims) -> list[tuple[str, object]]:
                       parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)))
     if etp * ep > 1:
         roles.append(("expert-tensor-and-expert-parallel", parallel_state.get_expert_tensor_and_model_parallel_group()))
-    if ep > 1 and dims.moe_dispatcher == "alltoall":
+    if ep > 1 and dims.moe_dispatcher in ("alltoall", "flex"):
         roles.append(("expert-parallel", parallel_state.get_expert_model_parallel_group()))
     if etp > 1:
         roles.append(("expert-tensor-parallel", parallel_state.get_expert_tensor_parallel_group()))

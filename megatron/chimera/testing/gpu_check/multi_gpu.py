@@ -15,6 +15,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from megatron.core.transformer.moe import fused_a2a
+
 from megatron.chimera.model.chunk import delayed_wgrad_te, delays_weight_gradients, transformer_engine_version
 from megatron.chimera.testing.equivalence import MODEL, TOLERANCE, VARIANTS
 
@@ -50,6 +52,7 @@ TIMED = ["--mock-data", "--vocab-size", "32000", "--num-layers", "8", "--hidden-
          "--log-interval", "1", "--distributed-timeout-minutes", "2"]
 # equivalence.py's bf16 model (its bound: TOLERANCE["bf16"])
 BF16 = MODEL + VARIANTS["bf16"] + ["--micro-batch-size", "1", "--log-interval", "1"]
+FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ def _single_cases(m: Machine, model: list[str]) -> list[Case]:
              model + BF16 + TE, TOLERANCE["bf16"][0], not_on_cpu="cpu-smoke: Transformer Engine's layers need a GPU",
              needs=("transformer_engine",)),
         Case("nccl chimera D=2 MoE EP=2 alltoall", 4, moe + chimera(2) + EP2, moe, env=moe_env),
+        # megatron-core's flex dispatcher inside each MoE layer, DeepEP's kernels (bf16: what they dispatch)
+        Case("nccl chimera D=2 MoE EP=2 flex dispatcher DeepEP bf16", 4, moe + VARIANTS["bf16"] + chimera(2) + EP2
+             + FLEX, moe + VARIANTS["bf16"], TOLERANCE["bf16"][0], env=moe_env,
+             not_on_cpu="cpu-smoke: the flex dispatcher's kernels need a GPU", needs=("deep_ep",)),
         Case("nccl chimera D=2 DP=2 MoE EP=2 plan mode overlapped reduce and gather", 4,
              moe + chimera(2) + PLAN_MODE + OVERLAPPED, moe, env=moe_env,
              not_on_cpu="cpu-smoke: its CPU half is plan-mode-overlapped-gather-matches-one-process's run"),
@@ -132,6 +139,8 @@ def _uncheckable(m: Machine, case: Case) -> str | None:
     """Why a case this machine could run checks nothing here (INCOMPLETE), or None."""
     if "transformer_engine" in case.needs and not m.te:
         return "Transformer Engine not installed: its layers on NCCL unchecked"
+    if "deep_ep" in case.needs and not fused_a2a.HAVE_DEEP_EP:
+        return "DeepEP (deep_ep) not installed: megatron-core's flex dispatcher unchecked"
     # the release the run's own rule asks (config/schedule_rules.py), by the flags: gradient-accumulation fusion
     if "te_split" in case.needs and not delays_weight_gradients(overlap_grad_reduce=False,
                                                                 gradient_accumulation_fusion=True):
