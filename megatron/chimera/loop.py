@@ -229,7 +229,7 @@ class Trainer:
         zeros = self._step(norm, finite, steps, batch.size)
         series = self.job.log.series
         return {"lm loss": loss, "grad norm": norm if steps else None, "skipped": not steps,
-                "global batch size": batch.size,
+                "global batch size": batch.size, "consumed samples": batch.first_sample + batch.size,
                 "nan": self._nan_iteration(loss, finite, steps), "moe": moe, "num zeros": zeros,
                 "params norm": self.main.params_norm() if series.params_norm else None}
 
@@ -468,7 +468,6 @@ def _train(trainer, batches: GlobalBatches, first: int, progress, housekeeping, 
                 _maybe_save(trainer, progress, {"nan": False}, position, "the rerun state machine", saves)
             _finalise(saves)
             raise
-        stats["consumed samples"] = batches.consumed
         done = iteration + 1
         if saves is not None:
             saves.maybe_finalize_async_calls(blocking=stats["nan"])
