@@ -146,6 +146,21 @@ def probe(*argv: str) -> str:
     return run(1, "-m", "megatron.chimera.testing.mcore_checkpoint_probe", *argv).stdout.split()[-1]
 
 
+def test_megatron_lms_load_checkpoint_resumes_the_torch_formats_optimizer_state(corpus, tmp_path):
+    """--ckpt-format torch with the optimizer state, saved in one process at iteration 3, read by Megatron-LM's own
+    load_checkpoint with the optimizer megatron-core's get_megatron_optimizer builds and Megatron-LM's LR scheduler
+    (the probe's ``step``): one training step on batch 3 from what it loaded gives the loss the run logged at
+    iteration 5, which needs the run's moments, step count, and each parameter group's learning rate and weight
+    decay. The run counts its LR schedule in samples (--train-samples), as Megatron-LM's scheduler does (with
+    --train-iters ours counts iterations, and Megatron-LM's load refuses the schedule); its gradient is not clipped
+    (the probe's Megatron-LM clips CUDA gradients only)."""
+    flags = train_args(corpus, "--train-samples", "20", "--clip-grad", "0", "--eval-iters", "0")
+    at = flags.index("--train-iters")
+    flags = flags[1:at] + flags[at + 2:]
+    saved = run(1, "pretrain_gpt.py", *flags, "--ckpt-format", "torch", "--save", str(tmp_path), "--save-interval", "3")
+    assert probe("step", str(tmp_path), "--", *flags, "--probe-batch", "3", "--probe-step", "3") == losses(saved)[5]
+
+
 def test_chimera_checkpoint_loads_with_megatron_lms_load_checkpoint(uninterrupted, corpus):
     """Megatron-LM's own load_checkpoint of the Chimera run's --save directory (iteration 2, as its
     --ckpt-step picks) into a plain GPTModel: its loss on batch 2 is the loss Chimera logged at
@@ -223,10 +238,10 @@ def two_ranks(corpus, tmp_path_factory):
                                            "--load", str(mtp / "iter_0000002")),
         "mtp resumed even 1f1b": train_args(corpus, *MTP, "--pipeline-model-parallel-size", "2",
                                             "--pipeline-schedule", "1f1b", "--load", str(mtp / "iter_0000002")),
-        "torch format": train_args(corpus, *CHIMERA2, "--ckpt-format", "torch", "--no-save-optim", "--save",
-                                   str(legacy), "--save-interval", "2", "--eval-iters", "0", "--train-iters", "3"),
-        "torch format resumed": train_args(corpus, *CHIMERA2, "--load", str(legacy / "iter_0000002"), "--no-load-optim",
-                                           "--eval-iters", "0", "--train-iters", "3"),
+        "torch format": train_args(corpus, *CHIMERA2, "--ckpt-format", "torch", "--save", str(legacy),
+                                   "--save-interval", "2", "--eval-iters", "0"),
+        "torch format resumed": train_args(corpus, *CHIMERA2, "--load", str(legacy / "iter_0000002"),
+                                           "--eval-iters", "0"),
         **successor_chain(corpus, chain),
         "model state": train_args(corpus, *CHIMERA2, "--untie-embeddings-and-output-weights", "--train-iters", "1",
                                   "--log-memory-per-rank", "--bf16", "--use-distributed-optimizer"),
@@ -313,20 +328,28 @@ def test_megatron_lm_and_legacy_checkpoints_load_into_chimera(two_ranks):
     assert losses(dist)[1] == losses(legacy)[1] == expected
 
 
-def test_torch_format_is_megatron_lms_per_rank_files_and_loads_back(two_ranks):
-    """--ckpt-format torch --no-save-optim: worker i writes its down-pipeline copy as pipeline rank i, in
-    the files Megatron-LM's legacy save writes (no optimizer state, so no LR scheduler either); loaded back
-    with --no-load-optim, iteration 3's loss, computed from the saved weights, is the uninterrupted one."""
+def test_torch_format_is_megatron_lms_per_rank_files_and_resumes_exactly(two_ranks):
+    """--ckpt-format torch: worker i writes its down-pipeline copy as pipeline rank i, in the files Megatron-LM's
+    legacy save writes, with the stage's optimizer state as megatron-core's FP32Optimizer gives it (torch's AdamW
+    state dict over megatron-core's parameter groups: with and without weight decay) and the LR scheduler's.
+    Resumed with its optimizer state (each of Chimera's two copies of a stage from that stage's file), iterations
+    3 and 4 repeat the uninterrupted run's losses exactly."""
     runs = two_ranks[1]
     saved, resumed = ok(runs, "torch format"), ok(runs, "torch format resumed")
     folder = re.search(r"saved checkpoint at iteration 2 to (\S+)", saved.stdout).group(1)
     assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001"], os.listdir(folder)
     last = torch.load(os.path.join(folder, "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
-    assert sorted(last) == ["args", "checkpoint_version", "iteration", "model", "rng_state"], sorted(last)
+    assert sorted(last) == ["args", "checkpoint_version", "iteration", "model", "opt_param_scheduler", "optimizer",
+                            "rng_state"], sorted(last)
     assert "decoder.layers.0.mlp.linear_fc1.weight" in last["model"] and "output_layer.weight" in last["model"]
     assert sorted(last["rng_state"][0]) == ["cuda_rng_state", "np_rng_state", "random_rng_state",
                                             "rng_tracker_states", "torch_rng_state"], last["rng_state"]
-    assert losses(resumed) == {3: losses(saved)[3]}
+    groups, state = last["optimizer"]["param_groups"], last["optimizer"]["state"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and all(g["max_lr"] == 3e-3 for g in groups), groups
+    weights = [k for k, v in last["model"].items() if torch.is_tensor(v) and not k.endswith("_extra_state")]
+    assert sorted(i for g in groups for i in g["params"]) == sorted(state) == list(range(len(weights))), state
+    assert {int(s["step"]) for s in state.values()} == {2} and last["opt_param_scheduler"]["num_steps"] == 2
+    assert losses(resumed) == {3: losses(saved)[3], 4: losses(saved)[4]}
 
 
 def test_chimera_d4_checkpoint_reshards_into_1f1b_d2_tp2(four_ranks):

@@ -99,7 +99,8 @@ def test_save_retain_interval_removes_the_previous_checkpoint_unless_a_multiple(
 
 
 @pytest.mark.parametrize("flags, world, said", [
-    (["--ckpt-format", "torch"], 1, "add --no-save-optim"),
+    (["--ckpt-format", "torch", "--use-distributed-optimizer"], 1, "Megatron-LM's distrib_optim.pt"),
+    (["--ckpt-format", "torch", "--optimizer", "muon"], 1, "not --optimizer muon's: save torch_dist"),
     (["--ckpt-format", "torch", "--no-save-optim", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
       "interleaved", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4", "--num-layers", "4"],
      2,
@@ -111,10 +112,35 @@ def test_what_the_torch_format_cannot_save_is_refused_before_start(tmp_path, cap
     assert said in capsys.readouterr().err
 
 
-def test_the_spec_says_what_a_save_writes(tmp_path):
+@pytest.mark.parametrize("flags, optimizer", [([], True), (["--no-save-optim"], False),
+                                              (["--use-distributed-optimizer", "--no-save-optim"], False)])
+def test_the_spec_says_what_a_save_writes(tmp_path, flags, optimizer):
+    """--ckpt-format torch is written with the optimizer state unless --no-save-optim (which also lets the
+    distributed optimizer save it)."""
     spec = CheckpointSpec.from_args(parse_args(TINY + ["--save", str(tmp_path), "--save-interval", "5", "--ckpt-format",
-                                                       "torch", "--no-save-optim"], world_size=1))
-    assert (spec.format, spec.save_optimizer, spec.verify_integrity) == ("torch", False, False), spec
+                                                       "torch"] + flags, world_size=1))
+    assert (spec.format, spec.save_optimizer, spec.verify_integrity) == ("torch", optimizer, False), spec
+
+
+@pytest.mark.parametrize("changed, dropped, said", [({"bf16": True}, (), "--bf16=False: the torch checkpoint in"),
+                                                     ({"tensor_model_parallel_size": 2}, (),
+                                                      "--tensor-model-parallel-size=1: the torch checkpoint in"),
+                                                     ({}, ("optimizer",), "holds no optimizer state")])
+def test_a_torch_checkpoints_optimizer_state_loads_in_the_sizes_and_precision_it_was_saved_in(tmp_path, capsys,
+                                                                                             changed, dropped, said):
+    """Before anything starts: a legacy file's optimizer state (checkpoint/legacy.py) is refused, in one line, when
+    the checkpoint was saved at another tensor-parallel size or precision (its args ``changed``), or without it."""
+    folder = tmp_path / "iter_0000001" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    args = vars(checkpointing._saved_args(parse_args(TINY, world_size=1), 4))
+    state = {"args": argparse.Namespace(**{**args, **changed}), "iteration": 1, "checkpoint_version": 3.0,
+             "model": {}, "optimizer": {}}
+    torch.save({k: v for k, v in state.items() if k not in dropped}, folder / "model_optim_rng.pt")
+    (tmp_path / LATEST).write_text("1")
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--load", str(tmp_path)], world_size=1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
 
 
 class Weights:

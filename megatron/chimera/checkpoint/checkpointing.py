@@ -58,7 +58,7 @@ from .layout import load_into, ordered, to_load, to_save
 from .legacy import load_legacy
 from .legacy import read_common as legacy_common
 from .legacy_save import save_legacy
-from .states import DataPosition, Place, State, StateMismatch
+from .states import DataPosition, LegacyStates, Place, State, StateMismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -250,7 +250,8 @@ def save_checkpoint(states: Mapping[str, State], position: DataPosition, spec: C
     dist.barrier()
     finish = partial(_finish, tmp, final, spec, position.iteration, on_written=on_written, on_published=on_published)
     if spec.format == "torch":  # Megatron-LM's legacy per-rank files, written at once
-        written = save_legacy(_legacy_held(states), rt, tmp, _common(position, megatron_args))
+        parts = LegacyStates.of(states, _saved(states, spec))
+        written = save_legacy(parts, rt, tmp, _common(position, megatron_args), megatron_args)
         finish(written=lambda: {os.path.relpath(path, tmp): digest(path) for path in written})
         return final
     results = filesystem_async._results_queue = WriteResults(os.path.join(tmp, f".write-results-{dist.get_rank()}"))
@@ -263,10 +264,10 @@ def save_checkpoint(states: Mapping[str, State], position: DataPosition, spec: C
     return final
 
 
-def _legacy_held(states: Mapping[str, State]) -> State:
-    """The one state Megatron-LM's legacy per-rank files hold (--ckpt-format torch): the model's weights."""
-    (held,) = [states[name] for name in ordered(states, lambda place: place.legacy)]
-    return held
+def _saved(states: Mapping[str, State], spec: CheckpointSpec) -> list[str]:
+    """The states a save writes, in order: all, less the optimizer's part (optimizer, LR scheduler, loss scale)
+    with --no-save-optim, as Megatron-LM leaves it out."""
+    return ordered(states, lambda place: spec.save_optimizer or place.part != "optimizer")
 
 
 def _write_dist(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt, megatron_args,
@@ -307,11 +308,10 @@ def _common(position: DataPosition, megatron_args) -> dict:
 
 def _megatron_layout(states: Mapping[str, State], position: DataPosition, spec: CheckpointSpec, rt,
                      megatron_args) -> dict:
-    """The states where Megatron-LM's checkpoints keep them, with its metadata and our layout; without the
-    optimizer's part (optimizer, LR scheduler, loss scale) with --no-save-optim, as Megatron-LM leaves it out."""
+    """The states a save writes (``_saved``) where Megatron-LM's checkpoints keep them, with its metadata and our
+    layout."""
     layout = {"schedule": spec.schedule, "world": rt.world, "tp": rt.tp, "pp": rt.pp, "dp": rt.dp}
-    saved = ordered(states, lambda place: spec.save_optimizer or place.part != "optimizer")
-    return to_save(states, saved, {**_common(position, megatron_args), "layout": layout})
+    return to_save(states, _saved(states, spec), {**_common(position, megatron_args), "layout": layout})
 
 
 class _NotAsync(logging.Filter):
@@ -385,9 +385,8 @@ def load_checkpoint(states: Mapping[str, State], position: DataPosition, spec: C
     folder, fmt = find_checkpoint(spec.load)
     files = _verified(folder, spec.load)
     if fmt == "torch":
-        model = _legacy_held(states)
-        common = load_legacy(model.chunks, rt.tp, rt.tp_rank, folder, spec.load)
-        model.weights_loaded()
+        common = legacy_common(folder, spec.load)
+        load_legacy(LegacyStates.of(states, ordered(states, _loaded(spec, common, rt))), rt, folder, spec.load)
     else:
         if spec.verify_integrity:
             verify_integrity(folder, spec.load, files)
@@ -405,7 +404,12 @@ def _position(common: dict) -> dict:
 
 
 def _same_layout(common: dict, rt) -> bool:
-    layout = common.get("layout", {})
+    """Whether the checkpoint was saved by as many ranks, tensor- and pipeline-parallel alike (its ``layout``, ours;
+    else its Megatron-LM args, all a legacy file records)."""
+    args = common.get("args")
+    layout = common.get("layout") or {"world": getattr(args, "world_size", None),
+                                      "tp": getattr(args, "tensor_model_parallel_size", None),
+                                      "pp": getattr(args, "pipeline_model_parallel_size", None)}
     return (layout.get("world"), layout.get("tp"), layout.get("pp")) == (rt.world, rt.tp, rt.pp)
 
 

@@ -58,17 +58,16 @@ class Place:
     flags that leave it out, as Megatron-LM's: "optimizer" (--no-save-optim, --no-load-optim, --finetune),
     "rng" (--no-load-rng, --finetune, and a load into another layout, where a rank's generators are not the
     same rank's), None (none). ``after``: the states saved and loaded before it (their sharded states
-    are its sharded state's arguments). ``legacy``: what Megatron-LM's legacy per-rank files hold
-    (--ckpt-format torch): the model's weights alone."""
+    are its sharded state's arguments). Megatron-LM's legacy per-rank files (--ckpt-format torch) hold the same
+    parts in their own form (legacy_save.py)."""
 
     key: str
     part: str | None = None
     after: tuple[str, ...] = ()
-    legacy: bool = False
 
 
 PLACES = {
-    "model": Place("", legacy=True),
+    "model": Place(""),
     # its tensors are sharded like the model's; the fp32 main weights it loads replace those the model's load
     # copied into the main weights (ModelChunks.weights_loaded)
     "optimizer": Place("optimizer", "optimizer", after=("model",)),
@@ -150,12 +149,42 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict) -> None:
         """The moments and the step; the fp32 main weights when the checkpoint has them (else they stay the
         loaded model weights)."""
-        states = loaded_by_parameter(self.chunks, state_dict["state"])
-        self.main.load_full_state(self.optimizer, states, state_dict["step"])
+        self.load_whole_state(loaded_by_parameter(self.chunks, state_dict["state"]), state_dict["step"])
+
+    def whole_state(self) -> tuple[dict[int, dict[str, torch.Tensor]], int]:
+        """AdamW's moments and the fp32 main weights of every held parameter, whole, by id of the model parameter,
+        and the step: what Megatron-LM's legacy files hold (legacy_save.py). Collective for the distributed
+        optimizers."""
+        return self.main.full_state(self.optimizer, MOMENTS + ("fp32_param",)), self.steps()
+
+    def load_whole_state(self, states: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        """The moments (and the fp32 main weights, where given) of every held parameter, as whole_state gives them."""
+        self.main.load_full_state(self.optimizer, states, step)
 
     def steps(self) -> int:
         steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
         return max(steps, default=0)
+
+
+@dataclass(frozen=True)
+class LegacyStates:
+    """The states of ``names`` as Megatron-LM's legacy per-rank files (--ckpt-format torch) hold them, each in
+    its own form there (legacy_save.py writes them, legacy.py reads them): the model's down-pipeline chunk as
+    ``model``; the optimizer, with the loss scale (--fp16) inside it and the LR scheduler beside it, as
+    ``optimizer`` and ``opt_param_scheduler``; the RNG states as ``rng_state``. ``None``, False: left out of
+    this save or load (--no-save-optim, --no-load-optim, --no-load-rng, another layout)."""
+
+    model: ModelChunks
+    optimizer: OptimizerState | None
+    scheduler: Stateful | None
+    scaler: Stateful | None
+    rng: bool
+
+    @classmethod
+    def of(cls, states: dict, names: list[str]) -> LegacyStates:
+        kept = {name: states[name] for name in names}
+        return cls(kept["model"], kept.get("optimizer"), kept.get("lr_scheduler"), kept.get("grad_scaler"),
+                   "rng" in kept)
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,27 @@ def check_resume(args, probes: LayerProbes) -> None:
     saved = probes.read_checkpoint(args.load, args, args.verify_integrity)
     require(saved.unverifiable is None, "--verify-integrity", True, saved.unverifiable)
     loads_optimizer = not (args.finetune or args.no_load_optim)
-    require(saved.format != "torch" or not loads_optimizer, "--load", args.load,
-            "is a legacy torch checkpoint, whose optimizer state is not converted: pass --no-load-optim or --finetune")
-    require(saved.format != "torch_dist" or not loads_optimizer or "optimizer" in saved.common, "--load", args.load,
+    require(not loads_optimizer or "optimizer" in saved.common, "--load", args.load,
             "holds no optimizer state (a model saved alone?): pass --no-load-optim or --finetune")
+    if saved.format == "torch" and loads_optimizer:
+        _check_legacy_optimizer(args, saved.common.get("args"))
     saved_optimizer = getattr(saved.common.get("args"), "optimizer", args.optimizer)
     require(not loads_optimizer or saved_optimizer == args.optimizer, "--optimizer", args.optimizer,
             f"the checkpoint in {args.load} holds {saved_optimizer}'s optimizer state: pass --no-load-optim or "
             "--finetune to start this optimizer afresh")
     if loads_optimizer and "opt_param_scheduler" in saved.common:
         check_resumed_schedule(args, saved.common["opt_param_scheduler"])
+
+
+def _check_legacy_optimizer(args, saved) -> None:
+    """A legacy torch checkpoint's optimizer state (checkpoint/legacy.py) loads as AdamW's, into the tensor- and
+    pipeline-parallel sizes and the precision it was saved with (``saved``: its args)."""
+    require(args.optimizer == "adam", "--optimizer", args.optimizer,
+            f"the torch checkpoint in {args.load} holds Megatron-LM's AdamW state: pass --no-load-optim or --finetune")
+    for flag, key in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                      ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                      ("--bf16", "bf16"), ("--fp16", "fp16")):
+        value = getattr(saved, key, getattr(args, key))
+        require(value == getattr(args, key), flag, getattr(args, key),
+                f"the torch checkpoint in {args.load} was saved with {flag} {value}, and its optimizer state loads "
+                "with the same: pass --no-load-optim or --finetune to start it afresh")

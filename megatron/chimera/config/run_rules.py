@@ -37,9 +37,13 @@ def check_run(args) -> None:
             require(_writable(path), flag, path, "must be a writable directory, or creatable in a writable one")
     require(not args.save or args.save_interval, "--save-interval", args.save_interval,
             "is required with --save (Megatron-LM's rule)")
-    require(args.ckpt_format == "torch_dist" or not args.save or args.no_save_optim, "--ckpt-format", args.ckpt_format,
-            "is written without the optimizer state only (Megatron-LM keys it by its own parameter groups, which "
-            "this trainer does not reproduce): add --no-save-optim, or save torch_dist")
+    legacy_optimizer = args.ckpt_format == "torch" and args.save and not args.no_save_optim
+    require(not legacy_optimizer or not args.use_distributed_optimizer, "--ckpt-format", "torch",
+            "with --use-distributed-optimizer would need Megatron-LM's distrib_optim.pt, laid out by its DDP's CUDA "
+            "buffers, which is not written here: save torch_dist, or add --no-save-optim")
+    require(not legacy_optimizer or args.optimizer == "adam", "--ckpt-format", "torch",
+            f"holds Megatron-LM's AdamW state only, not --optimizer {args.optimizer}'s: save torch_dist, or add "
+            "--no-save-optim")
     require(not args.verify_integrity or args.ckpt_format == "torch_dist", "--verify-integrity", True,
             "needs --ckpt-format torch_dist (Megatron-LM's rule: the torch format has no integrity manifest)")
     check_data(args)

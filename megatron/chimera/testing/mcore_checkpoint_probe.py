@@ -6,13 +6,22 @@ from the megatron-core wheel), as a Megatron-LM user's run does.
         # DIR/torch_dist: Megatron-LM's save_checkpoint (torch_dist, iteration 1); DIR/torch: its legacy files
     python -m megatron.chimera.testing.mcore_checkpoint_probe load DIR -- FLAGS
         # Megatron-LM's load_checkpoint of DIR (a --save directory; --probe-step N picks iteration N)
+    python -m megatron.chimera.testing.mcore_checkpoint_probe step DIR -- FLAGS
+        # the same with its optimizer and LR scheduler, then one training step on batch BATCH
 
 Each prints ``loss BATCH VALUE``: the LM loss of training batch BATCH (``--probe-batch``, default 0)
-as pretrain_gpt.py's data gives it, with the saved or loaded weights. FLAGS are pretrain_gpt.py's.
+as pretrain_gpt.py's data gives it, with the saved or loaded weights. FLAGS are pretrain_gpt.py's. ``step``
+builds Megatron-LM's optimizer (megatron-core's get_megatron_optimizer, under Megatron-LM's config of FLAGS) and
+scheduler, loads them with the model, trains on batch BATCH as Megatron-LM's train_step does (each micro-batch's
+loss averaged over its tokens and the micro-batches, megatron-core's optimizer step, the scheduler advanced by
+the global batch), and prints ``loss BATCH+1 VALUE``: the loss the checkpointed run logs one iteration after
+BATCH's, only if the loaded moments, step count, learning rate and weight decay are that run's.
 
-Megatron-LM's checkpoint functions run on the CPU with two answers only CUDA gives them: the CUDA RNG
-state its save stores (empty: there is no CUDA generator; loading skips RNG states, --no-load-rng) and the
-one ``device='cuda'`` tensor its load all-reduces the iteration number in (made on the CPU).
+Megatron-LM's checkpoint and optimizer functions run on the CPU with what only CUDA gives them replaced: the
+CUDA RNG state its save stores (empty: there is no CUDA generator; loading skips RNG states, --no-load-rng)
+and the ``device='cuda'`` tensors its load (the iteration number it all-reduces), its FP32Optimizer (a loss
+scale of 1) and its gradient norm (megatron-core's fallback L2 norm) make (made on the CPU). Its gradient
+clipping accepts CUDA gradients only: ``step`` needs --clip-grad 0.
 """
 from __future__ import annotations
 
@@ -23,12 +32,17 @@ import types
 
 import torch
 from megatron.core import parallel_state
+from megatron.core import utils as megatron_utils
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.optimizer import clip_grads, get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizers
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training import checkpointing
 from megatron.training.global_vars import set_args
+from megatron.training.training import get_megatron_optimizer_config, get_optimizer_param_scheduler
 
 from megatron.chimera import job_config, make_run_plan, parse_args
 from megatron.chimera.config.model_spec import ModelSpec
@@ -50,21 +64,52 @@ def gpt_model(args):
                     position_embedding_type=args.position_embedding_type)
 
 
-@torch.no_grad()
-def batch_loss(model, args, index: int) -> float:
+def microbatches(args, index: int):
+    """The micro-batches of training batch ``index``, as pretrain_gpt.py's data gives them."""
     job = job_config(args)
     data, plan = job.data, make_run_plan(job.pipeline, job.parallel)
     train, _ = build_datasets(data, build_tokenizer(data.tokenizer, args), *dataset_sizes(data))
     source = MicrobatchSource(train, data, plan, dp_rank=0, pinned=False, exit_signal=None)
     steps = source.global_batch(index)
+    return [source.microbatch(steps, mb) for mb in range(plan.microbatches)]
+
+
+def _token_losses(model, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's summed token loss and its token count."""
+    losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return (losses.double() * b["loss_mask"]).sum(), b["loss_mask"].sum()
+
+
+@torch.no_grad()
+def batch_loss(model, args, index: int) -> float:
     total = count = 0.0
     model.eval()
-    for mb in range(plan.microbatches):
-        b = source.microbatch(steps, mb)
-        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-        total += float((losses.double() * b["loss_mask"]).sum())
-        count += float(b["loss_mask"].sum())
+    for b in microbatches(args, index):
+        loss, tokens = _token_losses(model, b)
+        total, count = total + float(loss), count + float(tokens)
     return total / count
+
+
+def megatron_lm_optimizer(model, args):
+    """Megatron-LM's optimizer and LR scheduler for ``model``, as its setup_model_and_optimizer builds them: of
+    the DDP wrapper get_megatron_optimizer reads only its config, given to the model itself."""
+    model.ddp_config = DistributedDataParallelConfig()
+    config, overrides = get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(config, [model], overrides)
+    return optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def train_step(model, optimizer, scheduler, args, index: int) -> None:
+    """One training step on batch ``index``, as Megatron-LM's train_step on one process (see the docstring)."""
+    model.train()
+    optimizer.zero_grad()
+    batches = microbatches(args, index)
+    for b in batches:
+        loss, tokens = _token_losses(model, b)
+        (loss.float() / tokens / len(batches)).backward()
+    succeeded, _, _ = optimizer.step()
+    assert succeeded, "megatron-core's optimizer skipped the step"
+    scheduler.step(increment=args.global_batch_size)
 
 
 def write_legacy(model, args, folder: str) -> None:
@@ -91,15 +136,18 @@ def write_legacy(model, args, folder: str) -> None:
         f.write("release")
 
 
-def megatron_lm_on_cpu(args):
-    """Megatron-LM's globals for its checkpoint functions, and the two CUDA answers (see above)."""
+def megatron_lm_on_cpu(args, optimizer: bool = False):
+    """Megatron-LM's globals for its checkpoint functions, and the CUDA answers (see above); its optimizer state
+    is loaded with ``optimizer`` only."""
     set_args(args)
     init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1, False)
-    args.no_load_rng = args.no_load_optim = args.no_save_optim = True  # a model alone, as saved here
+    args.no_load_rng = args.no_save_optim = True  # a model alone, as saved here
+    args.no_load_optim = not optimizer
     torch.cuda.get_rng_state = lambda *_, **__: torch.empty(0, dtype=torch.uint8)
     on_cpu = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
     on_cpu.tensor = lambda *a, device=None, **k: torch.tensor(*a, **k)
-    checkpointing.torch = on_cpu
+    on_cpu.zeros = lambda *a, device=None, **k: torch.zeros(*a, **k)
+    checkpointing.torch = megatron_optimizers.torch = clip_grads.torch = megatron_utils.torch = on_cpu
     return checkpointing
 
 
@@ -120,15 +168,19 @@ def main() -> None:
     args = parse_args(flags, world_size=1)
     init_distributed("gloo", 5)
     model = gpt_model(args)
-    checkpointing = megatron_lm_on_cpu(args)
+    checkpointing = megatron_lm_on_cpu(args, optimizer=mode == "step")
     if mode == "save":
         args.save = os.path.join(folder, "torch_dist")
         checkpointing.save_checkpoint(1, [model], None, None, 0)
         write_legacy(model, args, os.path.join(folder, "torch"))
     else:
+        optimizer, scheduler = megatron_lm_optimizer(model, args) if mode == "step" else (None, None)
         args.load, args.ckpt_step = folder, step
-        iteration, _ = checkpointing.load_checkpoint([model], None, None, strict=True)
+        iteration, _ = checkpointing.load_checkpoint([model], optimizer, scheduler, strict=True)
         print(f"Megatron-LM's load_checkpoint: iteration {iteration}", flush=True)
+        if mode == "step":
+            train_step(model, optimizer, scheduler, args, index)
+            index += 1
     print(f"loss {index} {batch_loss(model, args, index):.6E}", flush=True)
 
 
