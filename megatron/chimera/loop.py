@@ -283,7 +283,7 @@ class Trainer:
 
     def _step(self, norm: float, finite: bool, steps: bool, samples: int) -> int | None:
         """Clip (a finite norm) and step, or skip the step; the LR schedule steps by the batch's ``samples``
-        when it counts samples. With --log-num-zeros-in-grad, the zeros of the clipped gradient of a step taken
+        (Megatron-LM's count). With --log-num-zeros-in-grad, the zeros of the clipped gradient of a step taken
         (megatron-core's optimizer counts them there)."""
         timers, spec = self.timers, self.job.train.optimizer
         if finite and spec.clip_grad > 0:
@@ -300,7 +300,7 @@ class Trainer:
         if steps:
             self.optimizer.step()
             self.main.copy_to_model()
-            self.scheduler.step(increment=samples if spec.lr_in_samples else 1)
+            self.scheduler.step(increment=samples)
         else:
             self.main.zero_grad(self.optimizer)
         timers("optimizer-inner-step").stop()

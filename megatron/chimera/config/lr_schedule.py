@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from chimera_schedules.ir.errors import require
 
-from .batch_ramp import batch_steps, iterations_for, ramp_flag
+from .batch_ramp import batch_steps, iterations_for
 
 
 def check_training_length(args) -> None:
@@ -38,17 +38,16 @@ def check_training_length(args) -> None:
 
 
 def lr_schedule(args) -> dict:
-    """megatron-core's OptimizerParamScheduler settings (the ones it checks on load), in iterations or,
-    with --train-samples or a batch-size ramp, in samples (``lr_in_samples``). Under a ramp with --train-iters,
-    iterations count --global-batch-size samples each, as Megatron-LM converts them."""
+    """megatron-core's OptimizerParamScheduler settings (the ones it checks on load), in samples, as Megatron-LM
+    counts them: each iteration steps the schedule by its global batch; --train-iters and --lr-*-iters count
+    --global-batch-size samples each (under a batch-size ramp, its last step's), so that Megatron-LM's own
+    load_checkpoint takes the scheduler state our checkpoints hold."""
+    g = args.global_batch_size
     if args.train_samples:
         total, decay, warmup = args.train_samples, args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
-    elif ramp_flag(args):
-        g = args.global_batch_size
+    else:
         total, decay, warmup = (args.train_iters * g, (args.lr_decay_iters or args.train_iters) * g,
                                 args.lr_warmup_iters * g)
-    else:
-        total, decay, warmup = args.train_iters, args.lr_decay_iters or args.train_iters, args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay)
     return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": warmup, "lr_decay_steps": decay,
@@ -59,11 +58,6 @@ def lr_schedule(args) -> dict:
 
 def _or(value, default):
     return default if value is None else value
-
-
-def lr_in_samples(args) -> bool:
-    """Whether the LR schedule steps by each iteration's global batch (else by 1 per iteration)."""
-    return bool(args.train_samples or ramp_flag(args))
 
 
 _SCHEDULE_FLAG = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",

@@ -7,22 +7,21 @@ from dataclasses import dataclass
 import torch
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from .lr_schedule import lr_in_samples, lr_schedule
+from .lr_schedule import lr_schedule
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     """AdamW, or with --optimizer muon (``name``) Muon for the hidden weight matrices (``muon``: the --muon-*
     settings by megatron-core's OptimizerConfig field names), and the LR schedule. ``schedule``:
-    megatron-core's OptimizerParamScheduler settings (lr_schedule.py), stepped per iteration by its global
-    batch when ``lr_in_samples`` (--train-samples, a batch-size ramp), else by 1. ``decoupled_lr``/``decoupled_min_lr``:
+    megatron-core's OptimizerParamScheduler settings (lr_schedule.py), in samples: each iteration steps it by
+    its global batch. ``decoupled_lr``/``decoupled_min_lr``:
     the input embedding's and output layer's own schedule (--decoupled-lr; the min defaults to --min-lr)."""
 
     lr: float
     min_lr: float
     lr_warmup_init: float
     schedule: dict
-    lr_in_samples: bool
     override_scheduler: bool
     use_checkpoint_scheduler: bool
     weight_decay: float
@@ -43,7 +42,7 @@ class OptimizerSpec:
     def from_args(cls, args: argparse.Namespace) -> OptimizerSpec:
         decoupled_min = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
         return cls(lr=args.lr, min_lr=args.min_lr, lr_warmup_init=args.lr_warmup_init, schedule=lr_schedule(args),
-                   lr_in_samples=lr_in_samples(args), override_scheduler=args.override_opt_param_scheduler,
+                   override_scheduler=args.override_opt_param_scheduler,
                    use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, weight_decay=args.weight_decay,
                    betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, decoupled_lr=args.decoupled_lr,
                    decoupled_min_lr=decoupled_min, clip_grad=args.clip_grad,
