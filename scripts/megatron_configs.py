@@ -240,8 +240,9 @@ def train(results: dict[str, dict], names: list[str], workdir: str) -> dict[str,
         cases = {n: results[n]["argv"] for n in names if results[n]["world"] == world}
         for name, proc in run_cases(world, cases, timeout=1800).items():
             codes[name] = proc.returncode
-            if proc.returncode != 0:
-                print(f"--- {name} failed ({proc.returncode}):\n{proc.stderr[-2500:]}", file=sys.stderr)
+            if proc.returncode != 0:  # its error lines (the tail is the launcher's)
+                said = [line for line in proc.stderr.splitlines() if re.search(r"Error|error:", line)]
+                print(f"--- {name} failed ({proc.returncode}):\n" + "\n".join(said[-12:]), file=sys.stderr)
     return codes
 
 
