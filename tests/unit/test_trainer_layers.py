@@ -15,8 +15,8 @@ LAYERS = (
     ("optim",),  # precision, gradient reductions, optimizers
     ("checkpoint",),  # named states, formats, the reads validation asks for
     ("observability",),  # log lines, timers, the startup banner, hooks
-    # parse_args, the step, the loop, offline plans, stage costs measured at startup, the package
-    ("arguments", "schedule_runner", "loop", "plan", "stage_costs", "profile", ""),
+    # parse_args, the step, the rerun machine, the loop, offline plans, stage costs measured at startup, the package
+    ("arguments", "schedule_runner", "rerun_machine", "loop", "plan", "stage_costs", "profile", ""),
     ("testing",),  # the harness and probes the tests share
 )
 # the schedule library's runtime runs the step (its executor, transport, faults): the top layer's to call,

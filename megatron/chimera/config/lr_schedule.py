@@ -31,9 +31,10 @@ def check_training_length(args) -> None:
         args.train_iters = iterations_for(steps, args.train_samples) if steps else args.train_samples // g
     require(args.train_iters > 0, "--train-iters", args.train_iters, "must be positive")
     schedule = lr_schedule(args)  # megatron-core's scheduler asserts this without naming a flag
-    require(schedule["lr_warmup_steps"] < schedule["lr_decay_steps"],
-            "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
-            schedule["lr_warmup_steps"], f"must be below the decay length, {schedule['lr_decay_steps']}"
+    per = 1 if args.train_samples else args.global_batch_size  # its samples in the flags' unit
+    warmup, decay = schedule["lr_warmup_steps"], schedule["lr_decay_steps"]
+    require(warmup < decay, "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else f"--lr-warmup-{unit}",
+            warmup / per if warmup % per else warmup // per, f"must be below the decay length, {decay // per}"
             f" (--lr-decay-{unit}, or else --train-{unit})")
 
 

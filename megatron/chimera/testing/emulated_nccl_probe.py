@@ -36,7 +36,8 @@ def main() -> None:
     if which == "legacy":  # one process group per pipeline, as parallel.py made them then
         groups = {**trainer.transport.groups, "p0": trainer.transport.groups["down"]}
         transport = dataclasses.replace(trainer.transport, groups=groups)
-        trainer.forward_backward = make_forward_backward(legacy_lower(trainer.plan.schedule), transport, trainer.sync)
+        legacy = make_forward_backward(legacy_lower(trainer.plan.schedule), transport, trainer.sync)
+        trainer.runs[job.data.global_batch_size] = (legacy, trainer.orders)  # the plan every iteration runs
     try:
         trainer.train_step(0)
         result = {"design": which, "completed": True, "error": None}
