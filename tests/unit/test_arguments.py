@@ -128,8 +128,12 @@ MUON_CASES = [
     *MUON_CASES,
 ])
 def test_impossible_configuration(capsys, flags, world, needle):
+    refused_in_one_line(capsys, MODEL + flags, world, needle)
+
+
+def refused_in_one_line(capsys, argv: list[str], world: int, needle: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(MODEL + flags, world_size=world)
+        parse_args(argv, world_size=world)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and needle in err, err
 
@@ -262,10 +266,7 @@ RAMP_CASES = [
 
 @pytest.mark.parametrize("flags, world, needle", RAMP_CASES)
 def test_impossible_batch_size_ramp(capsys, flags, world, needle):
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(RAMP + flags, world_size=world)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and needle in err, err
+    refused_in_one_line(capsys, RAMP + flags, world, needle)
 
 
 def test_rampup_batch_size_runs_megatron_cores_linear_ramp_as_steps():
