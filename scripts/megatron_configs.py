@@ -7,7 +7,8 @@ GPT, MoE and Mixtral training cases of a Megatron-LM checkout and prepares each 
 - the data and tokenizer stood in (``--mock-data``, the null tokenizer), paths under a temporary folder
   (``--save`` and ``--load`` one folder, empty at the start: Megatron-LM's first launch);
 - the sizes scaled down (4 layers, hidden 16 per head, 64 tokens, 3 iterations, small experts);
-- ``--pipeline-model-parallel-size 2 --pipeline-schedule chimera`` added, the other parallel sizes kept
+- ``--pipeline-model-parallel-size 2 --pipeline-schedule chimera`` added (``--depth``: another D), the other
+  parallel sizes kept
   (the data-parallel size is the smallest the expert layout allows);
 - Transformer Engine swapped for the local layers, the flex dispatcher (GPU kernels) for the alltoall one, and
   the flags ``flag_classes`` calls GPU-only taken out, the flex dispatcher's with it.
@@ -103,8 +104,8 @@ def training_configs(checkout: str) -> dict[str, dict]:
     return found
 
 
-def parallel_sizes(model_args: dict) -> dict[str, int]:
-    """The config's parallel sizes, PP made 2, DP the smallest that the expert layout divides and that
+def parallel_sizes(model_args: dict, depth: int = 2) -> dict[str, int]:
+    """The config's parallel sizes, PP made ``depth``, DP the smallest that the expert layout divides and that
     splits the data-parallel groups (dense and expert) into the config's optimizer instances."""
     def size(flag, default=1):
         return int(model_args.get(flag, default) or default)
@@ -113,14 +114,14 @@ def parallel_sizes(model_args: dict) -> dict[str, int]:
     etp = size("--expert-tensor-parallel-size", tp)
     instances = size("--num-distributed-optimizer-instances")
     dp = math.lcm(etp * ep * instances // math.gcd(etp * ep * instances, tp * cp), instances)
-    return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "world": tp * 2 * cp * dp}
+    return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "world": tp * depth * cp * dp}
 
 
-def prepared(model_args: dict, workdir: str) -> tuple[list[str], int]:
-    """The command line a user moving to Chimera would run, and its world size."""
-    sizes = parallel_sizes(model_args)
+def prepared(model_args: dict, workdir: str, depth: int = 2) -> tuple[list[str], int]:
+    """The command line a user moving to Chimera would run at D = ``depth``, and its world size."""
+    sizes = parallel_sizes(model_args, depth)
     heads = max(4, 2 * sizes["tp"])
-    argv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera", "--mock-data",
+    argv = ["--pipeline-model-parallel-size", str(depth), "--pipeline-schedule", "chimera", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--train-iters", "3",
             "--num-layers", str(LAYERS), "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads)]
     steps = model_args.get("--step-batch-size-schedule")
@@ -209,10 +210,10 @@ def out_of_scope(model_args: dict) -> str | None:
     return None
 
 
-def survey(configs: dict[str, dict], workdir: str) -> dict[str, dict]:
+def survey(configs: dict[str, dict], workdir: str, depth: int = 2) -> dict[str, dict]:
     results = {}
     for name, model_args in configs.items():
-        argv, world = prepared(model_args, os.path.join(workdir, name.replace("/", "_")))
+        argv, world = prepared(model_args, os.path.join(workdir, name.replace("/", "_")), depth)
         first, flags = blocking_flags(argv, world)
         results[name] = {"argv": argv, "world": world, "passes": first is None, "refusal": first,
                          "blocking": flags, "out_of_scope": out_of_scope(model_args)}
@@ -261,13 +262,14 @@ def main():
     cli.add_argument("checkout", help="a Megatron-LM checkout (its tests/functional_tests)")
     cli.add_argument("--json", help="write every configuration's result here")
     cli.add_argument("--train", type=int, default=0, help="train this many passing configurations, 3 iterations each")
+    cli.add_argument("--depth", type=int, default=2, help="Chimera's D, the pipeline size every configuration runs")
     cli.add_argument("--max-world", type=int, default=8,
                      help="train only configurations of at most this many processes (each holds about 1 GB)")
     opts = cli.parse_args()
     os.environ.setdefault("RANK", "0")
     logging.disable(logging.INFO)  # the tokenizer's padding line, once per configuration
     with tempfile.TemporaryDirectory(prefix="megatron-configs-") as workdir:
-        results = survey(training_configs(opts.checkout), workdir)
+        results = survey(training_configs(opts.checkout), workdir, opts.depth)
         print(report(results))
         if opts.train:
             names = sample(results, opts.train, opts.max_world)
